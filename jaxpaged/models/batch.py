@@ -1,0 +1,23 @@
+"""The flat token batch a model forward pass consumes."""
+
+import dataclasses
+
+import jax
+
+from pallas_kernels import AttentionMetadata
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ForwardBatch:
+    """A mix of sequences, each bringing its new tokens (a decode token or a prompt chunk).
+
+    Tokens of sequence i are input_ids[attn.cu_q_lens[i]:attn.cu_q_lens[i+1]]; padding tokens
+    sit after the last sequence with slot -1 (never written).
+    """
+
+    input_ids: jax.Array       # i32[num_tokens]
+    positions: jax.Array       # i32[num_tokens]  absolute position of each token in its sequence
+    slot_mapping: jax.Array    # i32[num_tokens]  pool slot (block_id * block_size + offset) or -1
+    logits_indices: jax.Array  # i32[num_logits]  which tokens to return logits for
+    attn: AttentionMetadata

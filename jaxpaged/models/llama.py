@@ -1,0 +1,160 @@
+"""One Flax NNX decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3).
+
+Layer weights are stacked on a leading [num_layers] axis and the forward pass scans over
+them, so compile time does not grow with depth. q/k/v and gate/up are fused into one
+matmul each: fewer, larger matmuls.
+
+The KV pool travels through the scan in the loop carry: each layer scatters its new K/V
+into its own plane and attends over the pool through block tables.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpaged.models.batch import ForwardBatch
+from jaxpaged.models.config import ModelConfig
+from pallas_kernels import write_kv
+from pallas_kernels.reference import ragged_paged_attention_reference
+
+# name -> shape, for the stacked per-layer weights (None entries are optional)
+def layer_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    d, q, kv, inter, L = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.num_layers
+    shapes = {
+        "input_norm": (L, d),
+        "post_norm": (L, d),
+        "wqkv": (L, d, q + 2 * kv),
+        "wo": (L, q, d),
+        "w_gate_up": (L, d, 2 * inter),
+        "w_down": (L, inter, d),
+    }
+    if cfg.qkv_bias:
+        shapes["bqkv"] = (L, q + 2 * kv)
+    if cfg.o_bias:
+        shapes["bo"] = (L, d)
+    if cfg.mlp_bias:
+        shapes["b_gate_up"] = (L, 2 * inter)
+        shapes["b_down"] = (L, d)
+    if cfg.qk_norm:
+        shapes["q_norm"] = (L, cfg.head_dim)
+        shapes["k_norm"] = (L, cfg.head_dim)
+    return shapes
+
+
+def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    shapes = {"embed": (cfg.vocab_size, cfg.hidden_size), "final_norm": (cfg.hidden_size,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (cfg.hidden_size, cfg.vocab_size)
+    shapes.update({f"layers.{k}": v for k, v in layer_weight_shapes(cfg).items()})
+    return shapes
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rotary_cos_sin(cfg: ModelConfig, positions: jax.Array, seq_lens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [num_tokens, head_dim // 2] for each token's absolute position.
+
+    Dynamic NTK scaling stretches the base once a sequence outgrows the trained length,
+    as transformers does; `seq_lens` (i32[num_tokens]) is each token's sequence length.
+    """
+    inv_freq = jnp.asarray(cfg.inv_freq())[None, :]
+    if cfg.rope_type == "dynamic":
+        dim = cfg.head_dim
+        max_pos = cfg.max_position_embeddings
+        seq_len = jnp.maximum(seq_lens, max_pos).astype(jnp.float32)[:, None]
+        base = cfg.rope_theta * (cfg.rope_factor * seq_len / max_pos - (cfg.rope_factor - 1)) ** (dim / (dim - 2))
+        exponents = jnp.arange(0, dim, 2, dtype=jnp.float32)[None, :] / dim
+        inv_freq = 1.0 / (base ** exponents)
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq
+    return jnp.cos(freqs), jnp.sin(freqs)
+
+
+def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [T, heads, head_dim] with transformers' rotate-half layout (not interleaved)."""
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    x1, x2 = x32[..., :half], x32[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+class LlamaFamilyForCausalLM(nnx.Module):
+    """Weights in our layout (see `weight_shapes`); build with `from_weights`."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, jax.Array]):
+        self.config = cfg
+        self.embed = nnx.Param(weights["embed"])
+        self.final_norm = nnx.Param(weights["final_norm"])
+        self.lm_head = nnx.Param(weights["lm_head"]) if "lm_head" in weights else None
+        self.layers = nnx.Dict({k.removeprefix("layers."): nnx.Param(v)
+                                for k, v in weights.items() if k.startswith("layers.")})
+
+    def __call__(self, kv_pool: jax.Array, batch: ForwardBatch) -> tuple[jax.Array, jax.Array]:
+        """Writes the batch's K/V into kv_pool and returns (kv_pool, logits f32[num_logits, vocab])."""
+        kv_pool, hidden = self.hidden_states(kv_pool, batch)
+        return kv_pool, self.compute_logits(hidden[batch.logits_indices])
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:
+        cfg = self.config
+        hidden = rms_norm(hidden, self.final_norm[...], cfg.rms_norm_eps)
+        if self.lm_head is None:
+            logits = jnp.einsum("td,vd->tv", hidden, self.embed[...])
+        else:
+            logits = hidden @ self.lm_head[...]
+        return logits.astype(jnp.float32)
+
+    def hidden_states(self, kv_pool: jax.Array, batch: ForwardBatch) -> tuple[jax.Array, jax.Array]:
+        cfg = self.config
+        md = batch.attn
+        hidden = self.embed[...][batch.input_ids]
+        seq_lens = None
+        if cfg.rope_type == "dynamic":
+            token_seq = jnp.searchsorted(md.cu_q_lens[1:], jnp.arange(batch.input_ids.shape[0]), side="right")
+            seq_lens = md.kv_lens[jnp.clip(token_seq, 0, md.kv_lens.shape[0] - 1)]
+        cos, sin = rotary_cos_sin(cfg, batch.positions, seq_lens)
+        layers = {k: v[...] for k, v in self.layers.items()}
+        xs = (layers, jnp.arange(cfg.num_layers, dtype=jnp.int32),
+              jnp.asarray(cfg.sliding_windows, jnp.int32))
+        step = functools.partial(_decoder_layer, cfg, batch, cos, sin)
+        (hidden, kv_pool), _ = jax.lax.scan(step, (hidden, kv_pool), xs)
+        return kv_pool, hidden
+
+
+def _decoder_layer(cfg: ModelConfig, batch: ForwardBatch, cos, sin, carry, xs):
+    hidden, kv_pool = carry
+    w, layer, window = xs
+    num_tokens = hidden.shape[0]
+    x = rms_norm(hidden, w["input_norm"], cfg.rms_norm_eps)
+    qkv = x @ w["wqkv"]
+    if cfg.qkv_bias:
+        qkv = qkv + w["bqkv"]
+    q = qkv[:, :cfg.q_size].reshape(num_tokens, cfg.num_heads, cfg.head_dim)
+    k = qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+    v = qkv[:, cfg.q_size + cfg.kv_size:].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+    q = apply_rotary(q, cos, sin)
+    k = apply_rotary(k, cos, sin)
+    kv_pool = write_kv(kv_pool, layer, k, v, batch.slot_mapping)
+    attn = ragged_paged_attention_reference(
+        q, kv_pool, layer, batch.attn, window, sm_scale=cfg.head_dim ** -0.5)
+    out = attn.reshape(num_tokens, cfg.q_size) @ w["wo"]
+    if cfg.o_bias:
+        out = out + w["bo"]
+    hidden = hidden + out
+    x = rms_norm(hidden, w["post_norm"], cfg.rms_norm_eps)
+    gate_up = x @ w["w_gate_up"]
+    if cfg.mlp_bias:
+        gate_up = gate_up + w["b_gate_up"]
+    gate, up = gate_up[:, :cfg.intermediate_size], gate_up[:, cfg.intermediate_size:]
+    mlp = (jax.nn.silu(gate.astype(jnp.float32)).astype(up.dtype) * up) @ w["w_down"]
+    if cfg.mlp_bias:
+        mlp = mlp + w["b_down"]
+    return (hidden + mlp, kv_pool), None

@@ -1,0 +1,96 @@
+"""Host side: pack a step's sequences into padded numpy arrays of bucketed shapes.
+
+Buckets keep the number of compiled shapes small: tokens per step and sequences per step
+are rounded up to powers of two (from a floor), block tables always have
+`max_blocks_per_seq` columns (attention loops only over the blocks in use), and the query
+tile is 1 for decode-only steps and `PREFILL_Q_TILE` otherwise.
+"""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpaged.models.batch import ForwardBatch
+from pallas_kernels import AttentionMetadata
+
+PREFILL_Q_TILE = 16
+
+
+def next_bucket(n: int, floor: int, cap: int | None = None) -> int:
+    """Smallest power-of-two multiple of `floor` that is >= n (capped at `cap` when given)."""
+    size = floor
+    while size < n:
+        size *= 2
+    if cap is not None:
+        size = min(size, max(cap, n))
+    return size
+
+
+@dataclasses.dataclass
+class SeqChunk:
+    """One sequence's share of a step: its new tokens and where its KV lives."""
+
+    token_ids: list[int]      # the new tokens this step computes
+    start_pos: int            # absolute position of token_ids[0] (= tokens already in the pool)
+    block_ids: list[int]      # the sequence's block table (covers start_pos + len(token_ids))
+    logits_positions: list[int] = dataclasses.field(default_factory=list)  # offsets in token_ids
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchShape:
+    num_tokens: int
+    num_seqs: int
+    num_logits: int
+    q_tile: int
+
+
+def choose_shape(chunks: list[SeqChunk], token_floor: int = 8, seq_floor: int = 4,
+                 max_tokens: int | None = None, max_seqs: int | None = None) -> BatchShape:
+    total = sum(len(c.token_ids) for c in chunks)
+    num_logits = sum(len(c.logits_positions) for c in chunks)
+    decode_only = all(len(c.token_ids) == 1 for c in chunks)
+    num_seqs = next_bucket(len(chunks), seq_floor, max_seqs)
+    if decode_only:
+        return BatchShape(num_seqs, num_seqs, num_seqs, 1)
+    num_tokens = next_bucket(total, token_floor, max_tokens)
+    logits = num_seqs if num_logits <= num_seqs else next_bucket(num_logits, num_seqs, num_tokens)
+    return BatchShape(num_tokens, num_seqs, logits, PREFILL_Q_TILE)
+
+
+def build_forward_batch(chunks: list[SeqChunk], block_size: int, max_blocks_per_seq: int,
+                        shape: BatchShape) -> ForwardBatch:
+    """Padded arrays for `chunks`; logits rows come out in chunk order (padding rows point at token 0)."""
+    T, S = shape.num_tokens, shape.num_seqs
+    input_ids = np.zeros(T, np.int32)
+    positions = np.zeros(T, np.int32)
+    slot_mapping = np.full(T, -1, np.int32)
+    kv_lens = np.zeros(S, np.int32)
+    cu_q_lens = np.zeros(S + 1, np.int32)
+    block_tables = np.zeros((S, max_blocks_per_seq), np.int32)
+    logits_indices = np.zeros(shape.num_logits, np.int32)
+    t = 0
+    n_logits = 0
+    for i, chunk in enumerate(chunks):
+        n = len(chunk.token_ids)
+        end = chunk.start_pos + n
+        blocks = np.asarray(chunk.block_ids, np.int32)
+        if len(blocks) * block_size < end:
+            raise ValueError(f"sequence {i}: {len(blocks)} blocks cannot hold {end} tokens")
+        pos = np.arange(chunk.start_pos, end, dtype=np.int32)
+        input_ids[t:t + n] = chunk.token_ids
+        positions[t:t + n] = pos
+        slot_mapping[t:t + n] = blocks[pos // block_size] * block_size + pos % block_size
+        kv_lens[i] = end
+        block_tables[i, :len(blocks)] = blocks
+        for p in chunk.logits_positions:
+            logits_indices[n_logits] = t + p
+            n_logits += 1
+        t += n
+        cu_q_lens[i + 1] = t
+    cu_q_lens[len(chunks) + 1:] = t
+    attn = AttentionMetadata(kv_lens=jnp.asarray(kv_lens), block_tables=jnp.asarray(block_tables),
+                             cu_q_lens=jnp.asarray(cu_q_lens), q_tile=shape.q_tile)
+    return ForwardBatch(input_ids=jnp.asarray(input_ids), positions=jnp.asarray(positions),
+                        slot_mapping=jnp.asarray(slot_mapping), logits_indices=jnp.asarray(logits_indices),
+                        attn=attn)

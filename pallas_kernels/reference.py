@@ -1,0 +1,143 @@
+"""Ragged paged attention in plain jnp: the ground truth and the CPU path.
+
+Queries of a mixed batch (decodes with one new token, prompt chunks with many) are cut
+into tiles of `q_tile` tokens, each tile belonging to one sequence:
+
+    flat tokens  | seq0: 5 tokens  | seq1: 1 | seq2: 3 |      (q_tile = 2)
+    tiles        | t0 | t1 | t2    | t3      | t4 | t5 |
+
+Each tile walks its sequence's KV in chunks of `kv_chunk_blocks` pages with an online
+softmax, so memory stays O(tiles x chunk) whatever the context length, and the number of
+chunks visited is the longest context in the batch, not a compiled bucket.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.layout import pages_view
+from pallas_kernels.metadata import AttentionMetadata
+
+_MASKED = -1e30
+
+
+def num_query_tiles(num_tokens: int, num_seqs: int, q_tile: int) -> int:
+    """Static upper bound on tiles: each sequence wastes at most one partial tile."""
+    if q_tile == 1:
+        return num_tokens
+    return num_tokens // q_tile + num_seqs
+
+
+def validate_inputs(q: jax.Array, kv_pool: jax.Array, md: AttentionMetadata) -> None:
+    """Shape and dtype checks shared by every kernel; raises ValueError naming the argument."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [num_tokens, num_heads, head_dim], got shape {q.shape}")
+    if kv_pool.ndim != 6 or kv_pool.shape[1] != 2:
+        raise ValueError("kv_pool must be [num_layers, 2, num_blocks, block_size, kv_heads, head_dim], "
+                         f"got shape {kv_pool.shape}")
+    num_heads, head_dim = q.shape[1:]
+    kv_heads = kv_pool.shape[4]
+    if kv_pool.shape[5] != head_dim:
+        raise ValueError(f"kv_pool head_dim {kv_pool.shape[5]} != q head_dim {head_dim}")
+    if num_heads % kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of kv_heads ({kv_heads})")
+    num_seqs = md.kv_lens.shape[0]
+    if md.cu_q_lens.shape != (num_seqs + 1,):
+        raise ValueError(f"cu_q_lens must have shape ({num_seqs + 1},), got {md.cu_q_lens.shape}")
+    if md.block_tables.ndim != 2 or md.block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables must be [{num_seqs}, max_blocks], got {md.block_tables.shape}")
+    if md.q_tile < 1:
+        raise ValueError(f"q_tile must be >= 1, got {md.q_tile}")
+    for name in ("kv_lens", "block_tables", "cu_q_lens"):
+        if not jnp.issubdtype(getattr(md, name).dtype, jnp.integer):
+            raise ValueError(f"{name} must be an integer array, got {getattr(md, name).dtype}")
+
+
+def _tile_layout(md: AttentionMetadata, num_tokens: int):
+    """Per tile: owning sequence, first query row (in the sequence), validity; per token: its tile/row."""
+    q_tile = md.q_tile
+    num_seqs = md.kv_lens.shape[0]
+    num_tiles = num_query_tiles(num_tokens, num_seqs, q_tile)
+    q_lens = md.cu_q_lens[1:] - md.cu_q_lens[:-1]
+    tiles_per_seq = (q_lens + q_tile - 1) // q_tile
+    cu_tiles = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(tiles_per_seq).astype(jnp.int32)])
+    tile_ids = jnp.arange(num_tiles, dtype=jnp.int32)
+    tile_seq = jnp.clip(jnp.searchsorted(cu_tiles[1:], tile_ids, side="right"), 0, num_seqs - 1)
+    tile_valid = tile_ids < cu_tiles[-1]
+    tile_first_row = (tile_ids - cu_tiles[tile_seq]) * q_tile
+
+    token_ids = jnp.arange(num_tokens, dtype=jnp.int32)
+    token_seq = jnp.clip(jnp.searchsorted(md.cu_q_lens[1:], token_ids, side="right"), 0, num_seqs - 1)
+    token_row = token_ids - md.cu_q_lens[token_seq]
+    token_tile = jnp.clip(cu_tiles[token_seq] + token_row // q_tile, 0, num_tiles - 1)
+    return q_lens, tile_seq, tile_valid, tile_first_row, token_tile, token_row % q_tile
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "kv_chunk_blocks"))
+def ragged_paged_attention_reference(
+    q: jax.Array,             # [num_tokens, num_heads, head_dim]
+    kv_pool: jax.Array,       # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+    layer: jax.Array,         # i32[] which layer of the pool to read
+    md: AttentionMetadata,
+    sliding_window: jax.Array | int = 0,  # i32[]; 0 = no window, else keys with q_pos - k_pos < window
+    soft_cap: float | jax.Array = 0.0,    # 0 = off, else logits -> cap * tanh(logits / cap)
+    *,
+    sm_scale: float,
+    kv_chunk_blocks: int = 8,
+) -> jax.Array:               # [num_tokens, num_heads, head_dim], dtype of q
+    validate_inputs(q, kv_pool, md)
+    num_tokens, num_heads, head_dim = q.shape
+    _, _, num_blocks, block_size, kv_heads, _ = kv_pool.shape
+    group = num_heads // kv_heads
+    q_tile = md.q_tile
+    max_blocks = md.block_tables.shape[1]
+    chunk = min(kv_chunk_blocks, max_blocks)
+    pages = pages_view(kv_pool)
+
+    q_lens, tile_seq, tile_valid, tile_first_row, token_tile, token_tile_row = _tile_layout(md, num_tokens)
+    rows = tile_first_row[:, None] + jnp.arange(q_tile, dtype=jnp.int32)[None, :]   # [N, q_tile]
+    row_valid = tile_valid[:, None] & (rows < q_lens[tile_seq][:, None])
+    q_index = jnp.clip(md.cu_q_lens[tile_seq][:, None] + rows, 0, num_tokens - 1)
+    q_tiles = q[q_index].astype(jnp.float32) * sm_scale                            # [N, qt, H, D]
+    q_tiles = q_tiles.reshape(*q_index.shape, kv_heads, group, head_dim)
+    kv_len = jnp.where(tile_valid, md.kv_lens[tile_seq], 0)                        # [N]
+    q_pos = (kv_len - q_lens[tile_seq])[:, None] + rows                            # [N, qt]
+    tables = md.block_tables[tile_seq]                                             # [N, max_blocks]
+    k_base = (layer * 2) * num_blocks
+    v_base = k_base + num_blocks
+    window = jnp.asarray(sliding_window, jnp.int32)
+    cap = jnp.asarray(soft_cap, jnp.float32)
+
+    num_tiles = q_index.shape[0]
+    chunk_tokens = chunk * block_size
+    acc0 = jnp.zeros((num_tiles, kv_heads, group, q_tile, head_dim), jnp.float32)
+    m0 = jnp.full((num_tiles, kv_heads, group, q_tile), _MASKED, jnp.float32)
+    l0 = jnp.zeros_like(m0)
+
+    def body(c, carry):
+        acc, m, l = carry
+        block_idx = jnp.clip(c * chunk + jnp.arange(chunk, dtype=jnp.int32), 0, max_blocks - 1)
+        block_ids = tables[:, block_idx]                                            # [N, chunk]
+        k = pages[k_base + block_ids].reshape(num_tiles, chunk_tokens, kv_heads, head_dim)
+        v = pages[v_base + block_ids].reshape(num_tiles, chunk_tokens, kv_heads, head_dim)
+        s = jnp.einsum("nqhgd,nkhd->nhgqk", q_tiles, k.astype(jnp.float32))
+        s = jnp.where(cap > 0, cap * jnp.tanh(s / jnp.where(cap > 0, cap, 1.0)), s)
+        k_pos = c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)       # [ck]
+        mask = (k_pos[None, None, :] < kv_len[:, None, None]) & (k_pos[None, None, :] <= q_pos[:, :, None])
+        mask &= (window <= 0) | (q_pos[:, :, None] - k_pos[None, None, :] < window)
+        mask &= row_valid[:, :, None]                                               # [N, qt, ck]
+        mask = mask[:, None, None]
+        s = jnp.where(mask, s, _MASKED)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        l = l * alpha + p.sum(axis=-1)
+        acc = acc * alpha[..., None] + jnp.einsum("nhgqk,nkhd->nhgqd", p, v.astype(jnp.float32))
+        return acc, m_new, l
+
+    num_chunks = (jnp.max(kv_len) + chunk_tokens - 1) // chunk_tokens
+    acc, _, l = jax.lax.fori_loop(0, num_chunks, body, (acc0, m0, l0))
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]                                # [N, h, g, qt, D]
+    out = out.transpose(0, 3, 1, 2, 4).reshape(num_tiles, q_tile, num_heads, head_dim)
+    return out[token_tile, token_tile_row].astype(q.dtype)

@@ -1,0 +1,104 @@
+"""Our Flax models against transformers' PyTorch forward on tiny random checkpoints (fp32)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxpaged.models.loader import load_model
+from jaxpaged.runner.batch_builder import BatchShape, SeqChunk, build_forward_batch, choose_shape
+from pallas_kernels import kv_pool_shape
+from tests.tiny_models import ARCHITECTURES, hf_logits, tiny_checkpoint
+
+NUM_BLOCKS = 48
+
+
+@functools.cache
+def loaded(arch: str):
+    path = tiny_checkpoint(arch)
+    model = load_model(path, dtype="float32")
+    graphdef, state = nnx.split(model.model)
+
+    @functools.partial(jax.jit, donate_argnums=1)
+    def forward(state, kv_pool, batch):
+        return nnx.merge(graphdef, state)(kv_pool, batch)
+
+    return path, model.config, functools.partial(forward, state)
+
+
+def empty_pool(cfg, block_size):
+    return jnp.zeros(kv_pool_shape(cfg.num_layers, NUM_BLOCKS, block_size, cfg.num_kv_heads, cfg.head_dim),
+                     jnp.float32)
+
+
+def assert_close(ours, ref):
+    scale = np.abs(ref).max()
+    err = np.abs(np.asarray(ours) - ref).max()
+    assert err < 1e-4 * scale, f"max abs error {err} vs largest logit {scale}"
+
+
+def scattered_blocks(rng, n):
+    """n distinct block ids, shuffled over the pool (block 0 is the null block)."""
+    return list(rng.permutation(np.arange(1, NUM_BLOCKS))[:n])
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_whole_prompt_logits_match_transformers(arch):
+    path, cfg, forward = loaded(arch)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(3, cfg.vocab_size, 40).tolist()
+    block_size = 16
+    chunk = SeqChunk(tokens, 0, scattered_blocks(rng, 3), logits_positions=list(range(len(tokens))))
+    shape = BatchShape(num_tokens=48, num_seqs=4, num_logits=48, q_tile=16)
+    batch = build_forward_batch([chunk], block_size, 8, shape)
+    _, logits = forward(empty_pool(cfg, block_size), batch)
+    assert_close(np.asarray(logits)[:len(tokens)], hf_logits(path, tokens))
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("block_size,prompt_len", [(8, 16), (16, 17), (32, 32)])
+def test_incremental_decoding_through_scattered_pages(arch, block_size, prompt_len):
+    """Prompt, then one token at a time; prompts end on and just past a block boundary."""
+    path, cfg, forward = loaded(arch)
+    rng = np.random.default_rng(block_size + prompt_len)
+    num_decode = 6
+    tokens = rng.integers(3, cfg.vocab_size, prompt_len + num_decode).tolist()
+    blocks = scattered_blocks(rng, -(-(prompt_len + num_decode) // block_size))
+    max_blocks = 8
+    pool = empty_pool(cfg, block_size)
+    prompt = SeqChunk(tokens[:prompt_len], 0, blocks, logits_positions=[prompt_len - 1])
+    pool, logits = forward(pool, build_forward_batch([prompt], block_size, max_blocks,
+                                                     choose_shape([prompt], token_floor=32)))
+    got = [np.asarray(logits)[0]]
+    for pos in range(prompt_len, prompt_len + num_decode - 1):
+        step = SeqChunk([tokens[pos]], pos, blocks, logits_positions=[0])
+        pool, logits = forward(pool, build_forward_batch([step], block_size, max_blocks, choose_shape([step])))
+        got.append(np.asarray(logits)[0])
+    ref = hf_logits(path, tokens[:prompt_len + num_decode - 1])[prompt_len - 1:]
+    assert_close(np.stack(got), ref)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_mixed_batch_of_prefills_chunks_and_decodes(arch):
+    """One step mixing a fresh prompt, a prompt chunk on top of cached tokens and two decodes."""
+    path, cfg, forward = loaded(arch)
+    rng = np.random.default_rng(7)
+    block_size = 8
+    seqs = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (30, 21, 9, 14)]
+    cached = [0, 13, 8, 13]   # tokens already in the pool before the mixed step
+    free = iter(scattered_blocks(rng, NUM_BLOCKS - 1))
+    tables = [[next(free) for _ in range(-(-len(s) // block_size))] for s in seqs]
+    pool = empty_pool(cfg, block_size)
+    first = [SeqChunk(s[:c], 0, t) for s, c, t in zip(seqs, cached, tables) if c]
+    pool, _ = forward(pool, build_forward_batch(first, block_size, 8, BatchShape(64, 4, 4, 16)))
+    mixed = [SeqChunk(s[c:], c, t, logits_positions=list(range(len(s) - c))) for s, c, t in zip(seqs, cached, tables)]
+    _, logits = forward(pool, build_forward_batch(mixed, block_size, 8, BatchShape(64, 4, 64, 16)))
+    logits = np.asarray(logits)
+    row = 0
+    for s, c in zip(seqs, cached):
+        n = len(s) - c
+        assert_close(logits[row:row + n], hf_logits(path, s)[c:])
+        row += n

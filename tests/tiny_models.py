@@ -1,0 +1,79 @@
+"""Tiny random Hugging Face checkpoints of each supported architecture, saved once per session.
+
+Each config exercises that architecture's switches: GQA and MQA, an explicit head_dim,
+q/k/v bias, q/k norm, a sliding window shorter than the test sequences, rope scaling.
+"""
+
+import functools
+import os
+import tempfile
+
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+_ROOT = tempfile.mkdtemp(prefix="jaxpaged-tiny-")
+
+
+def _config(arch: str, **overrides):
+    import transformers
+
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(**{**common, "tie_word_embeddings": True,
+                                          "rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0,
+                                                              "factor": 8.0, "low_freq_factor": 1.0,
+                                                              "high_freq_factor": 4.0,
+                                                              "original_max_position_embeddings": 64}},
+                                       **overrides)
+    elif arch == "mistral":
+        cfg = transformers.MistralConfig(**{**common, "num_key_value_heads": 1, "sliding_window": 12,
+                                            "head_dim": 32}, **overrides)
+    elif arch == "qwen2":
+        cfg = transformers.Qwen2Config(**{**common, "tie_word_embeddings": False}, **overrides)
+    elif arch == "qwen3":
+        cfg = transformers.Qwen3Config(**{**common, "head_dim": 32, "tie_word_embeddings": True}, **overrides)
+    else:
+        raise ValueError(arch)
+    return cfg
+
+
+@functools.cache
+def tiny_checkpoint(arch: str, **overrides) -> str:
+    """Path of a saved fp32 random checkpoint (weights scaled up so logits are far from uniform)."""
+    import torch
+    import transformers
+
+    cfg = _config(arch, **overrides)
+    cls = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
+           "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}[arch]
+    torch.manual_seed(sum(map(ord, arch)))
+    model = cls(cfg).to(torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, 0.15)
+            elif "bias" in name:
+                p.normal_(0.0, 0.1)
+            else:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    suffix = "-".join(f"{k}={v}" for k, v in sorted(overrides.items()))
+    path = os.path.join(_ROOT, f"{arch}{suffix}")
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@functools.cache
+def hf_model(path: str):
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_logits(path: str, token_ids: list[int]):
+    """transformers' logits [len, vocab] (numpy) for one sequence."""
+    import torch
+
+    with torch.no_grad():
+        out = hf_model(path)(torch.tensor([token_ids]))
+    return out.logits[0].float().numpy()
