@@ -15,7 +15,7 @@ _ROOT = tempfile.mkdtemp(prefix="jaxpaged-tiny-")
 def _config(arch: str, **overrides):
     import transformers
 
-    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+    common = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if arch == "llama":
@@ -59,7 +59,31 @@ def tiny_checkpoint(arch: str, **overrides) -> str:
     suffix = "-".join(f"{k}={v}" for k, v in sorted(overrides.items()))
     path = os.path.join(_ROOT, f"{arch}{suffix}")
     model.save_pretrained(path, safe_serialization=True)
+    tiny_tokenizer().save_pretrained(path)
     return path
+
+
+_CORPUS = ["The capital of France is Paris.", "Hello world! How are you today?",
+           "Paged attention keeps the KV cache in fixed-size blocks.", "naïve café, 東京 and emoji 🙂"] * 20
+
+
+@functools.cache
+def tiny_tokenizer():
+    """A byte-level BPE tokenizer of 320 tokens: <pad>=0, <s>=1, </s>=2, then bytes and merges."""
+    import tokenizers
+    import transformers
+
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS, trainer)
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+        chat_template="{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
 @functools.cache

@@ -1,0 +1,130 @@
+"""Which blocks each request holds, prefix-cache lookups, and slot allocation. No arrays.
+
+A request's block table covers its computed tokens plus the ones being computed:
+
+    tokens   | 0 ....... 15 | 16 ...... 31 | 32 .. 37 |           block_size = 16
+    blocks   |   b7 (full)  |  b2 (full)   | b9 (partial: 6 of 16 slots used)
+
+Full blocks are hashed by chaining the previous block's hash with their token ids, so a
+hash names a whole prefix; the partial last block is never shared by hash.
+"""
+
+from jaxpaged.core.block_pool import BlockPool
+from jaxpaged.core.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra: object = None) -> int:
+    return hash((parent_hash, token_ids, extra))
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[int]] = {}
+        self.prefix_queries = 0   # tokens looked up in the prefix cache
+        self.prefix_hits = 0      # of which found cached
+
+    @property
+    def enable_caching(self) -> bool:
+        return self.pool.enable_caching
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def blocks_of(self, request_id: str) -> list[int]:
+        return self.req_blocks.get(request_id, [])
+
+    def max_tokens_per_request(self) -> int:
+        return self.pool.num_usable_blocks * self.block_size
+
+    def _update_hashes(self, request: Request) -> None:
+        """Extend request.block_hashes over all full blocks of its known tokens."""
+        bs = self.block_size
+        hashes = request.block_hashes
+        while (len(hashes) + 1) * bs <= request.num_tokens:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, tuple(request.all_token_ids[i * bs:(i + 1) * bs])))
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Longest cached prefix of full blocks: (block ids, tokens covered). Does not change state.
+
+        Capped so that at least the last token is computed (its logits are needed).
+        """
+        if not self.enable_caching:
+            return [], 0
+        self._update_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for h in request.block_hashes[:max_blocks]:
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit_tokens
+
+    def num_blocks_needed(self, request: Request, num_new_tokens: int, num_new_computed_blocks: int = 0) -> int:
+        total = request.num_computed_tokens + num_new_computed_blocks * self.block_size + num_new_tokens
+        held = len(self.req_blocks.get(request.request_id, ()))
+        return max(0, cdiv(total, self.block_size) - held - num_new_computed_blocks)
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: list[int] | None = None) -> list[int] | None:
+        """Make room for `num_new_tokens` more tokens of `request`; changes state.
+
+        `new_computed_blocks` are prefix-cache hits the request takes over first. Returns the
+        newly allocated block ids, or None (and changes nothing) when there is no room.
+        """
+        new_computed_blocks = new_computed_blocks or []
+        needed = self.num_blocks_needed(request, num_new_tokens, len(new_computed_blocks))
+        # hits with ref_cnt 0 sit in the free queue: reviving them consumes free blocks too
+        revived = sum(1 for b in new_computed_blocks if self.pool.ref_cnt[b] == 0)
+        if needed + revived > self.pool.num_free_blocks():
+            return None
+        self.pool.touch(new_computed_blocks)
+        new_blocks = self.pool.allocate(needed)
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        blocks.extend(new_computed_blocks)
+        blocks.extend(new_blocks)
+        self._cache_full_blocks(request, request.num_computed_tokens
+                                + len(new_computed_blocks) * self.block_size + num_new_tokens)
+        return new_blocks
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register every block fully covered by the first `num_tokens` tokens.
+
+        Safe before the step runs: within a step every layer writes its K/V before any
+        attention reads the pool, so a same-step hit reads finished entries.
+        """
+        if not self.enable_caching:
+            return
+        self._update_hashes(request)
+        blocks = self.req_blocks[request.request_id]
+        for i in range(min(num_tokens // self.block_size, len(request.block_hashes), len(blocks))):
+            self.pool.cache(blocks[i], request.block_hashes[i])
+
+    def free(self, request: Request) -> None:
+        """Release all blocks of a request (tail first, so its tail is evicted before its prefix)."""
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self.pool.free(list(reversed(blocks)))
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Child shares all of the parent's blocks by refcount (copy-on-write happens on write)."""
+        blocks = list(self.req_blocks.get(parent.request_id, []))
+        self.pool.touch(blocks)
+        self.req_blocks[child.request_id] = blocks
+        child.block_hashes = list(parent.block_hashes)
+
+    def check_invariants(self) -> None:
+        self.pool.check_invariants(self.req_blocks)

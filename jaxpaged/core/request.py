@@ -1,0 +1,80 @@
+"""A request's host-side state: its tokens, how many are in the KV pool, where they live."""
+
+import enum
+import time
+from typing import Any
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self.value.startswith("finished")
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {"finished_stopped": "stop", "finished_length": "length",
+                "finished_aborted": "abort"}.get(self.value)
+
+
+class Request:
+    """One sequence being generated.
+
+    The single scheduling rule: `num_computed_tokens` (tokens whose K/V are in the pool)
+    catches up with `num_tokens` (prompt + generated). A prefill, a prompt chunk and a
+    decode are all "compute the next num_tokens - num_computed_tokens tokens".
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: Any,
+                 eos_token_ids: tuple[int, ...] = (), arrival_time: float | None = None,
+                 seed: int = 0, max_tokens: int | None = None):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.seed = seed                      # per-request sampling seed (drawn when the user gave none)
+        self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1           # prefix-cache hit at first schedule (-1: not scheduled yet)
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.block_hashes: list[int] = []     # chained hashes of the full blocks of all_token_ids
+        self.first_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def is_prefill_done(self) -> bool:
+        return self.num_computed_tokens >= self.num_prompt_tokens
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens})")

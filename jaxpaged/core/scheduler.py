@@ -1,0 +1,202 @@
+"""Continuous batching: decide, each step, which requests compute how many tokens.
+
+One token budget per step (`max_num_batched_tokens`); running requests first, in order,
+then waiting requests in arrival order. A step freely mixes decodes (1 token), whole
+prompts and (with chunked prefill) prompt chunks. When the pool runs out of blocks the
+newest running request is preempted: its blocks are freed (recompute) and it returns to
+the front of the waiting queue, keeping the tokens it generated.
+
+Only host state changes here: the plan goes out as a `SchedulerOutput`.
+"""
+
+import dataclasses
+from collections import deque
+
+from jaxpaged.core.kv_cache_manager import KVCacheManager, cdiv
+from jaxpaged.core.request import Request, RequestStatus
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                             f"({self.max_model_len}) when chunked prefill is off, or no long prompt could run")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+
+
+@dataclasses.dataclass
+class ScheduledChunk:
+    request: Request
+    start: int                 # num_computed_tokens before this step
+    num_new_tokens: int
+    block_ids: list[int]       # the request's whole block table
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the request's known tokens (so a token is sampled)."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    preempted: list[Request]
+    num_batched_tokens: int
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager):
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        # Each check below stops a request that could never be scheduled: it would sit at the
+        # head of the waiting queue (or preempt itself) forever and stall every request behind it.
+        if request.num_tokens < 1:
+            raise ValueError(f"prompt_token_ids must hold at least 1 token, got {request.num_tokens}")
+        if request.num_tokens > self.config.max_model_len:
+            raise ValueError(f"prompt of {request.num_tokens} tokens is longer than max_model_len "
+                             f"({self.config.max_model_len})")
+        # the K/V of the last sampled token is never computed
+        longest = request.num_tokens + max(request.max_tokens or 1, 1) - 1
+        if cdiv(longest, self.kv_cache.block_size) > self.kv_cache.pool.num_usable_blocks:
+            raise ValueError(f"prompt of {request.num_tokens} tokens plus max_tokens={request.max_tokens} "
+                             f"can never fit in the KV cache: prompt + max_tokens - 1 must be <= "
+                             f"{self.kv_cache.max_tokens_per_request()} tokens")
+        if not self.config.enable_chunked_prefill and longest > self.config.max_num_batched_tokens:
+            # a request resumed after preemption recomputes prompt and outputs in one step
+            raise ValueError(f"prompt of {request.num_tokens} tokens plus max_tokens={request.max_tokens} "
+                             f"must be <= max_num_batched_tokens + 1 ({self.config.max_num_batched_tokens + 1}) "
+                             f"when chunked prefill is off")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Mark finished (stopped, length or aborted) and free its blocks at once."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status == RequestStatus.WAITING:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv_cache.free(request)
+        return request
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- the plan ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            while self.kv_cache.allocate_slots(request, num_new) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if request in preempted:
+                break
+            chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new,
+                                         self.kv_cache.blocks_of(request.request_id)))
+            budget -= num_new
+            i += 1
+
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            hits, num_hit_tokens = ([], 0)
+            if request.num_computed_tokens == 0:
+                hits, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+            num_new = self._num_new_tokens(request, request.num_computed_tokens + num_hit_tokens, budget)
+            if num_new == 0:
+                break
+            if self.kv_cache.allocate_slots(request, num_new, hits) is None:
+                break
+            self.waiting.popleft()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            if hits or request.num_computed_tokens == 0:
+                self.kv_cache.record_prefix_query(request.num_tokens, num_hit_tokens)
+            request.num_computed_tokens += num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new,
+                                         self.kv_cache.blocks_of(request.request_id)))
+            budget -= num_new
+
+        return SchedulerOutput(chunks, preempted, self.config.max_num_batched_tokens - budget)
+
+    def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
+        num_new = request.num_tokens - num_computed
+        if num_new > budget:
+            if not self.config.enable_chunked_prefill:
+                return 0
+            num_new = budget
+        return num_new
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute-style preemption: drop the blocks; generated tokens are kept."""
+        self.kv_cache.free(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ---- after the step ------------------------------------------------------------------
+    def update_after_step(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance num_computed_tokens and append sampled tokens; returns requests that got a token."""
+        got_token = []
+        for chunk in output.chunks:
+            request = chunk.request
+            if request.status != RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens = chunk.start + chunk.num_new_tokens
+            token = sampled.get(request.request_id)
+            if token is not None and chunk.samples:
+                request.append_output_token(token)
+                got_token.append(request)
+        return got_token
+
+    def check_invariants(self) -> None:
+        self.kv_cache.check_invariants()
+        assert len(self.running) <= self.config.max_num_seqs
+        for request in self.running:
+            held = len(self.kv_cache.blocks_of(request.request_id)) * self.kv_cache.block_size
+            assert held >= request.num_computed_tokens, f"{request} holds too few blocks"
+        for request in self.waiting:
+            assert request.request_id not in self.kv_cache.req_blocks or request.num_computed_tokens > 0

@@ -1,0 +1,57 @@
+"""Engine arguments, with vLLM's names and meanings."""
+
+import dataclasses
+
+ATTENTION_BACKENDS = ("auto", "reference", "pallas", "triton")
+
+
+@dataclasses.dataclass
+class EngineArgs:
+    model: str | None = None                  # hub id, local folder or .gguf; None = the built-in model
+    tokenizer: str | None = None              # defaults to the model's own
+    revision: str | None = None
+    dtype: str = "auto"                       # auto | float32 | bfloat16 | float16
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # default: max(2048, max_model_len) without chunked prefill
+    max_model_len: int | None = None          # default: the model's, capped by what the KV pool holds
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    swap_space: float = 4.0                   # GiB of pinned host memory for swapped-out blocks
+    seed: int = 0
+    attention_backend: str = "auto"
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"        # "recompute" | "swap"
+    served_model_name: str | None = None
+    compile_on_startup: bool = True           # compile the step's shape buckets before serving
+    disable_log_stats: bool = True
+
+    def batched_tokens(self, max_model_len: int) -> int:
+        """The per-step token budget: given, or 2048 (at least max_model_len without chunked prefill)."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
+
+    def __post_init__(self):
+        def require(name, ok, allowed):
+            if not ok:
+                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+        require("block_size", isinstance(self.block_size, int) and self.block_size in (8, 16, 32, 64, 128),
+                "one of 8, 16, 32, 64, 128")
+        require("max_num_seqs", isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1, ">= 1")
+        require("max_num_batched_tokens", self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+                "None or >= 1")
+        require("max_model_len", self.max_model_len is None or self.max_model_len >= 2, "None or >= 2")
+        require("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "in (0, 1]")
+        require("num_gpu_blocks_override", self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 2,
+                "None or >= 2")
+        require("kv_cache_memory_bytes", self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+                "None or > 0")
+        require("swap_space", self.swap_space >= 0, ">= 0 (GiB)")
+        require("attention_backend", self.attention_backend in ATTENTION_BACKENDS,
+                f"one of {', '.join(ATTENTION_BACKENDS)}")
+        require("preemption_mode", self.preemption_mode in ("recompute", "swap"), "'recompute' or 'swap'")
+        require("seed", isinstance(self.seed, int), "an int")

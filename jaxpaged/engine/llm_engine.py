@@ -1,0 +1,228 @@
+"""LLMEngine: requests in, RequestOutputs out, one scheduler step at a time.
+
+    step():  schedule t  ->  dispatch t (async)  ->  text work for t-1  ->  fetch t  ->  token stops
+
+Host work for the previous step's tokens (detokenization, stop strings, outputs) runs
+while the device computes step t.
+"""
+
+import itertools
+import logging
+import time
+
+import numpy as np
+
+from jaxpaged.core.kv_cache_manager import KVCacheManager, cdiv
+from jaxpaged.core.request import Request, RequestStatus
+from jaxpaged.core.scheduler import Scheduler, SchedulerConfig
+from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.engine.metrics import EngineMetrics
+from jaxpaged.engine.output_processor import (RequestState, SequenceState, detokenize, record_logprobs,
+                                              record_prompt_logprobs, token_stop)
+from jaxpaged.engine.startup import build_runner, load_model_and_tokenizer
+from jaxpaged.outputs import RequestOutput
+from jaxpaged.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs, use_tqdm: bool = True):
+        self.args = args
+        self.loaded, self.tokenizer, self.model_name = load_model_and_tokenizer(args)
+        self.model_config = self.loaded.config
+        self.runner, self.max_model_len, num_blocks = build_runner(args, self.loaded, use_tqdm)
+        self.num_blocks = num_blocks
+        self.eos_token_ids = self._eos_token_ids()
+        max_batched = args.batched_tokens(self.max_model_len)
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_batched, max_model_len=self.max_model_len,
+            enable_chunked_prefill=args.enable_chunked_prefill, preemption_mode=args.preemption_mode)
+        self.kv_cache = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache)
+        self.metrics = EngineMetrics()
+        self._rng = np.random.default_rng(args.seed)
+        self._states: dict[str, RequestState] = {}
+        self._seqs: dict[str, SequenceState] = {}       # core request id -> its sequence
+        self._to_detokenize: list[SequenceState] = []   # got tokens in the last step
+        self._ids = itertools.count()
+
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        ids = set(self.model_config.eos_token_ids)
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is not None:
+            ids.add(int(eos))
+        return tuple(sorted(ids))
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(self, request_id: str | None, prompt: str | list[int] | dict,
+                    params: SamplingParams | None = None, arrival_time: float | None = None) -> str:
+        """Validate and queue a request; raises ValueError (and queues nothing) on bad input."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self._states:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        self._validate(token_ids, params)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
+        sequences = []
+        for i in range(params.n):
+            seed = self._seed_for(params, i)
+            core_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            request = Request(core_id, token_ids, params, self.eos_token_ids, arrival_time, seed, max_tokens)
+            sequences.append(SequenceState(request, i, self.tokenizer, request_id))
+        state = RequestState(request_id, text, token_ids, sequences)
+        added = []
+        try:
+            for seq in sequences:
+                self.scheduler.add_request(seq.request)
+                added.append(seq)
+        except ValueError:
+            for seq in added:
+                self.scheduler.finish_request(seq.request.request_id, RequestStatus.FINISHED_ABORTED)
+            raise
+        self._states[request_id] = state
+        for seq in sequences:
+            self._seqs[seq.request.request_id] = seq
+        self.metrics.prompt_tokens_total += len(token_ids)
+        return request_id
+
+    def _seed_for(self, params: SamplingParams, index: int) -> int:
+        if params.seed is None:
+            return int(self._rng.integers(0, 2**32))
+        return (params.seed + 0x9E3779B9 * index) & 0xFFFFFFFF
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; pass prompt_token_ids instead")
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
+            return None, [int(t) for t in prompt]
+        raise ValueError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("prompt must not be empty (got 0 tokens)")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt is {len(token_ids)} tokens, but max_model_len is {self.max_model_len}: "
+                             f"the prompt must be at most {self.max_model_len - 1} tokens")
+        for name, ids in (("stop_token_ids", params.stop_token_ids or []),
+                          ("logit_bias", list((params.logit_bias or {}).keys()))):
+            bad = [t for t in ids if not 0 <= int(t) < vocab]
+            if bad:
+                raise ValueError(f"{name} token id {bad[0]} is out of range [0, {vocab})")
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request and free its blocks at once (unknown ids are ignored)."""
+        state = self._states.pop(request_id, None)
+        if state is None:
+            return
+        for seq in state.sequences:
+            self.scheduler.finish_request(seq.request.request_id, RequestStatus.FINISHED_ABORTED)
+            self._seqs.pop(seq.request.request_id, None)
+        self._to_detokenize = [s for s in self._to_detokenize if s.request.request_id in self._seqs]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._states)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._states)
+
+    # ---- the loop ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns cumulative outputs of the requests that progressed."""
+        plan = self.scheduler.schedule()
+        self.metrics.num_preemptions_total += len(plan.preempted)
+        pending = None
+        if not plan.is_empty:
+            pending = self.runner.dispatch(plan, self._extra_bias(plan))
+        outputs = self._process_text()                   # overlaps the device step
+        if pending is not None:
+            result = self.runner.fetch(pending)
+            self._apply(plan, result)
+        if not outputs and pending is None and self._to_detokenize:
+            outputs = self._process_text()
+        return outputs
+
+    def _extra_bias(self, plan) -> dict[str, dict[int, float]]:
+        """Mask EOS and stop tokens until min_tokens is reached."""
+        bias = {}
+        for chunk in plan.chunks:
+            request = chunk.request
+            params = request.sampling_params
+            if chunk.samples and request.num_output_tokens < params.min_tokens:
+                banned = list(params.stop_token_ids or [])
+                if not params.ignore_eos:
+                    banned += list(request.eos_token_ids)
+                if banned:
+                    bias[request.request_id] = {t: float("-inf") for t in banned}
+        return bias
+
+    def _apply(self, plan, result) -> None:
+        sampled = {rid: s.token_id for rid, s in result.sampled.items()}
+        got_token = self.scheduler.update_after_step(plan, sampled)
+        for rid, lps in result.prompt_logprobs.items():
+            seq = self._seqs.get(rid)
+            if seq is not None:
+                record_prompt_logprobs(self._states[seq.parent_id], lps, self.tokenizer)
+        now = time.monotonic()
+        for request in got_token:
+            seq = self._seqs[request.request_id]
+            if request.first_token_time is None:
+                request.first_token_time = now
+            record_logprobs(seq, result.sampled[request.request_id], self.tokenizer)
+            self.metrics.generation_tokens_total += 1
+            stop = token_stop(request, self.max_model_len)
+            if stop is not None:
+                status, seq.stop_reason = stop
+                seq.finish_reason = status.finish_reason
+                self.scheduler.finish_request(request.request_id, status)
+            self._to_detokenize.append(seq)
+
+    def _process_text(self) -> list[RequestOutput]:
+        """Detokenize the last step's tokens, apply stop strings, build outputs."""
+        touched: dict[str, RequestState] = {}
+        for seq in self._to_detokenize:
+            if seq.request.request_id not in self._seqs:
+                continue
+            matched = detokenize(seq)
+            if matched is not None and seq.finish_reason is None:
+                stop_str, truncate_to = matched
+                seq.text = seq.text[:truncate_to]
+                seq.finish_reason, seq.stop_reason = "stop", stop_str
+                self.scheduler.finish_request(seq.request.request_id, RequestStatus.FINISHED_STOPPED)
+            elif matched is not None:
+                seq.text = seq.text[:matched[1]]
+            parent = seq.parent_id
+            touched[parent] = self._states[parent]
+        self._to_detokenize = []
+        outputs = []
+        for request_id, state in touched.items():
+            outputs.append(state.output())
+            if state.finished:
+                del self._states[request_id]
+                for seq in state.sequences:
+                    self._seqs.pop(seq.request.request_id, None)
+                self.metrics.requests_finished_total += 1
+        return outputs
+
+    # ---- introspection -------------------------------------------------------------------
+    def get_metrics(self) -> dict[str, float]:
+        return self.metrics.snapshot(self.scheduler, self.kv_cache)
+
+    def get_tokenizer(self):
+        return self.tokenizer

@@ -1,0 +1,33 @@
+"""The engine's counters and gauges, as plain numbers (the server exports them to Prometheus)."""
+
+import dataclasses
+
+PREFIX = "jaxpaged:"
+
+
+@dataclasses.dataclass
+class EngineMetrics:
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    num_preemptions_total: int = 0
+    requests_finished_total: int = 0
+    swapped_out_blocks_total: int = 0
+    swapped_in_blocks_total: int = 0
+
+    def snapshot(self, scheduler, kv_cache) -> dict[str, float]:
+        """Counters and gauges, names prefixed `jaxpaged:`."""
+        values = {
+            "num_requests_running": len(scheduler.running),
+            "num_requests_waiting": len(scheduler.waiting),
+            "num_requests_swapped": len(getattr(scheduler, "swapped", ())),
+            "num_preemptions_total": self.num_preemptions_total,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
+            "request_success_total": self.requests_finished_total,
+            "kv_cache_usage_perc": kv_cache.usage(),
+            "prefix_cache_queries_total": kv_cache.prefix_queries,
+            "prefix_cache_hits_total": kv_cache.prefix_hits,
+            "swapped_out_blocks_total": self.swapped_out_blocks_total,
+            "swapped_in_blocks_total": self.swapped_in_blocks_total,
+        }
+        return {PREFIX + k: v for k, v in values.items()}

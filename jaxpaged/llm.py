@@ -1,0 +1,104 @@
+"""The offline API, shaped like vLLM's `LLM`."""
+
+import time
+from typing import Any, Sequence
+
+from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.engine.llm_engine import LLMEngine
+from jaxpaged.outputs import RequestOutput
+from jaxpaged.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict
+
+
+class LLM:
+    """Generate from a batch of prompts with continuous batching over a paged KV cache.
+
+    `model` is a Hugging Face id, a local folder (config.json + safetensors) or a .gguf
+    file; None runs the built-in SmolLM2-135M-Instruct.
+    """
+
+    def __init__(self, model: str | None = None, tokenizer: str | None = None, dtype: str = "auto",
+                 block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
+                 max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
+                 num_gpu_blocks_override: int | None = None, seed: int = 0, attention_backend: str = "auto",
+                 **kwargs: Any):
+        unknown = set(kwargs) - {f for f in EngineArgs.__dataclass_fields__}
+        if unknown:
+            raise ValueError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
+        use_tqdm = kwargs.pop("use_tqdm", True) if "use_tqdm" in kwargs else True
+        args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, block_size=block_size,
+                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                          max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+                          num_gpu_blocks_override=num_gpu_blocks_override, seed=seed,
+                          attention_backend=attention_backend, **kwargs)
+        self.llm_engine = LLMEngine(args, use_tqdm=use_tqdm)
+        self._counter = 0
+
+    def get_tokenizer(self):
+        return self.llm_engine.get_tokenizer()
+
+    def get_metrics(self) -> dict[str, float]:
+        return self.llm_engine.get_metrics()
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order.
+
+        A bad prompt or parameter raises ValueError before anything is queued.
+        """
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts; "
+                                 "pass one SamplingParams or one per prompt")
+        return self._run(prompts, params_list, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.get_tokenizer()
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
+                                                 add_generation_prompt=add_generation_prompt)
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, prompts: list, params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                request_id = f"gen-{self._counter}"
+                self._counter += 1
+                ids.append(engine.add_request(request_id, prompt, params))
+        except Exception:
+            for request_id in ids:
+                engine.abort_request(request_id)
+            raise
+        from tqdm.auto import tqdm
+        finished: dict[str, RequestOutput] = {}
+        start = time.perf_counter()
+        num_tokens = 0
+        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, unit="req") as bar:
+            while len(finished) < len(ids):
+                for out in engine.step():
+                    if out.finished and out.request_id in set(ids):
+                        finished[out.request_id] = out
+                        num_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        bar.update(1)
+                        elapsed = max(time.perf_counter() - start, 1e-9)
+                        bar.set_postfix_str(f"output {num_tokens / elapsed:.1f} tok/s")
+        return [finished[i] for i in ids]

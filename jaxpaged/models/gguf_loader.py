@@ -1,0 +1,207 @@
+"""Load a llama.cpp GGUF checkpoint as a Hugging Face `LlamaConfig` plus a float32 state dict.
+
+The weights come back named and shaped exactly like transformers' Llama state dict, so
+the same Flax conversion code serves safetensors and GGUF checkpoints alike.
+"""
+
+import os
+import re
+import shutil
+import tempfile
+import warnings
+
+import numpy as np
+import transformers
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+# GGUF tensor name inside a block -> HF name inside `model.layers.{i}`.
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+
+
+def _open(path: str) -> GGUFReader:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file not found: path={path!r}")
+    reader = GGUFReader(path)
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported GGUF general.architecture={arch!r} in {path!r}; "
+            f"supported architectures: {list(SUPPORTED_ARCHITECTURES)}"
+        )
+    return reader
+
+
+def _field(reader: GGUFReader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    value = field.contents()
+    # Scalars arrive as numpy scalars; .item() widens a float32 exactly (1e-5 stays
+    # 9.999999747378752e-06), which is the value transformers puts in its config too.
+    if isinstance(value, np.generic):
+        value = value.item()
+    return value
+
+
+def _rope_parameters(reader: GGUFReader) -> dict:
+    rope = {"rope_type": "default", "rope_theta": float(_field(reader, "llama.rope.freq_base", 10000.0))}
+    scaling_type = _field(reader, "llama.rope.scaling.type")
+    factor = _field(reader, "llama.rope.scaling.factor")
+    if scaling_type is None and _field(reader, "llama.rope.scale_linear") is not None:
+        # Older converters wrote only this key, which always meant linear scaling.
+        scaling_type, factor = "linear", _field(reader, "llama.rope.scale_linear")
+    if scaling_type in (None, "none") or factor is None or (scaling_type == "linear" and factor in (0.0, 1.0)):
+        return rope
+    if scaling_type not in ("linear", "yarn"):
+        raise ValueError(
+            f"unsupported GGUF llama.rope.scaling.type={scaling_type!r}; supported: 'none', 'linear', 'yarn'"
+        )
+    rope.update(rope_type=scaling_type, factor=float(factor))
+    if scaling_type == "yarn":
+        original = _field(reader, "llama.rope.scaling.original_context_length")
+        if original is not None:
+            rope["original_max_position_embeddings"] = int(original)
+        # llama.cpp's yarn attn_factor multiplies on top of the mscale that HF derives from
+        # `factor`, so it is not HF's attention_factor and is left out on purpose.
+        for gguf_key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            value = _field(reader, f"llama.rope.scaling.{gguf_key}")
+            if value is not None:
+                rope[hf_key] = float(value)
+    return rope
+
+
+def _config(reader: GGUFReader) -> transformers.LlamaConfig:
+    hidden_size = int(_field(reader, "llama.embedding_length"))
+    num_heads = int(_field(reader, "llama.attention.head_count"))
+    vocab_size = _field(reader, "llama.vocab_size")
+    if vocab_size is None:  # some converters only write the token list
+        vocab_size = len(reader.fields["tokenizer.ggml.tokens"].data)
+    kwargs = dict(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=int(vocab_size),
+        hidden_size=hidden_size,
+        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
+        num_hidden_layers=int(_field(reader, "llama.block_count")),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(_field(reader, "llama.attention.head_count_kv", num_heads)),
+        rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(_field(reader, "llama.context_length")),
+        rope_parameters=_rope_parameters(reader),
+        tie_word_embeddings=all(t.name != "output.weight" for t in reader.tensors),
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+    )
+    key_length = _field(reader, "llama.attention.key_length")
+    if key_length is not None:
+        kwargs["head_dim"] = int(key_length)
+    return transformers.LlamaConfig(**kwargs)
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    match = _LAYER_NAME.fullmatch(gguf_name)
+    if match and match.group(2) in _LAYER_TENSORS:
+        return f"model.layers.{match.group(1)}.{_LAYER_TENSORS[match.group(2)]}.weight"
+    return None
+
+
+def _unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's row order for q/k projections.
+
+    HF rotates pairs (i, i + head_dim/2) within a head; llama.cpp rotates adjacent pairs
+    (2i, 2i + 1), so its converter interleaved each head's two halves. Per head the GGUF
+    rows are [x0, y0, x1, y1, ...]; HF wants [x0, x1, ..., y0, y1, ...].
+    """
+    out_features, in_features = weight.shape
+    half = out_features // num_heads // 2
+    heads = weight.reshape(num_heads, half, 2, in_features)
+    return heads.swapaxes(1, 2).reshape(out_features, in_features)
+
+
+def load_gguf(path: str) -> tuple[transformers.PretrainedConfig, dict[str, np.ndarray]]:
+    """Read a llama GGUF file; returns (LlamaConfig, HF-named float32 state dict).
+
+    Tensors are dequantized one at a time from the memory-mapped file, so peak memory
+    stays near one float32 copy of the weights. `lm_head.weight` is present only when
+    the file has an untied `output.weight`.
+    """
+    reader = _open(path)
+    config = _config(reader)
+    state: dict[str, np.ndarray] = {}
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name)
+        if name is None:
+            if tensor.name == "rope_freqs.weight":
+                # llama3-style rope scaling baked into a tensor; HF's Llama has no slot for it.
+                warnings.warn(f"{path}: ignoring rope_freqs.weight (llama3 rope scaling)")
+                continue
+            raise ValueError(f"unexpected tensor {tensor.name!r} in llama GGUF {path!r}")
+        weight = dequantize(tensor.data, tensor.tensor_type)
+        # GGUF lists dims fastest-first; the dequantized array is already row-major
+        # [out_features, in_features], i.e. tensor.shape reversed.
+        weight = weight.reshape(tuple(int(d) for d in reversed(tensor.shape)))
+        if name.endswith("q_proj.weight"):
+            weight = _unpermute_rope_rows(weight, config.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            weight = _unpermute_rope_rows(weight, config.num_key_value_heads)
+        if np.may_share_memory(weight, tensor.data):  # F32 tensors are views of the mmap
+            weight = weight.copy()
+        state[name] = np.ascontiguousarray(weight, dtype=np.float32)
+    return config, state
+
+
+def _tokenizer_cache_dir(path: str) -> str:
+    root = os.environ.get("JAXPAGED_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "jaxpaged"))
+    stat = os.stat(path)
+    # size and mtime change whenever the file is replaced, so a stale cache is never reused.
+    return os.path.join(root, "tokenizers", f"{os.path.basename(path)}-{stat.st_size}-{stat.st_mtime_ns}")
+
+
+def load_gguf_tokenizer(path: str):
+    """Return transformers' tokenizer for a GGUF file (chat template included).
+
+    Converting the GGUF vocabulary takes seconds (about 4 s for SmolLM2), so the converted
+    tokenizer is saved once under $JAXPAGED_CACHE (default ~/.cache/jaxpaged) and later
+    calls load it from there in a fraction of a second.
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file not found: path={path!r}")
+    cache_dir = _tokenizer_cache_dir(path)
+    if os.path.isfile(os.path.join(cache_dir, "tokenizer_config.json")):
+        return transformers.AutoTokenizer.from_pretrained(cache_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(
+        os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path)
+    )
+    try:
+        os.makedirs(os.path.dirname(cache_dir), exist_ok=True)
+        # Save to a private folder then rename, so a concurrent reader never sees half a cache.
+        staging = tempfile.mkdtemp(dir=os.path.dirname(cache_dir))
+        tokenizer.save_pretrained(staging)
+        try:
+            os.rename(staging, cache_dir)
+        except OSError:  # another process won the race; its copy is equally good
+            shutil.rmtree(staging, ignore_errors=True)
+    except OSError as err:  # a read-only home must not stop serving
+        warnings.warn(f"could not cache tokenizer in {cache_dir}: {err}")
+    return tokenizer

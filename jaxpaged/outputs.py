@@ -1,0 +1,64 @@
+"""What `LLM.generate` and `AsyncLLM.generate` hand back, shaped like vLLM's output types."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Logprob:
+    """Log probability of one candidate token at one position.
+
+    `rank` is 1 for the most likely token of the vocabulary; `decoded_token` is the
+    token's own text (see `engine.detokenizer.decode_token`), None when not detokenized.
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One dict per generated token: the sampled token and the top-`logprobs` candidates.
+SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token; the first is None because nothing predicts the first token.
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
+class CompletionOutput:
+    """One of the `n` sequences generated for a request.
+
+    `finish_reason` is None while generating, then "stop" (EOS, a stop token or a stop
+    string) or "length" (max_tokens or max_model_len). `stop_reason` says which stop
+    matched: the stop string, the stop token id, or None for EOS and "length".
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request: its prompt and its `n` completions so far.
+
+    `finished` turns True once every completion has a finish_reason. `num_cached_tokens`
+    counts prompt tokens served from the prefix cache instead of being computed.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    prompt_logprobs: PromptLogprobs | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: Any = None

@@ -1,0 +1,233 @@
+"""On-device sampler: logits of the sequences that need a token -> tokens (+ logprobs).
+
+Runs inside the engine's jitted step. Every per-request knob is an array, so a batch that
+mixes greedy, top-k, top-p and penalised requests compiles once; only `all_greedy`,
+`num_logprobs` and which [S, V] arrays are present (None or not) change the compiled code.
+Semantics and order follow vLLM V1: raw logprobs, then logit bias, penalties, greedy argmax,
+and for random rows temperature, min_p, top_k, top_p and a draw with a per-request key.
+"""
+
+import dataclasses
+from dataclasses import field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS).
+GREEDY_EPS = 1e-5
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingMetadata:
+    temperature: jax.Array  # f32[S]; < GREEDY_EPS means greedy for that row
+    top_k: jax.Array  # i32[S]; 0 = off
+    top_p: jax.Array  # f32[S]; 1.0 = off
+    min_p: jax.Array  # f32[S]; 0.0 = off
+    presence_penalty: jax.Array  # f32[S]
+    frequency_penalty: jax.Array  # f32[S]
+    repetition_penalty: jax.Array  # f32[S]; 1.0 = off
+    seeds: jax.Array  # u32[S]
+    steps: jax.Array  # i32[S]; tokens sampled so far by the request
+    output_counts: jax.Array | None  # i32[S, V]; None unless some row has penalties
+    prompt_mask: jax.Array | None  # bool[S, V]; None unless some row has penalties
+    logit_bias: jax.Array | None  # f32[S, V]; None unless some row has a bias
+    all_greedy: bool = field(metadata=dict(static=True))
+    num_logprobs: int = field(metadata=dict(static=True))  # K
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: jax.Array  # i32[S]
+    logprobs: jax.Array  # f32[S]; raw logprob of the sampled token
+    ranks: jax.Array  # i32[S]; 1-based rank of the sampled token
+    topk_ids: jax.Array  # i32[S, K]
+    topk_logprobs: jax.Array  # f32[S, K]
+
+
+def token_logprobs(logits, target_ids, num_logprobs):
+    """Logprob and 1-based rank of target_ids[p] under log_softmax(logits[p]), plus the top-K.
+
+    logits: f32[P, V], target_ids: i32[P]. Returns (f32[P], i32[P], i32[P, K], f32[P, K]).
+    """
+    logits = logits.astype(jnp.float32)
+    # log_softmax is a shift by the row's logsumexp, so ranks and the top-K are taken on the
+    # logits and the [P, V] logprobs are never materialised.
+    lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)  # [P, 1]
+    target_logit = jnp.take_along_axis(logits, target_ids.astype(jnp.int32)[:, None], axis=-1)
+    # Ties count in the target's favour, as in vLLM (strictly greater only).
+    ranks = jnp.sum(logits > target_logit, axis=-1, dtype=jnp.int32) + 1
+    if num_logprobs > 0:
+        topk_logits, topk_ids = jax.lax.top_k(logits, num_logprobs)
+    else:
+        topk_logits = jnp.zeros((logits.shape[0], 0), jnp.float32)
+        topk_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
+    return (target_logit - lse)[:, 0], ranks, topk_ids.astype(jnp.int32), topk_logits - lse
+
+
+def _apply_bias_and_penalties(logits, md):
+    if md.logit_bias is not None:
+        logits = logits + md.logit_bias
+    if md.output_counts is None:
+        return logits
+    output_mask = md.output_counts > 0
+    seen = output_mask if md.prompt_mask is None else output_mask | md.prompt_mask
+    rep = jnp.where(seen, md.repetition_penalty[:, None], 1.0)
+    # Dividing a negative logit would raise it, so those are multiplied instead.
+    logits = jnp.where(logits > 0, logits / rep, logits * rep)
+    logits = logits - md.frequency_penalty[:, None] * md.output_counts.astype(jnp.float32)
+    return logits - md.presence_penalty[:, None] * output_mask.astype(jnp.float32)
+
+
+def _order_key(x):
+    """f32 -> i32 with the same order (and its own inverse): XLA's CPU sort is ~8x faster on
+    integers than on floats, whose comparator must also order NaNs."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+def _apply_top_k_top_p(logits, top_k, top_p):
+    """Mask everything below each row's cut-off value to -inf; one integer sort per row."""
+    vocab = logits.shape[-1]
+    keys = _order_key(logits)
+    ordered_keys = ~jax.lax.sort(~keys, dimension=1, is_stable=False)  # descending
+    ordered = jax.lax.bitcast_convert_type(_order_key(ordered_keys), jnp.float32)
+    k = jnp.where((top_k <= 0) | (top_k > vocab), vocab, top_k)
+    pos = jnp.arange(vocab)
+    in_top_k = pos[None, :] < k[:, None]
+    probs = jax.nn.softmax(jnp.where(in_top_k, ordered, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    # f32 cumsum over a big vocab can pass 1.0 early; top_p == 1 must keep everything.
+    keep = in_top_k & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
+    num_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1)
+    cutoff = jnp.take_along_axis(ordered_keys, (num_keep - 1)[:, None], axis=-1)  # [S, 1]
+    # Ties with the cut-off value are kept (vLLM keeps them for top_k, drops some for top_p).
+    return jnp.where(keys < cutoff, -jnp.inf, logits)
+
+
+def _row_gumbel(seed, step, vocab):
+    key = jax.random.fold_in(jax.random.key(seed), step)
+    return jax.random.gumbel(key, (vocab,), jnp.float32)
+
+
+def _random_sample(logits, md):
+    is_greedy = md.temperature < GREEDY_EPS
+    temperature = jnp.where(is_greedy, 1.0, md.temperature)
+    logits = logits / temperature[:, None]
+    # min_p in logit space: p_i < min_p * p_max  <=>  l_i < l_max + log(min_p).
+    floor = jnp.max(logits, axis=-1) + jnp.log(md.min_p)
+    logits = jnp.where(logits < floor[:, None], -jnp.inf, logits)
+    needs_sort = jnp.any(~is_greedy & ((md.top_k > 0) | (md.top_p < 1.0)))
+    logits = jax.lax.cond(
+        needs_sort,
+        lambda x: _apply_top_k_top_p(x, md.top_k, md.top_p),
+        lambda x: x,
+        logits,
+    )
+    # Gumbel-max: the noise of a row depends only on its (seed, step), never on the batch.
+    noise = jax.vmap(_row_gumbel, in_axes=(0, 0, None))(md.seeds, md.steps, logits.shape[-1])
+    return jnp.argmax(logits + noise, axis=-1).astype(jnp.int32)
+
+
+def sample(logits, md):
+    """Turn f32[S, V] logits into one token per row; pure, meant to run inside a jit."""
+    logits = logits.astype(jnp.float32)
+    processed = _apply_bias_and_penalties(logits, md)
+    tokens = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+    if not md.all_greedy:
+        random_tokens = _random_sample(processed, md)
+        tokens = jnp.where(md.temperature < GREEDY_EPS, tokens, random_tokens)
+    lp, ranks, topk_ids, topk_lp = token_logprobs(logits, tokens, md.num_logprobs)
+    return SamplerOutput(tokens, lp, ranks, topk_ids, topk_lp)
+
+
+def _check(name, value, ok, allowed):
+    if not ok:
+        raise ValueError(f"{name}={value!r} is out of range; allowed: {allowed}")
+
+
+def _validate_params(p, vocab_size):
+    _check("temperature", p.temperature, p.temperature >= 0, ">= 0")
+    _check("top_k", p.top_k, p.top_k >= -1, "0 or -1 (off) or a positive int")
+    _check("top_p", p.top_p, 0 < p.top_p <= 1, "(0, 1]")
+    _check("min_p", p.min_p, 0 <= p.min_p <= 1, "[0, 1]")
+    _check("presence_penalty", p.presence_penalty, -2 <= p.presence_penalty <= 2, "[-2, 2]")
+    _check("frequency_penalty", p.frequency_penalty, -2 <= p.frequency_penalty <= 2, "[-2, 2]")
+    _check("repetition_penalty", p.repetition_penalty, p.repetition_penalty > 0, "> 0")
+    n = p.logprobs
+    _check("logprobs", n, n is None or n == -1 or 0 <= n <= vocab_size,
+           f"None, -1 (whole vocabulary) or [0, {vocab_size}]")
+    for token in (p.logit_bias or {}):
+        _check("logit_bias token id", token, 0 <= int(token) < vocab_size, f"[0, {vocab_size})")
+
+
+def _token_ids(name, row, ids, vocab_size):
+    ids = np.asarray(ids, np.int64).reshape(-1)
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    _check(f"{name}[{row}] token id", bad[:1].tolist(), bad.size == 0, f"[0, {vocab_size})")
+    return ids
+
+
+def build_sampling_metadata(params, seeds, steps, output_token_ids, prompt_token_ids,
+                            extra_bias, vocab_size, padded_size):
+    """Host side: per-request parameters -> padded numpy SamplingMetadata (rows past
+    len(params) are greedy padding). The [S, V] arrays stay None when no row needs them."""
+    n = len(params)
+    for name, value in (("seeds", seeds), ("steps", steps), ("output_token_ids", output_token_ids),
+                        ("prompt_token_ids", prompt_token_ids), ("extra_bias", extra_bias)):
+        _check(f"len({name})", len(value), len(value) == n, f"len(params) = {n}")
+    _check("vocab_size", vocab_size, vocab_size >= 1, ">= 1")
+    _check("padded_size", padded_size, padded_size >= max(n, 1), f">= max(len(params), 1) = {max(n, 1)}")
+    for p in params:
+        _validate_params(p, vocab_size)
+
+    def column(values, default, dtype):
+        out = np.full((padded_size,), default, dtype)
+        out[:n] = values
+        return out
+
+    temperature = column([p.temperature for p in params], 0.0, np.float32)
+    top_k = column([max(p.top_k, 0) for p in params], 0, np.int32)
+    presence = column([p.presence_penalty for p in params], 0.0, np.float32)
+    frequency = column([p.frequency_penalty for p in params], 0.0, np.float32)
+    repetition = column([p.repetition_penalty for p in params], 1.0, np.float32)
+    # Python ints of any size are accepted as seeds; the key only takes 32 bits.
+    seeds_u32 = column([int(s) & 0xFFFFFFFF for s in seeds], 0, np.uint32)
+
+    output_counts = prompt_mask = None
+    if np.any(presence != 0) or np.any(frequency != 0) or np.any(repetition != 1):
+        output_counts = np.zeros((padded_size, vocab_size), np.int32)
+        prompt_mask = np.zeros((padded_size, vocab_size), bool)
+        for i in range(n):
+            output_counts[i] = np.bincount(_token_ids("output_token_ids", i, output_token_ids[i],
+                                                      vocab_size), minlength=vocab_size)
+            prompt_mask[i, _token_ids("prompt_token_ids", i, prompt_token_ids[i], vocab_size)] = True
+
+    logit_bias = None
+    if any(p.logit_bias for p in params) or any(extra_bias):
+        logit_bias = np.zeros((padded_size, vocab_size), np.float32)
+        for i, p in enumerate(params):
+            for name, bias in (("logit_bias", p.logit_bias), (f"extra_bias[{i}]", extra_bias[i])):
+                for token, value in (bias or {}).items():
+                    _check(f"{name} token id", token, 0 <= int(token) < vocab_size, f"[0, {vocab_size})")
+                    logit_bias[i, int(token)] += np.float32(value)
+
+    requested = [vocab_size if p.logprobs == -1 else (p.logprobs or 0) for p in params]
+    return SamplingMetadata(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=column([p.top_p for p in params], 1.0, np.float32),
+        min_p=column([p.min_p for p in params], 0.0, np.float32),
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+        repetition_penalty=repetition,
+        seeds=seeds_u32,
+        steps=column(steps, 0, np.int32),
+        output_counts=output_counts,
+        prompt_mask=prompt_mask,
+        logit_bias=logit_bias,
+        all_greedy=bool(np.all(temperature[:n] < GREEDY_EPS)),
+        num_logprobs=int(max(requested, default=0)),
+    )

@@ -1,0 +1,199 @@
+"""Per-request sampling settings, named and defaulted as in vLLM.
+
+Every check raises `ValueError` naming the field, the value and the allowed range, so the
+server can hand the message straight back to the client as a 400 error.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import math
+from dataclasses import dataclass
+
+# vLLM's default cap on top logprobs per token; larger values make every step return
+# (and transfer) a wider top-k, so we refuse them instead of silently slowing down.
+MAX_LOGPROBS = 20
+
+# Below this temperature the distribution is treated as a point mass (vLLM's constant).
+_SAMPLING_EPS = 1e-5
+
+
+class SamplingType(enum.IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+def _require_int(name: str, value: object, allowed: str) -> None:
+    # bool is an int subclass, but `n=True` is a client bug, not a count.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")
+
+
+def _require_float(name: str, value: object, allowed: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number{' ' + allowed if allowed else ''}, got {value!r}")
+    return float(value)
+
+
+def _check_float_range(name: str, value: object, lo: float, hi: float, lo_open: bool = False) -> None:
+    if math.isinf(hi):
+        allowed = f"{'>' if lo_open else '>='} {lo}"
+    else:
+        allowed = f"in {'(' if lo_open else '['}{lo}, {hi}]"
+    v = _require_float(name, value, allowed)
+    if v < lo or (lo_open and v == lo) or v > hi:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _check_optional_logprobs(name: str, value: int | None) -> None:
+    if value is None:
+        return
+    allowed = f"None or in [0, {MAX_LOGPROBS}]"
+    _require_int(name, value, allowed)
+    if value == -1:
+        raise ValueError(f"{name}=-1 (the whole vocabulary) is not supported; allowed: {allowed}")
+    if not 0 <= value <= MAX_LOGPROBS:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _as_list(name: str, value: object, allowed: str) -> list:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request; `__post_init__` validates and normalizes in place."""
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1, normalized to 0) disables top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to max_model_len, resolved by the engine
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    detokenize: bool = True
+
+    def __post_init__(self) -> None:
+        self._normalize()
+        self._verify()
+
+    def _normalize(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = _as_list("stop", self.stop, "a string or a list of non-empty strings")
+        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids, "a list of token ids")
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.logit_bias is not None:
+            self.logit_bias = self._normalized_logit_bias(self.logit_bias)
+
+    @staticmethod
+    def _normalized_logit_bias(logit_bias: object) -> dict[int, float]:
+        if not isinstance(logit_bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {logit_bias!r}")
+        normalized: dict[int, float] = {}
+        for key, bias in logit_bias.items():
+            # JSON object keys are always strings, so OpenAI clients send {"50256": -100}.
+            try:
+                token_id = int(key)
+            except (TypeError, ValueError):
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}") from None
+            if isinstance(key, (bool, float)) or token_id < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
+            _check_float_range(f"logit_bias[{token_id}]", bias, -100.0, 100.0)
+            normalized[token_id] = float(bias)
+        return normalized
+
+    def _verify(self) -> None:
+        _require_int("n", self.n, ">= 1")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n!r}")
+        _check_float_range("temperature", self.temperature, 0.0, math.inf)
+        _check_float_range("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        _require_int("top_k", self.top_k, "-1 or 0 (disabled) or >= 1")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k!r}")
+        _check_float_range("min_p", self.min_p, 0.0, 1.0)
+        _check_float_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_float_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_float_range("repetition_penalty", self.repetition_penalty, 0.0, math.inf, lo_open=True)
+        if self.max_tokens is not None:
+            _require_int("max_tokens", self.max_tokens, "None or >= 1")
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be None or >= 1, got {self.max_tokens!r}")
+        _require_int("min_tokens", self.min_tokens, ">= 0")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"
+            )
+        _check_optional_logprobs("logprobs", self.logprobs)
+        _check_optional_logprobs("prompt_logprobs", self.prompt_logprobs)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must contain non-empty strings, got {self.stop!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError(f"stop strings {self.stop!r} need detokenize=True, got detokenize=False")
+        for token_id in self.stop_token_ids:
+            _require_int("stop_token_ids", token_id, ">= 0 in every entry")
+            if token_id < 0:
+                raise ValueError(f"stop_token_ids must be >= 0 in every entry, got {self.stop_token_ids!r}")
+        if self.seed is not None:
+            _require_int("seed", self.seed, "or None")
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < _SAMPLING_EPS:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.sampling_type == SamplingType.GREEDY
+
+    def clone(self) -> SamplingParams:
+        """A deep copy: the engine may fill in defaults without touching the caller's object."""
+        return copy.deepcopy(self)
+
+
+@dataclass
+class BeamSearchParams:
+    """Settings for `LLM.beam_search`, as in vLLM."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        _require_int("beam_width", self.beam_width, ">= 1")
+        if self.beam_width < 1:
+            raise ValueError(f"beam_width must be >= 1, got {self.beam_width!r}")
+        _require_int("max_tokens", self.max_tokens, ">= 1")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens!r}")
+        _check_float_range("temperature", self.temperature, 0.0, math.inf)
+        _require_float("length_penalty", self.length_penalty, "")

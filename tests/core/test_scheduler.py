@@ -1,0 +1,325 @@
+"""The scheduler driven by a fake model: each step "computes" the scheduled tokens into a fake
+KV pool (block id -> slot -> token id) and samples a predictable token, so a test sees what a
+user would: who ran, how many tokens, in what order, and whether every request got its output."""
+
+import random
+import types
+
+import pytest
+
+from jaxpaged.core.kv_cache_manager import KVCacheManager
+from jaxpaged.core.request import Request, RequestStatus
+from jaxpaged.core.scheduler import Scheduler, SchedulerConfig
+
+
+def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=16, max_num_batched_tokens=32,
+                   max_model_len=None, chunked=True, caching=True):
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                             max_model_len=max_model_len or max_num_batched_tokens,
+                             enable_chunked_prefill=chunked)
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, enable_caching=caching))
+
+
+def make_request(request_id, prompt, max_tokens=4):
+    if isinstance(prompt, int):
+        prompt = [(hash(request_id) + i) % 1000 for i in range(prompt)]
+    return Request(request_id, prompt, types.SimpleNamespace(max_tokens=max_tokens))
+
+
+def fake_token(request):
+    """Depends only on the request and position, so a resumed request samples what it would have."""
+    return (sum(map(ord, request.request_id)) * 31 + request.num_tokens) % 1000
+
+
+class Driver:
+    """Runs the schedule -> fake step -> update loop and checks what a model runner relies on."""
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+        self.kv = {}          # block id -> {slot: token id}: what the device pool would hold
+        self.outputs = []     # every SchedulerOutput, in order
+        self.finished = {}    # request id -> Request, finished by length
+
+    def step(self):
+        s = self.scheduler
+        out = s.schedule()
+        bs = s.kv_cache.block_size
+        assert out.num_batched_tokens == sum(c.num_new_tokens for c in out.chunks)
+        assert out.num_batched_tokens <= s.config.max_num_batched_tokens
+        assert len({c.request.request_id for c in out.chunks}) == len(out.chunks)
+        # like a model step: every layer writes its new K/V before any attention reads the pool
+        for c in out.chunks:
+            assert c.num_new_tokens > 0 and c.start == c.request.num_computed_tokens
+            assert c.start + c.num_new_tokens <= c.request.num_tokens
+            assert len(c.block_ids) * bs >= c.start + c.num_new_tokens
+            assert 0 not in c.block_ids and len(set(c.block_ids)) == len(c.block_ids)
+            for pos in range(c.start, c.start + c.num_new_tokens):
+                self.kv.setdefault(c.block_ids[pos // bs], {})[pos % bs] = c.request.all_token_ids[pos]
+        for c in out.chunks:
+            seen = [self.kv.get(c.block_ids[p // bs], {}).get(p % bs) for p in range(c.start + c.num_new_tokens)]
+            assert seen == c.request.all_token_ids[:c.start + c.num_new_tokens], f"{c.request} reads stale K/V"
+        sampled = {c.request.request_id: fake_token(c.request) for c in out.chunks if c.samples}
+        s.update_after_step(out, sampled)
+        for request in list(s.running):
+            if request.num_output_tokens >= request.max_tokens:
+                self.finished[request.request_id] = s.finish_request(request.request_id,
+                                                                     RequestStatus.FINISHED_LENGTH)
+        s.check_invariants()
+        self.outputs.append(out)
+        return out
+
+    def run(self, max_steps=500):
+        for _ in range(max_steps):
+            if not self.scheduler.has_unfinished():
+                return
+            self.step()
+        raise AssertionError(f"not done after {max_steps} steps: {self.scheduler.running} {self.scheduler.waiting}")
+
+
+def chunk_sizes(out):
+    return {c.request.request_id: c.num_new_tokens for c in out.chunks}
+
+
+def assert_no_blocks_held(scheduler):
+    kv = scheduler.kv_cache
+    assert kv.usage() == 0.0
+    assert kv.pool.num_free_blocks() == kv.pool.num_usable_blocks
+    assert kv.req_blocks == {}
+
+
+def test_every_request_gets_exactly_max_tokens_and_frees_its_blocks():
+    s = make_scheduler()
+    for i, (prompt, max_tokens) in enumerate([(5, 3), (12, 1), (9, 7)]):
+        s.add_request(make_request(f"r{i}", prompt, max_tokens))
+    driver = Driver(s)
+    driver.run()
+    assert {k: r.num_output_tokens for k, r in driver.finished.items()} == {"r0": 3, "r1": 1, "r2": 7}
+    assert all(r.status == RequestStatus.FINISHED_LENGTH for r in driver.finished.values())
+    assert_no_blocks_held(s)
+
+
+def test_token_budget_is_respected_and_used_when_there_is_work():
+    s = make_scheduler(max_num_batched_tokens=16)
+    for i in range(6):
+        s.add_request(make_request(f"r{i}", 10, max_tokens=3))
+    driver = Driver(s)
+    first = driver.step()
+    assert first.num_batched_tokens == 16           # r0's prompt and 6 tokens of r1's
+    assert chunk_sizes(first) == {"r0": 10, "r1": 6}
+    driver.run()
+    assert max(o.num_batched_tokens for o in driver.outputs) == 16
+
+
+def test_at_most_max_num_seqs_run_at_once():
+    s = make_scheduler(max_num_seqs=3, max_num_batched_tokens=64)
+    for i in range(7):
+        s.add_request(make_request(f"r{i}", 4, max_tokens=5))
+    driver = Driver(s)
+    out = driver.step()
+    assert [c.request.request_id for c in out.chunks] == ["r0", "r1", "r2"]
+    assert len(s.running) == 3 and len(s.waiting) == 4
+    while s.has_unfinished():
+        driver.step()
+        assert len(s.running) <= 3
+    assert len(driver.finished) == 7
+
+
+def test_running_requests_come_first_then_waiting_ones_in_arrival_order():
+    s = make_scheduler(max_num_batched_tokens=64)
+    s.add_request(make_request("b", 3, max_tokens=9))
+    s.add_request(make_request("a", 3, max_tokens=9))
+    driver = Driver(s)
+    driver.step()
+    for request_id in ("z", "c", "y"):
+        s.add_request(make_request(request_id, 3, max_tokens=9))
+    out = driver.step()
+    assert [c.request.request_id for c in out.chunks] == ["b", "a", "z", "c", "y"]
+
+
+def test_a_step_mixes_decodes_and_a_new_prompt():
+    s = make_scheduler(max_num_batched_tokens=32)
+    s.add_request(make_request("old", 6, max_tokens=10))
+    driver = Driver(s)
+    driver.step()
+    s.add_request(make_request("new", 11, max_tokens=10))
+    out = driver.step()
+    assert chunk_sizes(out) == {"old": 1, "new": 11}
+    assert s.requests["old"].num_output_tokens == 2 and s.requests["new"].num_output_tokens == 1
+
+
+def test_chunked_prefill_splits_a_long_prompt_while_decodes_keep_flowing():
+    s = make_scheduler(max_num_batched_tokens=8, max_model_len=64)
+    s.add_request(make_request("dec", 3, max_tokens=20))
+    driver = Driver(s)
+    driver.step()
+    s.add_request(make_request("long", 30, max_tokens=2))
+    long, long_chunks = s.requests["long"], []
+    while not long.output_token_ids:
+        sizes = chunk_sizes(driver.step())
+        assert sizes["dec"] == 1                       # the decode is never starved
+        long_chunks.append(sizes["long"])
+        # a token is sampled only once the whole prompt is in
+        assert long.num_output_tokens == (sum(long_chunks) == 30)
+    assert long_chunks == [7, 7, 7, 7, 2]
+
+
+def test_without_chunked_prefill_a_prompt_waits_until_it_fits_whole():
+    def run(chunked):
+        s = make_scheduler(max_num_batched_tokens=16, chunked=chunked)
+        s.add_request(make_request("dec", 3, max_tokens=4))
+        driver = Driver(s)
+        driver.step()
+        s.add_request(make_request("big", 16, max_tokens=1))
+        return [chunk_sizes(driver.step()) for _ in range(4)]
+
+    assert run(chunked=True)[0] == {"dec": 1, "big": 15}
+    # "dec" needs one token per step for 3 more steps; "big" needs the whole budget
+    assert run(chunked=False) == [{"dec": 1}, {"dec": 1}, {"dec": 1}, {"big": 16}]
+
+
+def test_preemption_recomputes_the_newest_request_which_later_finishes():
+    # 6 usable blocks of 4 tokens; "old" and "new" each grow past 2 blocks
+    s = make_scheduler(num_blocks=7, block_size=4, max_num_batched_tokens=32)
+    s.add_request(make_request("old", 8, max_tokens=10))
+    s.add_request(make_request("new", 8, max_tokens=9))
+    driver = Driver(s)
+    driver.step()
+    s.add_request(make_request("later", 16, max_tokens=5))   # 4 blocks: cannot join
+    new = s.requests["new"]
+    while not s.num_preemptions:
+        tokens_before = list(new.output_token_ids)
+        out = driver.step()
+    assert out.preempted == [new]
+    assert [c.request.request_id for c in out.chunks] == ["old"]
+    assert s.num_preemptions == 1 and new.num_preemptions == 1
+    assert new.status == RequestStatus.WAITING and new.num_computed_tokens == 0
+    assert s.kv_cache.blocks_of("new") == []
+    assert [r.request_id for r in s.waiting] == ["new", "later"]
+    assert new.output_token_ids == tokens_before and len(tokens_before) == 5
+
+    driver.run()
+    assert driver.finished["new"].num_output_tokens == 9
+    assert driver.finished["new"].output_token_ids[:5] == tokens_before
+    assert driver.finished["old"].num_output_tokens == 10
+    assert driver.finished["later"].num_output_tokens == 5
+    assert_no_blocks_held(s)
+
+
+def test_preempted_request_resumes_with_its_cached_prefix():
+    s = make_scheduler(num_blocks=7, block_size=4, max_num_batched_tokens=32)
+    s.add_request(make_request("old", 8, max_tokens=7))
+    s.add_request(make_request("new", 8, max_tokens=9))
+    driver = Driver(s)
+    while not s.num_preemptions:
+        driver.step()
+    new = s.requests["new"]
+    while new.status != RequestStatus.RUNNING:
+        out = driver.step()
+    # its full blocks were freed but stayed cached: only what was evicted is recomputed
+    resumed = next(c for c in out.chunks if c.request is new)
+    assert resumed.start > 0 and resumed.start % 4 == 0
+    assert resumed.start + resumed.num_new_tokens == new.num_tokens - 1   # one token sampled since
+    driver.run()
+    assert driver.finished["new"].num_output_tokens == 9
+
+
+def test_abort_of_waiting_and_running_requests_frees_their_blocks():
+    s = make_scheduler(max_num_seqs=1)
+    s.add_request(make_request("run", 5, max_tokens=10))
+    s.add_request(make_request("wait", 5, max_tokens=10))
+    driver = Driver(s)
+    driver.step()
+    assert s.kv_cache.usage() > 0.0
+
+    aborted = s.finish_request("wait", RequestStatus.FINISHED_ABORTED)
+    assert aborted.is_finished and aborted.status.finish_reason == "abort"
+    assert list(s.waiting) == []
+
+    out = s.schedule()
+    aborted = s.finish_request("run", RequestStatus.FINISHED_ABORTED)
+    # a step already planned for an aborted request brings it no token
+    s.update_after_step(out, {"run": 42})
+    assert 42 not in aborted.output_token_ids
+    assert s.running == [] and not s.has_unfinished()
+    assert s.finish_request("run", RequestStatus.FINISHED_ABORTED) is None
+    s.check_invariants()
+    assert_no_blocks_held(s)
+
+
+@pytest.mark.parametrize("prompt, max_tokens, match", [
+    (0, 4, "at least 1 token"),
+    (33, 1, "max_model_len"),            # longer than the model takes
+    (17, 17, "KV cache"),                # 32 tokens of K/V fit 8 blocks; 33 do not
+])
+def test_a_request_that_can_never_fit_is_rejected(prompt, max_tokens, match):
+    s = make_scheduler(num_blocks=9, block_size=4, max_num_batched_tokens=32)
+    with pytest.raises(ValueError, match=match):
+        s.add_request(make_request("x", prompt, max_tokens))
+    assert not s.has_unfinished()
+    s.add_request(make_request("fits", 17, max_tokens=16))   # exactly 8 blocks
+    driver = Driver(s)
+    driver.run()
+    assert driver.finished["fits"].num_output_tokens == 16
+
+
+def test_without_chunked_prefill_a_request_too_long_to_recompute_in_one_step_is_rejected():
+    s = make_scheduler(num_blocks=64, max_num_batched_tokens=16, chunked=False)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        s.add_request(make_request("x", 10, max_tokens=8))
+    s.add_request(make_request("ok", 10, max_tokens=7))
+
+
+def test_duplicate_request_id_is_rejected():
+    s = make_scheduler()
+    s.add_request(make_request("a", 4))
+    Driver(s).step()
+    with pytest.raises(ValueError, match="'a'"):
+        s.add_request(make_request("a", 4))
+    assert len(s.running) == 1 and not s.waiting
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_traffic_on_tiny_pools(seed):
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 2, 4])
+    chunked = seed % 2 == 0
+    budget = rng.randint(6, 24) if chunked else rng.randint(16, 24)
+    s = make_scheduler(num_blocks=1 + -(-rng.randint(16, 32) // block_size), block_size=block_size,
+                       max_num_seqs=rng.randint(2, 6), max_num_batched_tokens=budget,
+                       chunked=chunked, caching=seed % 4 != 3)
+    capacity = s.kv_cache.max_tokens_per_request()
+    shared = [rng.randrange(50) for _ in range(8)]       # a common prefix makes cache hits likely
+    driver, aborted, added, rejected = Driver(s), set(), {}, 0
+    for step in range(1000):
+        if step < 80 and rng.random() < 0.4:
+            prompt = shared[:rng.randint(0, 8)] + [rng.randrange(50) for _ in range(rng.randint(1, 8))]
+            request = make_request(f"r{step}", prompt, rng.randint(1, 10))
+            longest = len(prompt) + request.max_tokens - 1
+            if len(prompt) <= budget and longest <= capacity and (chunked or longest <= budget):
+                s.add_request(request)
+                added[request.request_id] = request
+            else:
+                rejected += 1
+                with pytest.raises(ValueError):
+                    s.add_request(request)
+                assert request.request_id not in s.requests
+        if s.requests and rng.random() < 0.04:
+            victim = rng.choice(sorted(s.requests))
+            s.finish_request(victim, RequestStatus.FINISHED_ABORTED)
+            aborted.add(victim)
+            s.check_invariants()
+        if step >= 80 and not s.has_unfinished():
+            break
+        driver.step()
+    assert not s.has_unfinished(), "requests still unfinished after 1000 steps"
+    print(f"seed {seed}: {len(added)} added, {rejected} rejected, {len(aborted)} aborted, "
+          f"{s.num_preemptions} preemptions, {s.kv_cache.prefix_hits} hit tokens, {len(driver.outputs)} steps")
+    assert len(added) >= 15 and s.num_preemptions > 0
+    for request_id, request in added.items():
+        if request_id in aborted:
+            assert request.status == RequestStatus.FINISHED_ABORTED
+            assert request.num_output_tokens <= request.max_tokens
+        else:
+            assert request.status == RequestStatus.FINISHED_LENGTH
+            assert request.num_output_tokens == request.max_tokens
+    assert_no_blocks_held(s)
