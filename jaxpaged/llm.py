@@ -23,10 +23,10 @@ class LLM:
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
                  num_gpu_blocks_override: int | None = None, seed: int = 0, attention_backend: str = "auto",
                  **kwargs: Any):
-        unknown = set(kwargs) - {f for f in EngineArgs.__dataclass_fields__}
+        use_tqdm = kwargs.pop("use_tqdm", True)
+        unknown = set(kwargs) - set(EngineArgs.__dataclass_fields__)
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
-        use_tqdm = kwargs.pop("use_tqdm", True) if "use_tqdm" in kwargs else True
         args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, block_size=block_size,
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                           max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,

@@ -79,17 +79,14 @@ class Scheduler:
         if request.num_tokens > self.config.max_model_len:
             raise ValueError(f"prompt of {request.num_tokens} tokens is longer than max_model_len "
                              f"({self.config.max_model_len})")
-        # the K/V of the last sampled token is never computed
-        longest = request.num_tokens + max(request.max_tokens or 1, 1) - 1
+        # The caller finishes a request at max_tokens outputs or max_model_len tokens, and the
+        # K/V of the last sampled token is never computed. A request that outgrew the pool would
+        # preempt itself forever.
+        longest = min(request.num_tokens + max(request.max_tokens or 1, 1) - 1, self.config.max_model_len)
         if cdiv(longest, self.kv_cache.block_size) > self.kv_cache.pool.num_usable_blocks:
             raise ValueError(f"prompt of {request.num_tokens} tokens plus max_tokens={request.max_tokens} "
-                             f"can never fit in the KV cache: prompt + max_tokens - 1 must be <= "
-                             f"{self.kv_cache.max_tokens_per_request()} tokens")
-        if not self.config.enable_chunked_prefill and longest > self.config.max_num_batched_tokens:
-            # a request resumed after preemption recomputes prompt and outputs in one step
-            raise ValueError(f"prompt of {request.num_tokens} tokens plus max_tokens={request.max_tokens} "
-                             f"must be <= max_num_batched_tokens + 1 ({self.config.max_num_batched_tokens + 1}) "
-                             f"when chunked prefill is off")
+                             f"can never fit in the KV cache: min(prompt + max_tokens - 1, max_model_len) "
+                             f"must be <= {self.kv_cache.max_tokens_per_request()} tokens")
         self.requests[request.request_id] = request
         self.waiting.append(request)
 

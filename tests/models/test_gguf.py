@@ -8,8 +8,7 @@ import gguf
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-from fixtures_smollm2 import (  # noqa: E402
+from tests.fixtures_smollm2 import (  # noqa: E402
     smollm2_hf_model,
     smollm2_ours,
     smollm2_path,

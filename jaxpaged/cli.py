@@ -1,0 +1,80 @@
+"""Command line: `jaxpaged generate`, `jaxpaged bench throughput`."""
+
+import argparse
+import sys
+
+from jaxpaged.engine.arg_utils import EngineArgs
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine flags with vLLM's names."""
+    d = EngineArgs()
+    parser.add_argument("--model", default=None, help="hub id, folder or .gguf (default: built-in SmolLM2)")
+    parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--block-size", type=int, default=d.block_size)
+    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    parser.add_argument("--swap-space", type=float, default=d.swap_space)
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--attention-backend", default=d.attention_backend)
+    parser.add_argument("--preemption-mode", default=d.preemption_mode, choices=["recompute", "swap"])
+    parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    parser.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+
+
+def engine_kwargs(ns: argparse.Namespace) -> dict:
+    keys = set(EngineArgs.__dataclass_fields__) - {"model"}
+    return {k: v for k, v in vars(ns).items() if k in keys}
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from jaxpaged import LLM, SamplingParams
+
+    llm = LLM(ns.model, compile_on_startup=False, **engine_kwargs(ns))
+    params = SamplingParams(temperature=ns.temperature, top_p=ns.top_p, max_tokens=ns.max_tokens, seed=ns.seed)
+    tokenizer = llm.get_tokenizer()
+    use_chat = not ns.no_chat_template and getattr(tokenizer, "chat_template", None)
+    if use_chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in ns.prompt], params, use_tqdm=False)
+    else:
+        outputs = llm.generate(ns.prompt, params, use_tqdm=False)
+    for prompt, out in zip(ns.prompt, outputs):
+        print(f"Prompt: {prompt!r}\nOutput: {out.outputs[0].text}\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="jaxpaged", description="JAX LLM inference with a paged KV cache")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for one or more prompts")
+    add_engine_args(gen)
+    gen.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
+    gen.set_defaults(func=cmd_generate)
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    tp = bench_sub.add_parser("throughput", help="offline throughput vs transformers (see benchmarks/)")
+    tp.add_argument("args", nargs=argparse.REMAINDER)
+    tp.set_defaults(func=lambda ns: _bench_throughput(ns.args))
+    ns = parser.parse_args(argv)
+    try:
+        return ns.func(ns)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _bench_throughput(args: list[str]) -> int:
+    from jaxpaged.bench.throughput import main as bench_main
+    return bench_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
