@@ -22,12 +22,16 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra: objec
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, num_host_blocks: int = 0):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[int]] = {}
+        # the pinned host pool for swapped-out requests (block 0 unused, like the device pool)
+        self.host_pool = BlockPool(num_host_blocks + 1, enable_caching=False) if num_host_blocks else None
+        self.req_host_blocks: dict[str, list[int]] = {}
+        self.pending_copies: list[tuple[int, int]] = []   # copy-on-write (src, dst) for the next step
         self.prefix_queries = 0   # tokens looked up in the prefix cache
         self.prefix_hits = 0      # of which found cached
 
@@ -90,8 +94,11 @@ class KVCacheManager:
         needed = self.num_blocks_needed(request, num_new_tokens, len(new_computed_blocks))
         # hits with ref_cnt 0 sit in the free queue: reviving them consumes free blocks too
         revived = sum(1 for b in new_computed_blocks if self.pool.ref_cnt[b] == 0)
-        if needed + revived > self.pool.num_free_blocks():
+        shared_tail = self._shared_write_block(request) if num_new_tokens else None
+        if needed + revived + (shared_tail is not None) > self.pool.num_free_blocks():
             return None
+        if shared_tail is not None:
+            self._copy_on_write(request, shared_tail)
         self.pool.touch(new_computed_blocks)
         new_blocks = self.pool.allocate(needed)
         blocks = self.req_blocks.setdefault(request.request_id, [])
@@ -100,6 +107,62 @@ class KVCacheManager:
         self._cache_full_blocks(request, request.num_computed_tokens
                                 + len(new_computed_blocks) * self.block_size + num_new_tokens)
         return new_blocks
+
+    def _shared_write_block(self, request: Request) -> int | None:
+        """Index (in the block table) of a shared, partially filled block the next token lands in."""
+        blocks = self.req_blocks.get(request.request_id)
+        if not blocks or request.num_computed_tokens % self.block_size == 0:
+            return None
+        i = request.num_computed_tokens // self.block_size
+        if i < len(blocks) and self.pool.ref_cnt[blocks[i]] > 1:
+            return i
+        return None
+
+    def _copy_on_write(self, request: Request, index: int) -> None:
+        """Give the request a private copy of block `index` (the copy runs on device before the step).
+
+            before:  req A ─┐            after:  req A ── b5
+                     req B ─┴─ b5 (2)            req B ── b9 (copy of b5)
+        """
+        blocks = self.req_blocks[request.request_id]
+        (fresh,) = self.pool.allocate(1)
+        self.pending_copies.append((blocks[index], fresh))
+        self.pool.free([blocks[index]])
+        blocks[index] = fresh
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    # ---- swapping to the host pool ---------------------------------------------------------
+    def can_swap_out(self, request: Request) -> bool:
+        n = len(self.req_blocks.get(request.request_id, ()))
+        return self.host_pool is not None and n > 0 and self.host_pool.can_allocate(n)
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        """Move the request's blocks to host blocks; returns (device, host) pairs to copy. Changes state."""
+        blocks = self.req_blocks.pop(request.request_id)
+        host_blocks = self.host_pool.allocate(len(blocks))
+        self.req_host_blocks[request.request_id] = host_blocks
+        self.pool.free(list(reversed(blocks)))
+        return list(zip(blocks, host_blocks))
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]] | None:
+        """Bring a swapped request back; returns (host, device) pairs, or None if the pool is short."""
+        host_blocks = self.req_host_blocks[request.request_id]
+        blocks = self.pool.allocate(len(host_blocks))
+        if blocks is None:
+            return None
+        del self.req_host_blocks[request.request_id]
+        self.host_pool.free(host_blocks)
+        self.req_blocks[request.request_id] = blocks
+        return list(zip(host_blocks, blocks))
+
+    def num_swapped_blocks(self, request: Request) -> int:
+        return len(self.req_host_blocks.get(request.request_id, ()))
+
+    def host_usage(self) -> float:
+        return self.host_pool.usage() if self.host_pool is not None else 0.0
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Register every block fully covered by the first `num_tokens` tokens.
@@ -118,6 +181,9 @@ class KVCacheManager:
         """Release all blocks of a request (tail first, so its tail is evicted before its prefix)."""
         blocks = self.req_blocks.pop(request.request_id, [])
         self.pool.free(list(reversed(blocks)))
+        host_blocks = self.req_host_blocks.pop(request.request_id, [])
+        if host_blocks:
+            self.host_pool.free(host_blocks)
 
     def fork(self, parent: Request, child: Request) -> None:
         """Child shares all of the parent's blocks by refcount (copy-on-write happens on write)."""
@@ -128,3 +194,5 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         self.pool.check_invariants(self.req_blocks)
+        if self.host_pool is not None:
+            self.host_pool.check_invariants(self.req_host_blocks)

@@ -50,6 +50,8 @@ class Request:
         self.num_preemptions = 0
         self.block_hashes: list[int] = []     # chained hashes of the full blocks of all_token_ids
         self.first_token_time: float | None = None
+        # n > 1: sibling sequences that fork off this one when it samples its first token
+        self.pending_forks: list["Request"] = []
 
     @property
     def num_tokens(self) -> int:

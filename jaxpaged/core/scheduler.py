@@ -53,6 +53,10 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk]
     preempted: list[Request]
     num_batched_tokens: int
+    # block moves the device runs before the step, in this order:
+    swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)   # (device, host)
+    swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)    # (host, device)
+    copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)     # (src, dst) copy-on-write
 
     @property
     def is_empty(self) -> bool:
@@ -65,8 +69,11 @@ class Scheduler:
         self.kv_cache = kv_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -87,6 +94,9 @@ class Scheduler:
             raise ValueError(f"prompt of {request.num_tokens} tokens plus max_tokens={request.max_tokens} "
                              f"can never fit in the KV cache: min(prompt + max_tokens - 1, max_model_len) "
                              f"must be <= {self.kv_cache.max_tokens_per_request()} tokens")
+        if self._num_seats(request) > self.config.max_num_seqs:
+            raise ValueError(f"n={self._num_seats(request)} sequences for one request is more than "
+                             f"max_num_seqs ({self.config.max_num_seqs})")
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -99,18 +109,33 @@ class Scheduler:
             self.running.remove(request)
         elif request.status == RequestStatus.WAITING:
             self.waiting.remove(request)
+        elif request.status == RequestStatus.SWAPPED:
+            self.swapped.remove(request)
         request.status = status
         self.kv_cache.free(request)
         return request
 
+    def fork(self, parent: Request, child: Request) -> None:
+        """Start `child` running on the parent's blocks (shared by refcount, copied on write)."""
+        if child.request_id in self.requests:
+            raise ValueError(f"request_id {child.request_id!r} is already in use")
+        self.kv_cache.fork(parent, child)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.status = RequestStatus.RUNNING
+        self.requests[child.request_id] = child
+        self.running.append(child)
+
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     # ---- the plan ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
+        swap_out: list[tuple[int, int]] = []
+        swap_in: list[tuple[int, int]] = []
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -121,7 +146,7 @@ class Scheduler:
                 continue
             while self.kv_cache.allocate_slots(request, num_new) is None:
                 victim = self.running.pop()
-                self._preempt(victim)
+                swap_out += self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
                     break
@@ -132,9 +157,35 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        while (self.waiting and budget > 0 and not preempted
-               and len(self.running) < self.config.max_num_seqs):
+        # a request that will fork (n > 1) takes its children's seats when admitted, so the forks
+        # never push the running batch past max_num_seqs
+        seats = sum(map(self._num_seats, self.running))
+        # swapped requests come back before any new request is admitted
+        while self.swapped and budget > 0 and not preempted:
+            request = self.swapped[0]
+            if seats + self._num_seats(request) > self.config.max_num_seqs:
+                break
+            num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
+            extra = self.kv_cache.num_blocks_needed(request, num_new) - self.kv_cache.num_swapped_blocks(request)
+            if num_new == 0 or not self.kv_cache.pool.can_allocate(
+                    self.kv_cache.num_swapped_blocks(request) + max(extra, 0)):
+                break
+            pairs = self.kv_cache.swap_in(request)
+            self.kv_cache.allocate_slots(request, num_new)
+            swap_in += pairs
+            self.num_swapped_in_blocks += len(pairs)
+            self.swapped.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            seats += self._num_seats(request)
+            chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new,
+                                         self.kv_cache.blocks_of(request.request_id)))
+            budget -= num_new
+
+        while self.waiting and budget > 0 and not preempted and not self.swapped:
             request = self.waiting[0]
+            if seats + self._num_seats(request) > self.config.max_num_seqs:
+                break
             hits, num_hit_tokens = ([], 0)
             if request.num_computed_tokens == 0:
                 hits, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
@@ -151,11 +202,18 @@ class Scheduler:
             request.num_computed_tokens += num_hit_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            seats += self._num_seats(request)
             chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new,
                                          self.kv_cache.blocks_of(request.request_id)))
             budget -= num_new
 
-        return SchedulerOutput(chunks, preempted, self.config.max_num_batched_tokens - budget)
+        return SchedulerOutput(chunks, preempted, self.config.max_num_batched_tokens - budget,
+                               swap_out, swap_in, self.kv_cache.take_pending_copies())
+
+    @staticmethod
+    def _num_seats(request: Request) -> int:
+        """Sequences the request runs as once its pending forks (n > 1) start."""
+        return 1 + len(request.pending_forks)
 
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
         num_new = request.num_tokens - num_computed
@@ -165,14 +223,22 @@ class Scheduler:
             num_new = budget
         return num_new
 
-    def _preempt(self, request: Request) -> None:
-        """Recompute-style preemption: drop the blocks; generated tokens are kept."""
+    def _preempt(self, request: Request) -> list[tuple[int, int]]:
+        """Swap the request's blocks to the host pool if configured and there is room, else drop
+        them (recompute later); generated tokens are kept. Returns the swap-out pairs."""
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        if self.config.preemption_mode == "swap" and self.kv_cache.can_swap_out(request):
+            pairs = self.kv_cache.swap_out(request)
+            self.num_swapped_out_blocks += len(pairs)
+            request.status = RequestStatus.SWAPPED
+            self.swapped.appendleft(request)
+            return pairs
         self.kv_cache.free(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(request)
+        return []
 
     # ---- after the step ------------------------------------------------------------------
     def update_after_step(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
@@ -191,7 +257,7 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         self.kv_cache.check_invariants()
-        assert len(self.running) <= self.config.max_num_seqs
+        assert sum(map(self._num_seats, self.running)) <= self.config.max_num_seqs
         for request in self.running:
             held = len(self.kv_cache.blocks_of(request.request_id)) * self.kv_cache.block_size
             assert held >= request.num_computed_tokens, f"{request} holds too few blocks"

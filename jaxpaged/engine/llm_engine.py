@@ -38,7 +38,9 @@ class LLMEngine:
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_batched, max_model_len=self.max_model_len,
             enable_chunked_prefill=args.enable_chunked_prefill, preemption_mode=args.preemption_mode)
-        self.kv_cache = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.kv_cache = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
+                                       num_host_blocks=self.runner.swap_space.num_host_blocks
+                                       if self.runner.swap_space else 0)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache)
         self.metrics = EngineMetrics()
         self._rng = np.random.default_rng(args.seed)
@@ -74,15 +76,10 @@ class LLMEngine:
             request = Request(core_id, token_ids, params, self.eos_token_ids, arrival_time, seed, max_tokens)
             sequences.append(SequenceState(request, i, self.tokenizer, request_id))
         state = RequestState(request_id, text, token_ids, sequences)
-        added = []
-        try:
-            for seq in sequences:
-                self.scheduler.add_request(seq.request)
-                added.append(seq)
-        except ValueError:
-            for seq in added:
-                self.scheduler.finish_request(seq.request.request_id, RequestStatus.FINISHED_ABORTED)
-            raise
+        # n > 1: one sequence prefills; the others fork off it (sharing its blocks) when it samples
+        parent = sequences[0].request
+        parent.pending_forks = [seq.request for seq in sequences[1:]]
+        self.scheduler.add_request(parent)
         self._states[request_id] = state
         for seq in sequences:
             self._seqs[seq.request.request_id] = seq
@@ -147,9 +144,13 @@ class LLMEngine:
         """Run one step; returns cumulative outputs of the requests that progressed."""
         plan = self.scheduler.schedule()
         self.metrics.num_preemptions_total += len(plan.preempted)
+        self.metrics.swapped_out_blocks_total += len(plan.swap_out)
+        self.metrics.swapped_in_blocks_total += len(plan.swap_in)
         pending = None
         if not plan.is_empty:
             pending = self.runner.dispatch(plan, self._extra_bias(plan))
+        else:
+            self.runner.move_blocks(plan)
         outputs = self._process_text()                   # overlaps the device step
         if pending is not None:
             result = self.runner.fetch(pending)
@@ -175,9 +176,15 @@ class LLMEngine:
     def _apply(self, plan, result) -> None:
         sampled = {rid: s.token_id for rid, s in result.sampled.items()}
         got_token = self.scheduler.update_after_step(plan, sampled)
+        for request in list(got_token):
+            for child in request.pending_forks:
+                child.append_output_token(sampled[child.request_id])
+                self.scheduler.fork(request, child)
+                got_token.append(child)
+            request.pending_forks = []
         for rid, lps in result.prompt_logprobs.items():
             seq = self._seqs.get(rid)
-            if seq is not None:
+            if seq is not None and seq.index == 0:
                 record_prompt_logprobs(self._states[seq.parent_id], lps, self.tokenizer)
         now = time.monotonic()
         for request in got_token:

@@ -91,8 +91,15 @@ def build_runner(args: EngineArgs, loaded: LoadedModel, use_tqdm: bool = True):
         max_model_len = capacity
     enable_compilation_cache()
     max_batched = args.batched_tokens(max_model_len)
+    num_host_blocks = 0
+    if args.preemption_mode == "swap":
+        per_block = ModelRunner.bytes_per_block(cfg, args.block_size, loaded.dtype)
+        num_host_blocks = int(args.swap_space * (1 << 30)) // per_block
+        if num_host_blocks < 1:
+            logger.warning("swap_space %.3f GiB holds no block: preemption falls back to recompute",
+                           args.swap_space)
     runner = ModelRunner(loaded.model, num_blocks, args.block_size, max_model_len, args.max_num_seqs,
-                         max_batched)
+                         max_batched, num_host_blocks=num_host_blocks)
     logger.info("KV cache: %d blocks of %d tokens (%d tokens), max_model_len %d", num_blocks - 1,
                 args.block_size, capacity, max_model_len)
     if args.compile_on_startup:

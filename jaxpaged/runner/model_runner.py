@@ -20,7 +20,8 @@ from flax import nnx
 from jaxpaged.core.kv_cache_manager import cdiv
 from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.models.batch import ForwardBatch
-from jaxpaged.runner.batch_builder import BatchShape, SeqChunk, build_forward_batch, choose_shape
+from jaxpaged.runner.batch_builder import BatchShape, SeqChunk, build_forward_batch, choose_shape, next_bucket
+from jaxpaged.runner.block_ops import HostSwapSpace, copy_blocks
 from jaxpaged.runner.sampler import SamplingMetadata, build_sampling_metadata, sample, token_logprobs
 from pallas_kernels import kv_pool_shape
 
@@ -77,7 +78,7 @@ def _pack(*arrays: jax.Array) -> jax.Array:
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, kv_dtype=None):
+                 max_num_batched_tokens: int, kv_dtype=None, num_host_blocks: int = 0):
         self.model_config = model.config
         self.graphdef, self.state = nnx.split(model)
         self.block_size = block_size
@@ -90,8 +91,8 @@ class ModelRunner:
         dtype = kv_dtype or model.embed[...].dtype
         self.kv_pool = jnp.zeros(kv_pool_shape(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
                                                cfg.head_dim), dtype)
-        self._step = jax.jit(functools.partial(_step_impl, self.graphdef), donate_argnums=(1,),
-                             static_argnames=("prompt_k",))
+        self._step = functools.partial(_step, self.graphdef)
+        self.swap_space = HostSwapSpace(self.kv_pool, num_host_blocks) if num_host_blocks else None
 
     # ---- sizes -----------------------------------------------------------------------------
     @staticmethod
@@ -99,15 +100,31 @@ class ModelRunner:
         c = model_config
         return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * jnp.dtype(dtype).itemsize
 
-    def shape_for(self, chunks: list[SeqChunk]) -> BatchShape:
-        return choose_shape(chunks, token_floor=16, seq_floor=4, max_tokens=self.max_num_batched_tokens,
-                            max_seqs=self.max_num_seqs)
+    def shape_for(self, chunks: list[SeqChunk], num_sample_rows: int) -> BatchShape:
+        shape = choose_shape(chunks, token_floor=16, seq_floor=4, max_tokens=self.max_num_batched_tokens,
+                             max_seqs=self.max_num_seqs)
+        if num_sample_rows > shape.num_seqs:   # forks of n > 1 sample extra rows
+            seqs = next_bucket(num_sample_rows, 4)
+            shape = dataclasses.replace(shape, num_seqs=seqs, num_logits=max(shape.num_logits, seqs),
+                                        num_tokens=max(shape.num_tokens, seqs))
+        return shape
+
+    def move_blocks(self, plan: SchedulerOutput) -> None:
+        """Swap-outs, swap-ins, then copy-on-write copies: all before the step reads the pool."""
+        if plan.swap_out:
+            self.swap_space.swap_out(self.kv_pool, plan.swap_out)
+        if plan.swap_in:
+            self.kv_pool = self.swap_space.swap_in(self.kv_pool, plan.swap_in)
+        if plan.copies:
+            self.kv_pool = copy_blocks(self.kv_pool, plan.copies)
 
     # ---- one step ----------------------------------------------------------------------------
     def dispatch(self, plan: SchedulerOutput, extra_bias: dict[str, dict[int, float]]) -> _Pending:
         """Build the inputs and queue the step on the device; returns without waiting."""
+        self.move_blocks(plan)
         chunks, rows, lp_rows = [], [], []
         sample_rows = []
+        row_requests = []   # the request whose params/seed drive each sample row
         prompt_k = -1
         row = 0
         for chunk in plan.chunks:
@@ -127,16 +144,23 @@ class ModelRunner:
             if chunk.samples:
                 rows.append((request.request_id, len(sample_rows)))
             sample_rows.append(row + len(positions) - 1 if positions else 0)
+            row_requests.append(request)
             row += len(positions)
             chunks.append(SeqChunk(tokens, chunk.start, chunk.block_ids, positions))
-        shape = self.shape_for(chunks)
+        for i, chunk in enumerate(plan.chunks):   # n > 1: siblings sample their first token from the same logits
+            if chunk.samples:
+                for child in chunk.request.pending_forks:
+                    rows.append((child.request_id, len(sample_rows)))
+                    sample_rows.append(sample_rows[i])
+                    row_requests.append(child)
+        shape = self.shape_for(chunks, len(sample_rows))
         if row > shape.num_logits:
             shape = dataclasses.replace(shape, num_logits=min(
                 max(shape.num_logits * 2, 1 << (row - 1).bit_length()), shape.num_tokens))
         batch = build_forward_batch(chunks, self.block_size, self.max_blocks_per_seq, shape)
         sample_rows_arr = np.zeros(shape.num_seqs, np.int32)
         sample_rows_arr[:len(sample_rows)] = sample_rows
-        requests = [c.request for c in plan.chunks]
+        requests = row_requests
         smd = build_sampling_metadata(
             [r.sampling_params for r in requests], [r.seed for r in requests],
             [r.num_output_tokens for r in requests], [r.output_token_ids for r in requests],
@@ -210,7 +234,8 @@ class ModelRunner:
                 progress.update(1)
 
 
-def _step_impl(graphdef, state, kv_pool, batch: ForwardBatch, sample_rows, smd: SamplingMetadata,
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("prompt_k",), donate_argnums=(2,))
+def _step(graphdef, state, kv_pool, batch: ForwardBatch, sample_rows, smd: SamplingMetadata,
                prompt_targets, *, prompt_k: int):
     model = nnx.merge(graphdef, state)
     kv_pool, hidden = model.hidden_states(kv_pool, batch)

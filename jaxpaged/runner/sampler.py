@@ -49,7 +49,8 @@ class SamplerOutput:
     topk_logprobs: jax.Array  # f32[S, K]
 
 
-def token_logprobs(logits, target_ids, num_logprobs):
+def token_logprobs(logits: jax.Array, target_ids: jax.Array, num_logprobs: int
+                   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Logprob and 1-based rank of target_ids[p] under log_softmax(logits[p]), plus the top-K.
 
     logits: f32[P, V], target_ids: i32[P]. Returns (f32[P], i32[P], i32[P, K], f32[P, K]).
@@ -160,7 +161,7 @@ def _random_sample(logits, md):
     return jnp.argmax(logits + noise, axis=-1).astype(jnp.int32)
 
 
-def sample(logits, md):
+def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
     """Turn f32[S, V] logits into one token per row; pure, meant to run inside a jit."""
     logits = logits.astype(jnp.float32)
     processed = _apply_bias_and_penalties(logits, md)
@@ -199,8 +200,10 @@ def _token_ids(name, row, ids, vocab_size):
     return ids
 
 
-def build_sampling_metadata(params, seeds, steps, output_token_ids, prompt_token_ids,
-                            extra_bias, vocab_size, padded_size):
+def build_sampling_metadata(params: list, seeds: list[int], steps: list[int],
+                            output_token_ids: list[list[int]], prompt_token_ids: list[list[int]],
+                            extra_bias: list[dict[int, float] | None], vocab_size: int,
+                            padded_size: int) -> SamplingMetadata:
     """Host side: per-request parameters -> padded numpy SamplingMetadata (rows past
     len(params) are greedy padding). The [S, V] arrays stay None when no row needs them."""
     n = len(params)
