@@ -6,7 +6,7 @@ from typing import Any, Sequence
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.outputs import RequestOutput
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import BeamSearchParams, SamplingParams
 
 PromptType = str | list[int] | dict
 
@@ -75,6 +75,18 @@ class LLM:
                                                  add_generation_prompt=add_generation_prompt)
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams):
+        """Beam search per prompt; returns one BeamSearchOutput per prompt, `sequences` best first.
+
+        Beams share the prompt's (and each other's) KV blocks by fork and copy-on-write.
+        """
+        from jaxpaged.engine.beam_search import run_beam_search
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        token_lists = [self.llm_engine._tokenize(p)[1] for p in prompts]
+        return run_beam_search(self.llm_engine, token_lists, params)
 
     def _run(self, prompts: list, params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

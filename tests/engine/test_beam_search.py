@@ -1,0 +1,40 @@
+"""Beam search against transformers' generate(num_beams=..., do_sample=False) on tiny models."""
+
+import numpy as np
+import pytest
+
+from jaxpaged import BeamSearchParams
+from tests.engine.test_llm_generate import tiny_llm
+from tests.tiny_models import hf_model, tiny_checkpoint
+
+
+def hf_beams(arch, prompt, width, max_tokens):
+    import torch
+
+    model = hf_model(tiny_checkpoint(arch))
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             num_beams=width, num_return_sequences=width, do_sample=False,
+                             max_new_tokens=max_tokens, min_new_tokens=max_tokens, pad_token_id=0,
+                             output_scores=True, return_dict_in_generate=True, length_penalty=1.0)
+    return [seq[len(prompt):].tolist() for seq in out.sequences], out.sequences_scores.tolist()
+
+
+@pytest.mark.parametrize("arch,width", [("llama", 2), ("llama", 4), ("qwen3", 3)])
+def test_beam_search_matches_transformers(arch, width):
+    llm = tiny_llm(arch)
+    rng = np.random.default_rng(width)
+    prompts = [rng.integers(3, 320, n).tolist() for n in (5, 12)]
+    max_tokens = 8
+    outputs = llm.beam_search([{"prompt_token_ids": p} for p in prompts],
+                              BeamSearchParams(beam_width=width, max_tokens=max_tokens, ignore_eos=True))
+    for prompt, out in zip(prompts, outputs):
+        ref_tokens, ref_scores = hf_beams(arch, prompt, width, max_tokens)
+        ours = [s.tokens[len(prompt):] for s in out.sequences]
+        assert ours[0] == ref_tokens[0]
+        assert ours == ref_tokens
+        for seq, score in zip(out.sequences, ref_scores):
+            assert abs(seq.cum_logprob / max_tokens - score) < 1e-4
+            assert seq.tokens[:len(prompt)] == prompt
+    assert llm.get_metrics()["jaxpaged:kv_cache_usage_perc"] == 0.0
+    assert not llm.llm_engine.scheduler.requests
