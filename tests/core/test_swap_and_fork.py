@@ -274,6 +274,6 @@ def test_randomized_arrivals_forks_aborts_and_preemptions(mode, chunked, seed):
     assert s.num_swapped_out_blocks == s.num_swapped_in_blocks + aborted_swapped_blocks
     # the run exercised what it claims to
     assert len(parents) >= 30 and s.num_preemptions > 0 and set(aborted_from) == set(abort_turns)
-    assert any(out.copies for out in driver.outputs) and len(driver.sequences) > len(parents) - len(aborted)
+    assert any(out.copies for out in driver.outputs) and any("#" in rid for rid in driver.sequences)
     if mode == "swap":
         assert s.num_swapped_out_blocks > 0
