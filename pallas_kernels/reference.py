@@ -119,8 +119,12 @@ def ragged_paged_attention_reference(
         acc, m, l = carry
         block_idx = jnp.clip(c * chunk + jnp.arange(chunk, dtype=jnp.int32), 0, max_blocks - 1)
         block_ids = tables[:, block_idx]                                            # [N, chunk]
-        k = pages[k_base + block_ids].reshape(num_tiles, chunk_tokens, kv_heads, head_dim)
-        v = pages[v_base + block_ids].reshape(num_tiles, chunk_tokens, kv_heads, head_dim)
+        # block ids are valid by construction (padding points at block 0): skip XLA's bounds clamping,
+        # which makes CPU gathers several times slower
+        k = pages.at[k_base + block_ids].get(mode="promise_in_bounds")
+        v = pages.at[v_base + block_ids].get(mode="promise_in_bounds")
+        k = k.reshape(num_tiles, chunk_tokens, kv_heads, head_dim)
+        v = v.reshape(num_tiles, chunk_tokens, kv_heads, head_dim)
         s = jnp.einsum("nqhgd,nkhd->nhgqk", q_tiles, k.astype(jnp.float32))
         s = jnp.where(cap > 0, cap * jnp.tanh(s / jnp.where(cap > 0, cap, 1.0)), s)
         k_pos = c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)       # [ck]

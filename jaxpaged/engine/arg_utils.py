@@ -2,7 +2,7 @@
 
 import dataclasses
 
-ATTENTION_BACKENDS = ("auto", "reference", "pallas", "triton")
+from pallas_kernels.backends import BACKENDS as ATTENTION_BACKENDS
 
 
 @dataclasses.dataclass

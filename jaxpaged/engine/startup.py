@@ -45,7 +45,9 @@ def load_model_and_tokenizer(args: EngineArgs):
         from jaxpaged.models.builtin import BUILTIN_MODEL_NAME, builtin_model_path
         model = builtin_model_path()
         name = name or BUILTIN_MODEL_NAME
-    loaded = load_model(model, args.dtype, args.revision)
+    from pallas_kernels.backends import resolve_backend
+    backend = resolve_backend(args.attention_backend)
+    loaded = load_model(model, args.dtype, args.revision, attention_backend=backend)
     tokenizer = load_tokenizer(args, loaded)
     return loaded, tokenizer, name or args.model
 

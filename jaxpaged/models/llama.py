@@ -17,7 +17,7 @@ from flax import nnx
 from jaxpaged.models.batch import ForwardBatch
 from jaxpaged.models.config import ModelConfig
 from pallas_kernels import write_kv
-from pallas_kernels.reference import ragged_paged_attention_reference
+from pallas_kernels.backends import get_attention
 
 # name -> shape, for the stacked per-layer weights (None entries are optional)
 def layer_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -87,8 +87,9 @@ def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 class LlamaFamilyForCausalLM(nnx.Module):
     """Weights in our layout (see `weight_shapes`); build with `from_weights`."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, jax.Array]):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, jax.Array], attention_backend: str = "reference"):
         self.config = cfg
+        self.attention_backend = attention_backend   # a resolved name (see pallas_kernels.backends)
         self.embed = nnx.Param(weights["embed"])
         self.final_norm = nnx.Param(weights["final_norm"])
         self.lm_head = nnx.Param(weights["lm_head"]) if "lm_head" in weights else None
@@ -121,12 +122,12 @@ class LlamaFamilyForCausalLM(nnx.Module):
         layers = {k: v[...] for k, v in self.layers.items()}
         xs = (layers, jnp.arange(cfg.num_layers, dtype=jnp.int32),
               jnp.asarray(cfg.sliding_windows, jnp.int32))
-        step = functools.partial(_decoder_layer, cfg, batch, cos, sin)
+        step = functools.partial(_decoder_layer, cfg, get_attention(self.attention_backend), batch, cos, sin)
         (hidden, kv_pool), _ = jax.lax.scan(step, (hidden, kv_pool), xs)
         return kv_pool, hidden
 
 
-def _decoder_layer(cfg: ModelConfig, batch: ForwardBatch, cos, sin, carry, xs):
+def _decoder_layer(cfg: ModelConfig, attention, batch: ForwardBatch, cos, sin, carry, xs):
     hidden, kv_pool = carry
     w, layer, window = xs
     num_tokens = hidden.shape[0]
@@ -143,8 +144,7 @@ def _decoder_layer(cfg: ModelConfig, batch: ForwardBatch, cos, sin, carry, xs):
     q = apply_rotary(q, cos, sin)
     k = apply_rotary(k, cos, sin)
     kv_pool = write_kv(kv_pool, layer, k, v, batch.slot_mapping)
-    attn = ragged_paged_attention_reference(
-        q, kv_pool, layer, batch.attn, window, sm_scale=cfg.head_dim ** -0.5)
+    attn = attention(q, kv_pool, layer, batch.attn, window, sm_scale=cfg.head_dim ** -0.5)
     out = attn.reshape(num_tokens, cfg.q_size) @ w["wo"]
     if cfg.o_bias:
         out = out + w["bo"]

@@ -132,7 +132,8 @@ def _local_folder(model: str, revision: str | None = None) -> str:
             f"({type(exc).__name__}: {exc})") from exc
 
 
-def load_model(model: str, dtype: str = "auto", revision: str | None = None) -> LoadedModel:
+def load_model(model: str, dtype: str = "auto", revision: str | None = None,
+               attention_backend: str = "reference") -> LoadedModel:
     """Load weights and config; `model` is a .gguf path, a local folder or a hub id."""
     if model.endswith(".gguf"):
         from jaxpaged.models.gguf_loader import load_gguf
@@ -156,4 +157,4 @@ def load_model(model: str, dtype: str = "auto", revision: str | None = None) -> 
         weights = convert_hf_weights(checkpoint.get, checkpoint.__contains__, cfg, dtype)
         source = folder
     model_cls = model_class_for(cfg.architecture)
-    return LoadedModel(model_cls(cfg, weights), cfg, hf_config, dtype, source)
+    return LoadedModel(model_cls(cfg, weights, attention_backend), cfg, hf_config, dtype, source)

@@ -1,0 +1,248 @@
+"""Ragged paged attention as a Pallas kernel, lowered through Pallas' Triton backend.
+
+Same contract as `reference.py`. One program per (query tile, kv head, kv split):
+
+    grid = (num_tiles, kv_heads, num_kv_splits)
+    program (t, h, s):  rows = the q_tile queries of tile t x the `group` heads of kv head h
+                        walks pages [s * pages_per_split, (s+1) * pages_per_split) of the
+                        tile's sequence, `pages_per_step` pages at a time:
+                          page ids <- block_tables[seq, step]          (a few i32)
+                          K, V     <- kv_pool[layer, 0|1, pages, :, h, :]  (pointer gather)
+                        online softmax in fp32, writes (acc, max, sum) or the final rows
+
+Every KV byte a tile needs is read once per (tile, kv head): decodes read their context
+once, a prompt chunk of T tiles re-reads its causal prefix up to T times. Keys after the
+tile's last query and before its sliding window are never loaded. With more than one
+split the partial (acc, max, sum) go to HBM in fp32 and a small jnp reduction merges them
+(split-K), which keeps the GPU busy when a decode batch has few (tile, head) programs.
+
+Triton needs power-of-two tensors and matmuls of at least 16 x 16 x 16, hence the limits
+on block_size and head_dim and the padding of each tile's rows to at least 16.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
+
+from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.reference import _tile_layout, validate_inputs
+
+_MASKED = -1e30
+_MAX_ROWS = 128          # rows (queries x heads) per program: the fp32 accumulator lives in registers
+_TARGET_PROGRAMS = 264   # about two waves on a 132-SM H100/H200; more splits only add reduction work
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _validate_kernel_inputs(q, kv_pool, md, kv_chunk_blocks, num_kv_splits):
+    validate_inputs(q, kv_pool, md)
+    head_dim, block_size = q.shape[2], kv_pool.shape[3]
+    group = q.shape[1] // kv_pool.shape[4]
+    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two in [16, 256] for the Pallas kernel, got {head_dim}")
+    if block_size > 256 or block_size & (block_size - 1):
+        raise ValueError(f"block_size (kv_pool.shape[3]) must be a power of two in [1, 256], got {block_size}")
+    if group > _MAX_ROWS:
+        raise ValueError(f"num_heads // kv_heads must be in [1, {_MAX_ROWS}], got {group}")
+    if kv_chunk_blocks < 1:
+        raise ValueError(f"kv_chunk_blocks must be >= 1, got {kv_chunk_blocks}")
+    if num_kv_splits is not None and num_kv_splits < 1:
+        raise ValueError(f"num_kv_splits must be None or >= 1, got {num_kv_splits}")
+    if q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        raise ValueError(f"q dtype must be float32, bfloat16 or float16, got {q.dtype}")
+    if kv_pool.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        raise ValueError(f"kv_pool dtype must be float32, bfloat16 or float16, got {kv_pool.dtype}")
+
+
+def _dot(a, b, *, contract_b):
+    """a @ b (or a @ b.T) with fp32 accumulation whatever the input dtype."""
+    return jax.lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _attention_kernel(info_ref, tables_ref, cap_ref, q_ref, kv_ref, *out_refs, group, pages_per_step,
+                      steps_per_split, sm_scale, use_cap, split_output):
+    rows, head_dim = q_ref.shape
+    block_size = kv_ref.shape[3]
+    step_tokens = pages_per_step * block_size
+    head, split = pl.program_id(1), pl.program_id(2)
+    seq, kv_len, first_pos, num_queries = info_ref[0], info_ref[1], info_ref[2], info_ref[3]
+    layer, window = info_ref[4], info_ref[5]
+
+    query = jnp.arange(rows, dtype=jnp.int32) // group       # row r holds query r // group, head r % group
+    row_valid = query < num_queries
+    q_pos = first_pos + query
+    # Keys after the tile's last query are causally invisible; keys before the first query's
+    # window are invisible to every row.
+    kv_end = jnp.minimum(kv_len, first_pos + num_queries)
+    kv_start = jnp.where(window > 0, jnp.maximum(first_pos - window + 1, 0), 0)
+    first_step = jnp.maximum(split * steps_per_split, kv_start // step_tokens)
+    end_step = jnp.minimum((split + 1) * steps_per_split, pl.cdiv(kv_end, step_tokens))
+
+    q = q_ref[...]
+    compute_dtype = jnp.promote_types(q.dtype, kv_ref.dtype)
+    q = q.astype(compute_dtype)
+
+    def step(j, carry):
+        acc, m, l = carry
+        pages = tables_ref[seq, pl.ds(j * pages_per_step, pages_per_step)]
+        k = kv_ref[layer, 0, pages, :, head, :].reshape(step_tokens, head_dim).astype(compute_dtype)
+        v = kv_ref[layer, 1, pages, :, head, :].reshape(step_tokens, head_dim).astype(compute_dtype)
+        k_pos = j * step_tokens + jnp.arange(step_tokens, dtype=jnp.int32)
+        # Slots past kv_len hold stale data of earlier owners; zeroing V keeps a NaN there
+        # from turning 0 * NaN into a poisoned row.
+        v = jnp.where((k_pos < kv_len)[:, None], v, jnp.zeros_like(v))
+        s = _dot(q, k, contract_b=1) * sm_scale                          # [rows, step_tokens] fp32
+        if use_cap:
+            cap = cap_ref[0]
+            s = jnp.where(cap > 0, cap * jnp.tanh(s / jnp.where(cap > 0, cap, 1.0)), s)
+        mask = row_valid[:, None] & (k_pos[None, :] < kv_len) & (k_pos[None, :] <= q_pos[:, None])
+        mask &= (window <= 0) | (q_pos[:, None] - k_pos[None, :] < window)
+        s = jnp.where(mask, s, _MASKED)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        l = l * alpha + p.sum(axis=1)
+        acc = acc * alpha[:, None] + _dot(p.astype(compute_dtype), v, contract_b=0)
+        return acc, m_new, l
+
+    acc = jnp.zeros((rows, head_dim), jnp.float32)
+    m = jnp.full((rows,), _MASKED, jnp.float32)
+    l = jnp.zeros((rows,), jnp.float32)
+    acc, m, l = jax.lax.fori_loop(first_step, jnp.maximum(first_step, end_step), step, (acc, m, l))
+    if split_output:
+        acc_ref, m_ref, l_ref = out_refs
+        acc_ref[...] = acc
+        m_ref[...] = m
+        l_ref[...] = l
+    else:
+        (out_ref,) = out_refs
+        out_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(out_ref.dtype)
+
+
+def _kernel_q_tile(q_tile: int, group: int) -> int:
+    """Largest power of two <= q_tile whose rows (q_tile * group) fit one program."""
+    tile = 1
+    while tile * 2 <= q_tile and tile * 2 * group <= _MAX_ROWS:
+        tile *= 2
+    return tile
+
+
+def ragged_paged_attention_pallas(
+    q: jax.Array,             # [num_tokens, num_heads, head_dim]
+    kv_pool: jax.Array,       # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+    layer: jax.Array,         # i32[] which layer of the pool to read
+    md: AttentionMetadata,
+    sliding_window: jax.Array | int = 0,  # i32[]; 0 = no window, else keys with q_pos - k_pos < window
+    soft_cap: float | jax.Array = 0.0,    # 0 = off, else logits -> cap * tanh(logits / cap)
+    *,
+    sm_scale: float,
+    kv_chunk_blocks: int = 8,             # at most this many pages per inner step
+    interpret: bool = False,              # run on CPU through the Pallas interpreter
+    num_kv_splits: int | None = None,     # programs per (tile, kv head) along the context; None = auto
+) -> jax.Array:               # [num_tokens, num_heads, head_dim], dtype of q
+    """Attention of a ragged batch over the paged pool; pure, returns a new array.
+
+    Raises ValueError for shapes, dtypes or sizes the kernel cannot handle.
+    """
+    _validate_kernel_inputs(q, kv_pool, md, kv_chunk_blocks, num_kv_splits)
+    # A Python 0 soft cap is known at trace time: skip the tanh instead of masking it.
+    use_cap = not (isinstance(soft_cap, (int, float)) and soft_cap == 0)
+    return _attention(q, kv_pool, layer, md, sliding_window, soft_cap, sm_scale=sm_scale,
+                      kv_chunk_blocks=kv_chunk_blocks, interpret=interpret, num_kv_splits=num_kv_splits,
+                      use_cap=use_cap)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "kv_chunk_blocks", "interpret", "num_kv_splits",
+                                             "use_cap"))
+def _attention(q, kv_pool, layer, md, sliding_window, soft_cap, *, sm_scale, kv_chunk_blocks, interpret,
+               num_kv_splits, use_cap):
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, kv_heads = kv_pool.shape[3], kv_pool.shape[4]
+    group = num_heads // kv_heads
+    num_seqs, max_blocks = md.block_tables.shape
+
+    q_tile = _kernel_q_tile(md.q_tile, group)
+    rows = max(16, _next_pow2(q_tile * group))
+    # A step must give Triton's dot at least 16 keys; past ~64-128 keys the K/V tiles spill.
+    step_tokens = max(16, block_size, min(kv_chunk_blocks * block_size, 128 if rows <= 32 else 64))
+    pages_per_step = max(1, _next_pow2(step_tokens) // block_size)
+    total_steps = pl.cdiv(max_blocks, pages_per_step)
+
+    q_lens, tile_seq, tile_valid, tile_first_row, token_tile, token_row = _tile_layout(
+        dataclasses.replace(md, q_tile=q_tile), num_tokens)
+    num_tiles = tile_seq.shape[0]
+    if num_kv_splits is None:
+        num_kv_splits = max(1, min(total_steps, _TARGET_PROGRAMS // (num_tiles * kv_heads)))
+    steps_per_split = pl.cdiv(total_steps, num_kv_splits)
+
+    kv_len = jnp.where(tile_valid, md.kv_lens[tile_seq], 0)
+    num_queries = jnp.where(tile_valid, jnp.clip(q_lens[tile_seq] - tile_first_row, 0, q_tile), 0)
+    first_pos = kv_len - q_lens[tile_seq] + tile_first_row
+    zeros = jnp.zeros_like(kv_len)
+    info = jnp.stack([tile_seq, kv_len, first_pos, num_queries,
+                      zeros + jnp.asarray(layer, jnp.int32), zeros + jnp.asarray(sliding_window, jnp.int32),
+                      zeros, zeros], axis=1).astype(jnp.int32)                        # [tiles, 8]
+    # Padded columns point at the null block so the last step of a split never reads out of bounds.
+    padded_blocks = num_kv_splits * steps_per_split * pages_per_step
+    tables = jnp.pad(md.block_tables.astype(jnp.int32), ((0, 0), (0, padded_blocks - max_blocks)))
+    cap = jnp.asarray(soft_cap, jnp.float32).reshape(1)
+
+    # Rows of a tile: query-major, heads of one kv group inside; padding rows and padded
+    # tokens are zeroed so garbage (even NaN) in unused q slots stays out of the dots.
+    rows_in_tile = jnp.arange(q_tile, dtype=jnp.int32)
+    q_index = jnp.clip(md.cu_q_lens[tile_seq][:, None] + tile_first_row[:, None] + rows_in_tile, 0, num_tokens - 1)
+    q_valid = rows_in_tile[None, :] < num_queries[:, None]
+    q_tiles = jnp.where(q_valid[:, :, None, None], q[q_index], jnp.zeros((), q.dtype))     # [N, qt, H, D]
+    q_tiles = q_tiles.reshape(num_tiles, q_tile, kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+    q_tiles = q_tiles.reshape(num_tiles, kv_heads, q_tile * group, head_dim)
+    q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, rows - q_tile * group), (0, 0)))
+
+    split_output = num_kv_splits > 1
+    if split_output:
+        out_shape = [jax.ShapeDtypeStruct((num_kv_splits, num_tiles, kv_heads, rows, head_dim), jnp.float32),
+                     jax.ShapeDtypeStruct((num_kv_splits, num_tiles, kv_heads, rows), jnp.float32),
+                     jax.ShapeDtypeStruct((num_kv_splits, num_tiles, kv_heads, rows), jnp.float32)]
+        out_specs = [pl.BlockSpec((None, None, None, rows, head_dim), lambda t, h, s: (s, t, h, 0, 0)),
+                     pl.BlockSpec((None, None, None, rows), lambda t, h, s: (s, t, h, 0)),
+                     pl.BlockSpec((None, None, None, rows), lambda t, h, s: (s, t, h, 0))]
+    else:
+        out_shape = jax.ShapeDtypeStruct((num_tiles, kv_heads, rows, head_dim), q.dtype)
+        out_specs = pl.BlockSpec((None, None, rows, head_dim), lambda t, h, s: (t, h, 0, 0))
+
+    kernel = functools.partial(
+        _attention_kernel, group=group, pages_per_step=pages_per_step, steps_per_split=steps_per_split,
+        sm_scale=sm_scale, use_cap=use_cap, split_output=split_output)
+    big = rows * max(head_dim, pages_per_step * block_size) > 64 * 128
+    result = pl.pallas_call(
+        kernel,
+        grid=(num_tiles, kv_heads, num_kv_splits),
+        in_specs=[pl.BlockSpec((None, 8), lambda t, h, s: (t, 0)),
+                  pl.BlockSpec(tables.shape, lambda t, h, s: (0, 0)),
+                  pl.BlockSpec((1,), lambda t, h, s: (0,)),
+                  pl.BlockSpec((None, None, rows, head_dim), lambda t, h, s: (t, h, 0, 0)),
+                  pl.BlockSpec(kv_pool.shape, lambda t, h, s: (0,) * 6)],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=pl_triton.CompilerParams(num_warps=8 if big else 4, num_stages=2),
+        interpret=interpret,
+        name="ragged_paged_attention",
+    )(info, tables, cap, q_tiles, kv_pool)
+
+    if split_output:
+        acc, m, l = result
+        m_all = m.max(axis=0)
+        weight = jnp.exp(m - m_all)                                                  # [S, N, h, rows]
+        l = (l * weight).sum(axis=0)
+        acc = (acc * weight[..., None]).sum(axis=0)
+        out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    else:
+        out = result
+    out = out[:, :, :q_tile * group].reshape(num_tiles, kv_heads, q_tile, group, head_dim)
+    out = out.transpose(0, 2, 1, 3, 4).reshape(num_tiles, q_tile, num_heads, head_dim)
+    return out[token_tile, token_row].astype(q.dtype)
