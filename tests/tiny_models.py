@@ -19,12 +19,18 @@ def _config(arch: str, **overrides):
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if arch == "llama":
-        cfg = transformers.LlamaConfig(**{**common, "tie_word_embeddings": True,
-                                          "rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0,
-                                                              "factor": 8.0, "low_freq_factor": 1.0,
-                                                              "high_freq_factor": 4.0,
-                                                              "original_max_position_embeddings": 64}},
-                                       **overrides)
+        rope = overrides.pop("rope", "llama3")
+        rope_parameters = {
+            "llama3": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+            "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+            # dynamic NTK only acts past max_position_embeddings: keep it short so tests reach it
+            "dynamic": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+        }[rope]
+        if rope == "dynamic":
+            common["max_position_embeddings"] = 32
+        cfg = transformers.LlamaConfig(**{**common, "tie_word_embeddings": True, "rope_parameters": rope_parameters,
+                                          **overrides})
     elif arch == "mistral":
         cfg = transformers.MistralConfig(**{**common, "num_key_value_heads": 1, "sliding_window": 12,
                                             "head_dim": 32}, **overrides)

@@ -17,8 +17,8 @@ NUM_BLOCKS = 48
 
 
 @functools.cache
-def loaded(arch: str):
-    path = tiny_checkpoint(arch)
+def loaded(arch: str, **overrides):
+    path = tiny_checkpoint(arch, **overrides)
     model = load_model(path, dtype="float32")
     graphdef, state = nnx.split(model.model)
 
@@ -45,9 +45,11 @@ def scattered_blocks(rng, n):
     return list(rng.permutation(np.arange(1, NUM_BLOCKS))[:n])
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_whole_prompt_logits_match_transformers(arch):
-    path, cfg, forward = loaded(arch)
+@pytest.mark.parametrize("arch,rope", [(a, None) for a in ARCHITECTURES] + [("llama", "linear"),
+                                                                             ("llama", "dynamic")])
+def test_whole_prompt_logits_match_transformers(arch, rope):
+    """40-token prompts; the dynamic-NTK variant's max_position_embeddings is 32, so its scaling is active."""
+    path, cfg, forward = loaded(arch, **({"rope": rope} if rope else {}))
     rng = np.random.default_rng(0)
     tokens = rng.integers(3, cfg.vocab_size, 40).tolist()
     block_size = 16

@@ -1,0 +1,167 @@
+"""The Pallas kernel (interpret mode on CPU) against the jnp reference, and its CUDA lowering."""
+
+import functools
+import os
+import re
+import subprocess
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+
+from pallas_kernels import pallas_attention
+from pallas_kernels.pallas_attention import ragged_paged_attention_pallas
+from pallas_kernels.reference import ragged_paged_attention_reference
+from tests.kernels.cases import live_tokens, random_case
+
+_TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+_H100 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H100", num_cores=132,
+                                                                 platform="cuda"))
+
+
+def assert_matches_reference(out, ref, md, dtype):
+    """Every live row written (interpret mode leaves unwritten outputs NaN) and close to the reference."""
+    n = live_tokens(md)
+    out = np.asarray(out[:n], np.float32)
+    ref = np.asarray(ref[:n], np.float32)
+    assert np.isfinite(ref).all()
+    assert np.isfinite(out).all(), f"rows never written or poisoned: {np.unique(np.nonzero(~np.isfinite(out))[0])}"
+    err = np.abs(out - ref).max()
+    assert err < _TOLERANCE[dtype], f"max abs error {err}"
+
+
+# (head_dim, group, block_size, num_seqs, dtype, sliding_window, soft_cap, kv_chunk_blocks, num_kv_splits, seed)
+CASES = [
+    (64, 1, 16, 1, jnp.float32, 0, 0.0, 8, None, 0),
+    (64, 2, 8, 3, jnp.float32, 0, 0.0, 2, None, 1),
+    (64, 4, 16, 5, jnp.float32, 7, 0.0, 1, 3, 2),
+    (64, 8, 32, 8, jnp.float32, 0, 30.0, 8, 2, 3),
+    (128, 1, 8, 4, jnp.float32, 12, 0.0, 2, 1, 4),
+    (128, 2, 32, 2, jnp.float32, 0, 0.0, 1, 4, 5),
+    (128, 4, 8, 6, jnp.float32, 0, 5.0, 8, None, 6),
+    (128, 8, 16, 3, jnp.float32, 20, 0.0, 1, 2, 7),
+    (64, 2, 16, 4, jnp.bfloat16, 0, 0.0, 1, 2, 8),
+    (64, 8, 8, 7, jnp.bfloat16, 9, 0.0, 4, None, 9),
+    (128, 4, 32, 5, jnp.bfloat16, 0, 10.0, 8, None, 10),
+    (128, 1, 16, 8, jnp.bfloat16, 16, 0.0, 2, 3, 11),
+]
+
+
+@pytest.mark.parametrize("head_dim,group,block_size,num_seqs,dtype,window,soft_cap,chunk,splits,seed", CASES)
+def test_matches_reference(head_dim, group, block_size, num_seqs, dtype, window, soft_cap, chunk, splits, seed):
+    rng = np.random.default_rng(seed)
+    q, kv_pool, layer, md, kwargs = random_case(rng, head_dim=head_dim, group=group, block_size=block_size,
+                                                num_seqs=num_seqs, dtype=dtype, sliding_window=window,
+                                                soft_cap=soft_cap)
+    ref = ragged_paged_attention_reference(q, kv_pool, layer, md, **kwargs)
+    out = ragged_paged_attention_pallas(q, kv_pool, layer, md, **kwargs, kv_chunk_blocks=chunk,
+                                        num_kv_splits=splits, interpret=True)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert_matches_reference(out, ref, md, dtype)
+
+
+def test_big_prompt_tile_and_traced_soft_cap():
+    """q_tile x group beyond one program's rows is re-tiled; a soft cap may arrive as an array."""
+    rng = np.random.default_rng(12)
+    q, kv_pool, layer, md, kwargs = random_case(rng, head_dim=64, group=8, block_size=16, num_seqs=2,
+                                                dtype=jnp.float32, q_tile=32, soft_cap=20.0)
+    kwargs["soft_cap"] = jnp.float32(20.0)
+    ref = ragged_paged_attention_reference(q, kv_pool, layer, md, **kwargs)
+    out = ragged_paged_attention_pallas(q, kv_pool, layer, md, **kwargs, interpret=True)
+    assert_matches_reference(out, ref, md, jnp.float32)
+
+
+def test_a_kernel_that_skips_a_tile_is_caught(monkeypatch):
+    """The comparison above notices a program that never runs: its rows stay poisoned (NaN)."""
+    real_pallas_call = pl.pallas_call
+
+    def grid_one_tile_short(kernel, *, grid, **params):
+        return real_pallas_call(kernel, grid=(grid[0] - 1, *grid[1:]), **params)
+
+    # q_tile 1 and no padded tokens: one tile per live token, so the missing tile is a live row.
+    rng = np.random.default_rng(13)
+    q, kv_pool, layer, md, kwargs = random_case(rng, head_dim=64, group=2, block_size=16, num_seqs=3,
+                                                dtype=jnp.float32, q_tile=1, pad_tokens=0)
+    ref = ragged_paged_attention_reference(q, kv_pool, layer, md, **kwargs)
+    monkeypatch.setattr(pl, "pallas_call", grid_one_tile_short)
+    jax.clear_caches()
+    try:
+        out = ragged_paged_attention_pallas(q, kv_pool, layer, md, **kwargs, interpret=True)
+    finally:
+        jax.clear_caches()
+    with pytest.raises(AssertionError, match="never written"):
+        assert_matches_reference(out, ref, md, jnp.float32)
+
+
+def _lower_for_cuda(head_dim, dtype, num_kv_splits):
+    rng = np.random.default_rng(14)
+    q, kv_pool, layer, md, kwargs = random_case(rng, head_dim=head_dim, group=4, block_size=16, num_seqs=3,
+                                                dtype=dtype, sliding_window=8)
+    kernel = functools.partial(ragged_paged_attention_pallas, sm_scale=kwargs["sm_scale"],
+                               num_kv_splits=num_kv_splits)
+    with use_abstract_mesh(_H100):
+        return jax.jit(kernel).trace(q, kv_pool, layer, md, kwargs["sliding_window"]).lower(
+            lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_lowers_to_a_triton_kernel_for_cuda(head_dim, dtype):
+    text = _lower_for_cuda(head_dim, dtype, num_kv_splits=2 if dtype == jnp.float32 else 1).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("head_dim,dtype", [(128, jnp.bfloat16), (64, jnp.float32)])
+def test_triton_compiles_it_for_sm90(monkeypatch, head_dim, dtype, tmp_path):
+    """Beyond lowering: Triton's own compiler turns the kernel into a Hopper cubin without spills."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from jax._src.pallas.triton import pallas_call_registration as registration
+
+    modules = []
+    real_lower = registration.lowering.lower_jaxpr_to_triton_module
+
+    def capture(*args, **kw):
+        result = real_lower(*args, **kw)
+        modules.append(result.module.operation.get_asm())
+        return result
+
+    monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", capture)
+    _lower_for_cuda(head_dim, dtype, num_kv_splits=2)
+    source = tmp_path / "kernel.ttir"
+    source.write_text(modules[0])
+    compiled = triton.compile(str(source), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2))
+    assert compiled.metadata.shared <= 227 * 1024
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    (tmp_path / "kernel.ptx").write_text(compiled.asm["ptx"])
+    report = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", str(tmp_path / "kernel.ptx"), "-o",
+                             str(tmp_path / "kernel.cubin")], capture_output=True, text=True, check=True).stderr
+    assert re.search(r"\b0 bytes spill stores", report), report
+
+
+def _small_case(**overrides):
+    spec = dict(head_dim=64, group=2, block_size=16, num_seqs=2, dtype=jnp.float32) | overrides
+    return random_case(np.random.default_rng(15), **spec)
+
+
+@pytest.mark.parametrize("overrides,call_kwargs,argument", [
+    (dict(head_dim=80), {}, "head_dim"),
+    (dict(block_size=12), {}, "block_size"),
+    ({}, dict(kv_chunk_blocks=0), "kv_chunk_blocks"),
+    ({}, dict(num_kv_splits=0), "num_kv_splits"),
+])
+def test_invalid_arguments_are_named(overrides, call_kwargs, argument):
+    q, kv_pool, layer, md, kwargs = _small_case(**overrides)
+    with pytest.raises(ValueError, match=argument):
+        ragged_paged_attention_pallas(q, kv_pool, layer, md, **kwargs, **call_kwargs, interpret=True)
+
+
+def test_invalid_shapes_and_dtypes_are_named():
+    q, kv_pool, layer, md, kwargs = _small_case()
+    with pytest.raises(ValueError, match="num_heads"):
+        ragged_paged_attention_pallas(q[:, :3], kv_pool, layer, md, **kwargs, interpret=True)
+    with pytest.raises(ValueError, match="q dtype"):
+        ragged_paged_attention_pallas(q.astype(jnp.int32), kv_pool, layer, md, **kwargs, interpret=True)

@@ -1,0 +1,97 @@
+"""Checkpoint loading: sharded safetensors, dtypes, and errors a user can act on."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from jaxpaged.models.config import model_config_from_hf
+from jaxpaged.models.loader import load_model
+from tests.tiny_models import tiny_checkpoint
+
+
+def copy_checkpoint(tmp_path, arch="llama"):
+    dst = tmp_path / arch
+    shutil.copytree(tiny_checkpoint(arch), dst)
+    return dst
+
+
+def test_sharded_checkpoint_loads_like_a_single_file(tmp_path):
+    import torch
+    import transformers
+
+    src = tiny_checkpoint("qwen2")
+    sharded = tmp_path / "sharded"
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    model.save_pretrained(sharded, max_shard_size="100KB")
+    assert os.path.exists(sharded / "model.safetensors.index.json")
+    a = load_model(src, dtype="float32").model
+    b = load_model(str(sharded), dtype="float32").model
+    for name, value in a.layers.items():
+        np.testing.assert_array_equal(np.asarray(value[...]), np.asarray(b.layers[name][...]))
+
+
+@pytest.mark.parametrize("dtype,expected", [("auto", "float32"), ("bfloat16", "bfloat16"), ("float16", "float16")])
+def test_dtype_casts_weights(dtype, expected):
+    loaded = load_model(tiny_checkpoint("llama"), dtype=dtype)
+    assert loaded.dtype == expected
+    assert str(loaded.model.layers["wqkv"][...].dtype) == expected
+
+
+def test_bad_dtype_names_the_choices():
+    with pytest.raises(ValueError, match="dtype 'int8' is not supported"):
+        load_model(tiny_checkpoint("llama"), dtype="int8")
+
+
+def test_missing_path_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_model(str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(str(tmp_path))
+
+
+def test_missing_tensor_is_named(tmp_path):
+    path = copy_checkpoint(tmp_path)
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"missing tensor 'model.layers.1.mlp.up_proj.weight'"):
+        load_model(str(path))
+
+
+def test_wrong_shape_is_named(tmp_path):
+    path = copy_checkpoint(tmp_path)
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.layers.0.self_attn.k_proj.weight"] = np.zeros((8, 64), np.float32)
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.k_proj.weight' has shape \[8, 64\], expected \[32, 64\]"):
+        load_model(str(path))
+
+
+def test_unsupported_architecture_names_the_supported_ones(tmp_path):
+    path = copy_checkpoint(tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM, MistralForCausalLM, "
+                                         "Qwen2ForCausalLM, Qwen3ForCausalLM"):
+        load_model(str(path))
+
+
+def test_rope_scaling_types_are_read():
+    import transformers
+
+    cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1,
+                                   intermediate_size=64, vocab_size=32,
+                                   rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+                                   architectures=["LlamaForCausalLM"])
+    ours = model_config_from_hf(cfg)
+    assert ours.rope_type == "linear" and ours.rope_factor == 4.0
+    base = 1.0 / (10000.0 ** (np.arange(0, 16, 2) / 16))
+    np.testing.assert_allclose(ours.inv_freq(), base / 4.0, rtol=1e-6)
+    cfg.rope_parameters = {"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0}
+    with pytest.raises(ValueError, match="rope_type 'yarn' is not supported"):
+        model_config_from_hf(cfg)
