@@ -102,7 +102,7 @@ def _attention_kernel(info_ref, tables_ref, cap_ref, q_ref, kv_ref, *out_refs, g
             cap = cap_ref[0]
             s = jnp.where(cap > 0, cap * jnp.tanh(s / jnp.where(cap > 0, cap, 1.0)), s)
         mask = row_valid[:, None] & (k_pos[None, :] < kv_len) & (k_pos[None, :] <= q_pos[:, None])
-        mask &= (window <= 0) | (q_pos[:, None] - k_pos[None, :] < window)
+        mask &= (window <= 0) | (q_pos[:, None] - k_pos[None, :] <= window)
         s = jnp.where(mask, s, _MASKED)
         m_new = jnp.maximum(m, s.max(axis=1))
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)

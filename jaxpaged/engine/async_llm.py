@@ -1,0 +1,278 @@
+"""AsyncLLM: the engine loop in one background thread, each request an async stream.
+
+    coroutines --(commands: add / abort, a locked list)--> engine thread: commands, then step()
+    engine thread --(loop.call_soon_threadsafe)--> the request's asyncio.Queue --> generate()
+
+Only the engine thread touches the LLMEngine: JAX dispatch, the scheduler and the
+detokenizers are not thread-safe, and a single owner keeps the step free of locks. Callers
+get a separate copy of the tokenizer for the same reason.
+"""
+
+import asyncio
+import copy
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.engine.llm_engine import LLMEngine
+from jaxpaged.outputs import RequestOutput
+from jaxpaged.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_CLOSED = object()   # queued when a request is aborted: its stream ends without a final output
+
+
+class EngineRequestError(RuntimeError):
+    """An internal failure while the engine processed a request (not a bad input)."""
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    """Wall-clock times (time.time()) of one request, attached to each RequestOutput."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+class _Stream:
+    """Where the engine thread delivers one request's outputs and its caller reads them."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.added = loop.create_future()   # the engine accepted (None) or refused (an exception)
+        self.metrics = RequestMetrics(time.time())
+        self.arrival_monotonic = time.monotonic()
+
+    def put(self, item) -> None:
+        """Engine thread; raises RuntimeError when the caller's event loop is closed."""
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def resolve_added(self, error: BaseException | None) -> None:
+        def resolve():
+            if not self.added.done():
+                self.added.set_result(None) if error is None else self.added.set_exception(error)
+        self.loop.call_soon_threadsafe(resolve)
+
+
+def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, error: BaseException | None = None) -> None:
+    def resolve():
+        if not future.done():
+            future.set_result(None) if error is None else future.set_exception(error)
+    try:
+        loop.call_soon_threadsafe(resolve)
+    except RuntimeError:   # the caller's loop is gone; nobody waits
+        pass
+
+
+class AsyncLLM:
+    """Serve many concurrent callers from one continuously batched engine."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.model_name = engine.model_name
+        self.max_model_len = engine.max_model_len
+        self.num_blocks = engine.num_blocks
+        self.block_size = engine.args.block_size
+        self.model_config = engine.model_config
+        self.args = engine.args
+        self._tokenizer = _copy_tokenizer(engine.tokenizer)
+        self._cond = threading.Condition()
+        self._commands: list[tuple] = []      # guarded by _cond
+        self._stopping = False                # guarded by _cond
+        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._metrics = engine.get_metrics()  # replaced (never mutated) by the engine thread
+        self._thread = threading.Thread(target=self._run, name="jaxpaged-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, use_tqdm: bool = True) -> "AsyncLLM":
+        return cls(LLMEngine(args, use_tqdm=use_tqdm))
+
+    # ---- the caller's side ---------------------------------------------------------------
+    async def generate(self, prompt: str | list[int] | dict, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield cumulative RequestOutputs of one request until it finishes.
+
+        Bad input raises ValueError before any output. An internal failure raises
+        EngineRequestError in this request only. Closing or cancelling the consumer aborts
+        the request; an abort from elsewhere ends the stream without a finished output.
+        """
+        if not self.is_running:
+            raise RuntimeError("AsyncLLM is shut down")
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        request_id = uuid.uuid4().hex if request_id is None else str(request_id)
+        params = (sampling_params or SamplingParams()).clone()   # the engine thread owns this copy
+        stream = _Stream(asyncio.get_running_loop())
+        self._send(("add", stream, request_id, prompt, params))
+        finished = False
+        try:
+            await stream.added
+            while not finished:
+                item = await stream.queue.get()
+                # A slow consumer only needs the newest cumulative output.
+                while isinstance(item, RequestOutput) and not stream.queue.empty():
+                    item = stream.queue.get_nowait()
+                if item is _CLOSED:
+                    finished = True
+                    return
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self._send(("abort", request_id, stream, None))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; returns once its blocks are free (unknown ids are ignored)."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._send(("abort", str(request_id), None, (loop, done)))
+        await done
+
+    def get_metrics(self) -> dict[str, float]:
+        """The engine's `jaxpaged:*` counters and gauges as of its last step or command."""
+        return dict(self._metrics)
+
+    def get_tokenizer(self):
+        """A tokenizer for the caller's thread (a copy: the engine thread decodes with its own)."""
+        return self._tokenizer
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stop the loop; requests still in flight end with RuntimeError."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _send(self, command: tuple) -> None:
+        with self._cond:
+            self._commands.append(command)
+            self._cond.notify()
+
+    # ---- the engine thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._commands or self._stopping or self.engine.has_unfinished_requests()):
+                    self._cond.wait()
+                commands, self._commands = self._commands, []
+                stopping = self._stopping
+            for command in commands:
+                self._apply(command, stopping)
+            if stopping:
+                break
+            if self.engine.has_unfinished_requests():
+                self._step()
+        self._fail_all(RuntimeError("AsyncLLM was shut down while the request was running"))
+
+    def _apply(self, command: tuple, stopping: bool) -> None:
+        if command[0] == "add":
+            _, stream, request_id, prompt, params = command
+            if stopping:
+                stream.resolve_added(RuntimeError("AsyncLLM is shut down"))
+                return
+            try:
+                self.engine.add_request(request_id, prompt, params, arrival_time=stream.arrival_monotonic)
+            except Exception as exc:   # ValueError: bad input; anything else: one request's failure
+                stream.resolve_added(exc)
+                return
+            self._streams[request_id] = stream
+            self._publish_metrics()
+            stream.resolve_added(None)
+        else:
+            _, request_id, owner, ack = command
+            stream = self._streams.get(request_id)
+            # A caller that goes away aborts only its own request, never a namesake's.
+            if owner is None or stream is owner:
+                if stream is not None:
+                    del self._streams[request_id]
+                    self._deliver(stream, _CLOSED)
+                try:
+                    self.engine.abort_request(request_id)
+                except Exception:
+                    logger.exception("aborting request %s failed", request_id)
+                self._publish_metrics()
+            if ack is not None:
+                _resolve(*ack)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            # The step ran the whole batch, so the failure can't be pinned on one request:
+            # fail those in flight and keep serving new ones.
+            logger.exception("engine step failed; failing the %d request(s) in flight", len(self._streams))
+            error = EngineRequestError(f"internal engine error: {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+            self._fail_all(error)
+            return
+        now = time.time()
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if stream.metrics.first_token_time is None and any(c.token_ids for c in out.outputs):
+                stream.metrics.first_token_time = now
+            if out.finished:
+                stream.metrics.finished_time = now
+                del self._streams[out.request_id]
+            for completion in out.outputs:   # the engine keeps appending to its own list
+                if completion.logprobs is not None:
+                    completion.logprobs = list(completion.logprobs)
+            out.metrics = dataclasses.replace(stream.metrics)
+            if not self._deliver(stream, out) and not out.finished:
+                self._streams.pop(out.request_id, None)
+                self.engine.abort_request(out.request_id)
+        self._publish_metrics()
+
+    def _deliver(self, stream: _Stream, item) -> bool:
+        try:
+            stream.put(item)
+            return True
+        except RuntimeError:   # the caller's event loop is closed
+            return False
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id, stream in list(self._streams.items()):
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                logger.exception("aborting request %s failed", request_id)
+            self._deliver(stream, error)
+        self._streams.clear()
+        with self._cond:
+            pending, self._commands = self._commands, []
+        for command in pending:
+            self._apply(command, stopping=True)
+        self._publish_metrics()
+
+    def _publish_metrics(self) -> None:
+        try:
+            self._metrics = self.engine.get_metrics()
+        except Exception:
+            logger.exception("reading engine metrics failed")
+
+
+def _copy_tokenizer(tokenizer):
+    if tokenizer is None:
+        return None
+    try:
+        return copy.deepcopy(tokenizer)
+    except Exception:   # an uncopyable tokenizer: share it (fine for the usual fast tokenizers)
+        logger.warning("could not copy the tokenizer; callers share the engine's")
+        return tokenizer
