@@ -12,7 +12,7 @@ Same contract as `reference.py`. One program per (query tile, kv head, kv split)
 
 Every KV byte a tile needs is read once per (tile, kv head): decodes read their context
 once, a prompt chunk of T tiles re-reads its causal prefix up to T times. Keys after the
-tile's last query and before its sliding window are never loaded. With more than one
+tile's last query and whole steps before its sliding window are never loaded. With more than one
 split the partial (acc, max, sum) go to HBM in fp32 and a small jnp reduction merges them
 (split-K), which keeps the GPU busy when a decode batch has few (tile, head) programs.
 
@@ -33,11 +33,16 @@ from pallas_kernels.reference import _tile_layout, validate_inputs
 
 _MASKED = -1e30
 _MAX_ROWS = 128          # rows (queries x heads) per program: the fp32 accumulator lives in registers
+_STEP_BYTES = 16384     # bytes of one K (or V) tile per inner step
 _TARGET_PROGRAMS = 264   # about two waves on a 132-SM H100/H200; more splits only add reduction work
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def _floor_pow2(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
 
 
 def _validate_kernel_inputs(q, kv_pool, md, kv_chunk_blocks, num_kv_splits):
@@ -102,7 +107,7 @@ def _attention_kernel(info_ref, tables_ref, cap_ref, q_ref, kv_ref, *out_refs, g
             cap = cap_ref[0]
             s = jnp.where(cap > 0, cap * jnp.tanh(s / jnp.where(cap > 0, cap, 1.0)), s)
         mask = row_valid[:, None] & (k_pos[None, :] < kv_len) & (k_pos[None, :] <= q_pos[:, None])
-        mask &= (window <= 0) | (q_pos[:, None] - k_pos[None, :] <= window)
+        mask &= (window <= 0) | (q_pos[:, None] - k_pos[None, :] < window)
         s = jnp.where(mask, s, _MASKED)
         m_new = jnp.maximum(m, s.max(axis=1))
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
@@ -142,7 +147,7 @@ def ragged_paged_attention_pallas(
     soft_cap: float | jax.Array = 0.0,    # 0 = off, else logits -> cap * tanh(logits / cap)
     *,
     sm_scale: float,
-    kv_chunk_blocks: int = 8,             # at most this many pages per inner step
+    kv_chunk_blocks: int = 8,             # pages per inner step at most (a power of two, >= 16 keys)
     interpret: bool = False,              # run on CPU through the Pallas interpreter
     num_kv_splits: int | None = None,     # programs per (tile, kv head) along the context; None = auto
 ) -> jax.Array:               # [num_tokens, num_heads, head_dim], dtype of q
@@ -169,9 +174,11 @@ def _attention(q, kv_pool, layer, md, sliding_window, soft_cap, *, sm_scale, kv_
 
     q_tile = _kernel_q_tile(md.q_tile, group)
     rows = max(16, _next_pow2(q_tile * group))
-    # A step must give Triton's dot at least 16 keys; past ~64-128 keys the K/V tiles spill.
-    step_tokens = max(16, block_size, min(kv_chunk_blocks * block_size, 128 if rows <= 32 else 64))
-    pages_per_step = max(1, _next_pow2(step_tokens) // block_size)
+    # A step gives Triton's dot at least 16 keys; K and V tiles past ~16 KiB each (and their
+    # per-element pointers) no longer fit in registers and spill.
+    itemsize = max(q.dtype.itemsize, kv_pool.dtype.itemsize)
+    budget_pages = max(1, _STEP_BYTES // (head_dim * itemsize * block_size))
+    pages_per_step = max(-(-16 // block_size), _floor_pow2(min(kv_chunk_blocks, budget_pages)))
     total_steps = pl.cdiv(max_blocks, pages_per_step)
 
     q_lens, tile_seq, tile_valid, tile_first_row, token_tile, token_row = _tile_layout(
@@ -218,7 +225,8 @@ def _attention(q, kv_pool, layer, md, sliding_window, soft_cap, *, sm_scale, kv_
     kernel = functools.partial(
         _attention_kernel, group=group, pages_per_step=pages_per_step, steps_per_split=steps_per_split,
         sm_scale=sm_scale, use_cap=use_cap, split_output=split_output)
-    big = rows * max(head_dim, pages_per_step * block_size) > 64 * 128
+    # An accumulator of 8K+ fp32, or a page bigger than the K/V budget: spread it over 8 warps.
+    big = rows * head_dim >= 64 * 128 or pages_per_step * block_size * head_dim * itemsize > _STEP_BYTES
     result = pl.pallas_call(
         kernel,
         grid=(num_tiles, kv_heads, num_kv_splits),

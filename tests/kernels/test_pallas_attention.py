@@ -17,6 +17,8 @@ from pallas_kernels.pallas_attention import ragged_paged_attention_pallas
 from pallas_kernels.reference import ragged_paged_attention_reference
 from tests.kernels.cases import live_tokens, random_case
 
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+
 _TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 _H100 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H100", num_cores=132,
                                                                  platform="cuda"))
@@ -120,6 +122,8 @@ def test_triton_compiles_it_for_sm90(monkeypatch, head_dim, dtype, tmp_path):
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from jax._src.pallas.triton import pallas_call_registration as registration
+    if not hasattr(getattr(registration, "lowering", None), "lower_jaxpr_to_triton_module"):
+        pytest.skip("this jax no longer exposes the Triton module to capture")
 
     modules = []
     real_lower = registration.lowering.lower_jaxpr_to_triton_module
@@ -130,10 +134,11 @@ def test_triton_compiles_it_for_sm90(monkeypatch, head_dim, dtype, tmp_path):
         return result
 
     monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", capture)
-    _lower_for_cuda(head_dim, dtype, num_kv_splits=2)
+    text = _lower_for_cuda(head_dim, dtype, num_kv_splits=2).as_text()
+    options = {name: int(re.search(rf"{name} = (\d+)", text).group(1)) for name in ("num_warps", "num_stages")}
     source = tmp_path / "kernel.ttir"
     source.write_text(modules[0])
-    compiled = triton.compile(str(source), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2))
+    compiled = triton.compile(str(source), target=GPUTarget("cuda", 90, 32), options=options)
     assert compiled.metadata.shared <= 227 * 1024
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     (tmp_path / "kernel.ptx").write_text(compiled.asm["ptx"])

@@ -1,0 +1,26 @@
+"""attention_backend: the Pallas kernel (interpret mode on CPU) gives the reference's greedy outputs;
+unavailable or unknown backends are clear errors, never silent fallbacks."""
+
+import pytest
+
+from jaxpaged import LLM, SamplingParams
+from tests.engine.test_llm_generate import tiny_llm
+from tests.tiny_models import tiny_checkpoint
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_pallas_backend_matches_reference_greedy(arch):
+    prompts = [{"prompt_token_ids": [5, 17, 42, 9, 100, 7, 8, 9, 10]}, {"prompt_token_ids": [3] * 19}]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    pallas = LLM(tiny_checkpoint(arch), dtype="float32", block_size=8, num_gpu_blocks_override=32,
+                 max_model_len=64, compile_on_startup=False, attention_backend="pallas")
+    ours = [o.outputs[0].token_ids for o in pallas.generate(prompts, params, use_tqdm=False)]
+    ref = [o.outputs[0].token_ids for o in tiny_llm(arch).generate(prompts, params, use_tqdm=False)]
+    assert ours == ref
+
+
+def test_unavailable_and_unknown_backends_are_errors():
+    with pytest.raises(ValueError, match="triton.*needs a CUDA GPU"):
+        LLM(tiny_checkpoint("llama"), attention_backend="triton", compile_on_startup=False)
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        LLM(tiny_checkpoint("llama"), attention_backend="flash", compile_on_startup=False)
