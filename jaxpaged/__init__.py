@@ -1,10 +1,11 @@
 """jaxpaged: a JAX LLM inference engine with a paged KV cache, shaped like vLLM."""
 
 from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.engine.async_llm import AsyncLLM
 from jaxpaged.llm import LLM
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxpaged.sampling_params import BeamSearchParams, SamplingParams
 
-__all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "EngineArgs", "Logprob", "RequestOutput",
+__all__ = ["LLM", "AsyncLLM", "BeamSearchParams", "CompletionOutput", "EngineArgs", "Logprob", "RequestOutput",
            "SamplingParams"]
 __version__ = "0.1.0"

@@ -1,6 +1,7 @@
-"""Command line: `jaxpaged generate`, `jaxpaged bench throughput`."""
+"""Command line: `jaxpaged generate`, `jaxpaged serve`, `jaxpaged bench throughput`."""
 
 import argparse
+import os
 import sys
 
 from jaxpaged.engine.arg_utils import EngineArgs
@@ -47,6 +48,33 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(ns: argparse.Namespace) -> int:
+    if ns.model_tag and ns.model and ns.model_tag != ns.model:
+        raise ValueError(f"MODEL ({ns.model_tag!r}) and --model ({ns.model!r}) disagree; give one of them")
+    names = ns.served_model_name
+    kwargs = {**engine_kwargs(ns), "served_model_name": names[0] if names else None}
+    args = EngineArgs(model=ns.model_tag or ns.model, compile_on_startup=True, **kwargs)
+    import server
+    return server.run_server(args, host=ns.host, port=ns.port, api_key=ns.api_key, served_model_names=names,
+                             log_level=ns.uvicorn_log_level)
+
+
+def add_serve_parser(sub) -> None:
+    serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="hub id, folder or .gguf (default: built-in SmolLM2); same as --model")
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=os.environ.get("JAXPAGED_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on /v1/* (default: $JAXPAGED_API_KEY)")
+    serve.add_argument("--served-model-name", nargs="+", default=None,
+                       help="name(s) clients use as `model`; the first is reported (default: the model)")
+    serve.add_argument("--uvicorn-log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug", "trace"])
+    serve.set_defaults(func=cmd_serve)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jaxpaged", description="JAX LLM inference with a paged KV cache")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -58,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
     gen.set_defaults(func=cmd_generate)
+    add_serve_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     tp = bench_sub.add_parser("throughput", help="offline throughput vs transformers (see benchmarks/)")

@@ -71,6 +71,18 @@ def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, error: Bas
         pass
 
 
+def _delta(out: RequestOutput, seen: dict[int, tuple[int, int, int]]) -> RequestOutput:
+    """The part of a cumulative output not yet sent (updates `seen`)."""
+    completions = []
+    for c in out.outputs:
+        chars, tokens, lps = seen.get(c.index, (0, 0, 0))
+        completions.append(dataclasses.replace(
+            c, text=c.text[chars:], token_ids=c.token_ids[tokens:],
+            logprobs=None if c.logprobs is None else c.logprobs[lps:]))
+        seen[c.index] = (len(c.text), len(c.token_ids), len(c.logprobs or ()))
+    return dataclasses.replace(out, outputs=completions)
+
+
 class AsyncLLM:
     """Serve many concurrent callers from one continuously batched engine."""
 
@@ -86,6 +98,7 @@ class AsyncLLM:
         self._cond = threading.Condition()
         self._commands: list[tuple] = []      # guarded by _cond
         self._stopping = False                # guarded by _cond
+        self._closed = False                  # guarded by _cond: no command will ever be read again
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._metrics = engine.get_metrics()  # replaced (never mutated) by the engine thread
         self._thread = threading.Thread(target=self._run, name="jaxpaged-engine", daemon=True)
@@ -97,8 +110,12 @@ class AsyncLLM:
 
     # ---- the caller's side ---------------------------------------------------------------
     async def generate(self, prompt: str | list[int] | dict, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield cumulative RequestOutputs of one request until it finishes.
+                       request_id: str | None = None, output_kind: str = "delta") -> AsyncIterator[RequestOutput]:
+        """Yield RequestOutputs of one request as tokens arrive, until it finishes.
+
+        output_kind="delta" (default): each output's completions hold only the text, token ids
+        and logprobs that are new since the previous one (the last carries finish_reason);
+        "cumulative": everything so far, as vLLM's CUMULATIVE kind.
 
         Bad input raises ValueError before any output. An internal failure raises
         EngineRequestError in this request only. Closing or cancelling the consumer aborts
@@ -108,10 +125,14 @@ class AsyncLLM:
             raise RuntimeError("AsyncLLM is shut down")
         if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        if output_kind not in ("delta", "cumulative"):
+            raise ValueError(f"output_kind must be 'delta' or 'cumulative', got {output_kind!r}")
         request_id = uuid.uuid4().hex if request_id is None else str(request_id)
+        seen: dict[int, tuple[int, int, int]] = {}   # completion index -> (chars, tokens, logprobs) sent
         params = (sampling_params or SamplingParams()).clone()   # the engine thread owns this copy
         stream = _Stream(asyncio.get_running_loop())
-        self._send(("add", stream, request_id, prompt, params))
+        if not self._send(("add", stream, request_id, prompt, params)):
+            raise RuntimeError("AsyncLLM is shut down")
         finished = False
         try:
             await stream.added
@@ -127,7 +148,7 @@ class AsyncLLM:
                     finished = True
                     raise item
                 finished = item.finished
-                yield item
+                yield item if output_kind == "cumulative" else _delta(item, seen)
         finally:
             if not finished:
                 self._send(("abort", request_id, stream, None))
@@ -136,8 +157,8 @@ class AsyncLLM:
         """Abort a request; returns once its blocks are free (unknown ids are ignored)."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        self._send(("abort", str(request_id), None, (loop, done)))
-        await done
+        if self._send(("abort", str(request_id), None, (loop, done))):
+            await done
 
     def get_metrics(self) -> dict[str, float]:
         """The engine's `jaxpaged:*` counters and gauges as of its last step or command."""
@@ -159,13 +180,31 @@ class AsyncLLM:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
-    def _send(self, command: tuple) -> None:
+    def _send(self, command: tuple) -> bool:
+        """Queue a command for the engine thread; False once that thread has stopped for good."""
         with self._cond:
+            if self._closed:
+                return False
             self._commands.append(command)
             self._cond.notify()
+            return True
 
     # ---- the engine thread ---------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException:   # a bug in the loop itself: nobody may be left waiting forever
+            logger.exception("the engine loop died")
+            with self._cond:
+                self._stopping = True
+        self._fail_all(RuntimeError("AsyncLLM was shut down while the request was running"))
+        with self._cond:   # commands that raced with shutdown; none can come after this
+            pending, self._commands = self._commands, []
+            self._closed = True
+        for command in pending:
+            self._apply(command, stopping=True)
+
+    def _loop(self) -> None:
         while True:
             with self._cond:
                 while not (self._commands or self._stopping or self.engine.has_unfinished_requests()):
@@ -175,10 +214,9 @@ class AsyncLLM:
             for command in commands:
                 self._apply(command, stopping)
             if stopping:
-                break
+                return
             if self.engine.has_unfinished_requests():
                 self._step()
-        self._fail_all(RuntimeError("AsyncLLM was shut down while the request was running"))
 
     def _apply(self, command: tuple, stopping: bool) -> None:
         if command[0] == "add":
@@ -255,10 +293,6 @@ class AsyncLLM:
                 logger.exception("aborting request %s failed", request_id)
             self._deliver(stream, error)
         self._streams.clear()
-        with self._cond:
-            pending, self._commands = self._commands, []
-        for command in pending:
-            self._apply(command, stopping=True)
         self._publish_metrics()
 
     def _publish_metrics(self) -> None:

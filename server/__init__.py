@@ -1,0 +1,48 @@
+"""The OpenAI-compatible HTTP server: `jaxpaged serve` or `python -m server`.
+
+`build_app(engine)` gives the Starlette app for an AsyncLLM (tests start it on a port of
+their own); `run_server` loads the model, warms the step's shape buckets, logs what it
+serves and runs uvicorn until interrupted.
+"""
+
+import logging
+
+from jaxpaged.engine.arg_utils import EngineArgs
+from server.app import build_app
+
+__all__ = ["build_app", "run_server"]
+
+logger = logging.getLogger("server")
+
+
+def run_server(args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+               served_model_names: list[str] | None = None, log_level: str = "info") -> int:
+    """Serve `args`' model until interrupted; returns the exit status."""
+    import uvicorn
+
+    from jaxpaged import AsyncLLM
+
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port must be in [0, 65535], got {port}")
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logger.setLevel(logging.INFO)
+    engine = AsyncLLM.from_engine_args(args)
+    try:
+        app = build_app(engine, served_model_names, api_key)
+        names = app.state.server.names
+        usable = engine.num_blocks - 1   # block 0 is the null block padded block tables point at
+        logger.info("model: %s (served as %s), max_model_len %d", args.model or engine.model_name,
+                    ", ".join(names), engine.max_model_len)
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens", usable, engine.block_size,
+                    usable * engine.block_size)
+        shown = "localhost" if host in ("0.0.0.0", "::") else host
+        logger.info("serving on http://%s:%d (OpenAI API at http://%s:%d/v1%s)", shown, port, shown, port,
+                    ", API key required" if api_key else "")
+        # the app has no startup/shutdown hooks; the engine's lifetime is this function's
+        uvicorn.run(app, host=host, port=port, log_level=log_level, lifespan="off")
+    except KeyboardInterrupt:   # uvicorn re-raises Ctrl-C after its graceful shutdown
+        pass
+    finally:
+        engine.shutdown()
+    return 0

@@ -1,0 +1,223 @@
+"""OpenAI-compatible routes on Starlette; the engine is reached only through AsyncLLM.
+
+Each route parses (protocol.py), checks the model and key, and hands the engine's outputs
+to a Reply (responses.py). Errors leave as OpenAI error objects: 400/401/404 for what the
+client sent, 500 for a failure inside one request, which leaves the engine loop running.
+"""
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+import uuid
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+import jaxpaged
+from jaxpaged import AsyncLLM
+from server import protocol as P
+from server.metrics import MetricsExporter
+from server.responses import Reply, internal_error, prepend
+
+logger = logging.getLogger(__name__)
+
+
+def _json(body: dict, status: int = 200) -> Response:
+    text = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+    return Response(text, status_code=status, media_type="application/json")
+
+
+async def _last_outputs(streams) -> list:
+    finals = []
+    for stream in streams:   # all are in the engine already; reading them in turn loses nothing
+        async for out in stream:
+            pass
+        finals.append(out)
+    return finals
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client hangs up (the body is already read, so nothing else arrives)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _Server:
+    def __init__(self, engine: AsyncLLM, names: list[str] | None, api_key: str | None):
+        self.engine, self.api_key = engine, api_key
+        self.names = list(names or [engine.model_name])
+        self.tokenizer = engine.get_tokenizer()
+        self.metrics = MetricsExporter(engine, self.names[0])
+        self.created = int(time.time())
+
+    # ---- helpers -------------------------------------------------------------------------
+    def check_key(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        token = header[7:] if header[:7].lower() == "bearer " else ""
+        if not secrets.compare_digest(token.encode(), self.api_key.encode()):
+            raise P.APIError(401, "missing or incorrect API key: send 'Authorization: Bearer <key>'", None,
+                             "invalid_api_key")
+
+    def model(self, requested: str | None) -> str:
+        if requested is not None and requested not in self.names:
+            raise P.APIError(404, f"The model `{requested}` does not exist; this server serves "
+                                  f"{', '.join(self.names)}", "model", "model_not_found")
+        return requested or self.names[0]
+
+    def need_tokenizer(self, param: str):
+        if self.tokenizer is None:
+            raise P.APIError(400, "this model has no tokenizer: send prompts as token ids", param, "invalid_value")
+        return self.tokenizer
+
+    def decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
+
+    def prompt_text(self, out) -> str:
+        if out.prompt is not None:
+            return out.prompt
+        return self.tokenizer.decode(out.prompt_token_ids) if self.tokenizer is not None else ""
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+        tokenizer = self.need_tokenizer("messages")
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt)
+        except Exception as exc:   # no template, or the template's own checks (roles, order)
+            raise P.APIError(400, f"messages could not be rendered with the chat template: {exc}", "messages",
+                             "invalid_value") from None
+        return text, list(tokenizer.encode(text, add_special_tokens=False))
+
+    def observe(self, out) -> None:
+        if out.finished:
+            self.metrics.observe_finished(out)
+
+    # ---- generation ----------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        req = P.parse_completion_request(P.parse_json(await request.body()))
+        inputs = []
+        for prompt in req.prompts:
+            if isinstance(prompt, str):
+                ids = list(self.need_tokenizer("prompt").encode(prompt))
+                inputs.append(({"prompt": prompt, "prompt_token_ids": ids}, ids))
+            else:
+                inputs.append(({"prompt_token_ids": prompt}, prompt))
+        return await self._generate(request, req, inputs, "cmpl")
+
+    async def chat(self, request: Request) -> Response:
+        req = P.parse_chat_request(P.parse_json(await request.body()))
+        text, ids = self.render_chat(req.messages, req.body.get("add_generation_prompt", True))
+        return await self._generate(request, req, [({"prompt": text, "prompt_token_ids": ids}, ids)], "chatcmpl")
+
+    async def _generate(self, request: Request, req: P.ParsedRequest, inputs: list, prefix: str) -> Response:
+        model = self.model(req.model)
+        params = [P.build_sampling_params(req, len(ids), self.engine.max_model_len) for _, ids in inputs]
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        gens = [self.engine.generate(prompt, sp, f"{request_id}-{i}", output_kind="cumulative")
+                for i, ((prompt, _), sp) in enumerate(zip(inputs, params))]
+        firsts = await asyncio.gather(*(anext(g) for g in gens), return_exceptions=True)
+        error = next((f for f in firsts if isinstance(f, BaseException)), None)
+        if error is not None:
+            for gen in gens:
+                await gen.aclose()
+            if isinstance(error, ValueError):
+                raise P.bad_request(error, req)
+            raise error
+        streams = [prepend(first, gen) for first, gen in zip(firsts, gens)]
+        reply = Reply(self, req, model, request_id, params[0])
+        if req.stream:
+            return StreamingResponse(reply.events(streams), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        collect = asyncio.ensure_future(_last_outputs(streams))
+        gone = asyncio.ensure_future(_disconnected(request))
+        await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()
+        if not collect.done():   # nobody will read the answer: free the blocks now
+            collect.cancel()
+            return Response(status_code=499)
+        return _json(reply.whole(collect.result()))
+
+    # ---- the other routes ----------------------------------------------------------------
+    async def models(self, request: Request) -> Response:
+        data = [{"id": name, "object": "model", "created": self.created, "owned_by": "jaxpaged",
+                 "root": self.engine.args.model or self.engine.model_name, "max_model_len": self.engine.max_model_len}
+                for name in self.names]
+        return _json({"object": "list", "data": data})
+
+    async def tokenize(self, request: Request) -> Response:
+        body = P.parse_json(await request.body())
+        self.model(body.get("model"))
+        if body.get("messages") is not None:
+            _, ids = self.render_chat(P.parse_messages(body["messages"]), body.get("add_generation_prompt", True))
+        elif isinstance(body.get("prompt"), str):
+            special = body.get("add_special_tokens", True)
+            ids = list(self.need_tokenizer("prompt").encode(body["prompt"], add_special_tokens=bool(special)))
+        else:
+            raise P.APIError(400, "tokenize needs prompt (a string) or messages", "prompt",
+                             "missing_required_parameter")
+        return _json({"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids})
+
+    async def detokenize(self, request: Request) -> Response:
+        body = P.parse_json(await request.body())
+        self.model(body.get("model"))
+        tokens, vocab = body.get("tokens"), self.engine.model_config.vocab_size
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                                   for t in tokens):
+            raise P.APIError(400, f"tokens must be a list of token ids in [0, {vocab}), got {P.brief_repr(tokens)}",
+                             "tokens", "invalid_value")
+        return _json({"prompt": self.need_tokenizer("tokens").decode(tokens)})
+
+    async def health(self, request: Request) -> Response:
+        if self.engine.is_running:
+            return Response(status_code=200)
+        return _json(P.APIError(503, "the engine loop is not running", code="engine_dead",
+                                type="server_error").to_dict(), 503)
+
+    async def metrics_text(self, request: Request) -> Response:
+        body, content_type = self.metrics.render()
+        return Response(body, headers={"Content-Type": content_type})
+
+    async def version(self, request: Request) -> Response:
+        return _json({"version": jaxpaged.__version__})
+
+
+def _endpoint(server: _Server, handler, guarded: bool):
+    async def endpoint(request: Request) -> Response:
+        try:
+            if guarded:
+                server.check_key(request)
+            return await handler(request)
+        except P.APIError as exc:
+            return _json(exc.to_dict(), exc.status)
+        except ValueError as exc:   # a user-triggered check deeper down
+            return _json(P.APIError(400, str(exc), code="invalid_value").to_dict(), 400)
+        except Exception as exc:
+            logger.exception("%s %s failed", request.method, request.url.path)
+            return _json(internal_error(exc).to_dict(), 500)
+    return endpoint
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return _json(P.APIError(exc.status_code, str(exc.detail), None, code).to_dict(), exc.status_code)
+
+
+def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None,
+              api_key: str | None = None) -> Starlette:
+    """The Starlette app serving `engine`; the first served name is the one responses report."""
+    server = _Server(engine, served_model_names, api_key)
+    table = [("/v1/completions", server.completions, "POST"), ("/v1/chat/completions", server.chat, "POST"),
+             ("/v1/models", server.models, "GET"), ("/health", server.health, "GET"),
+             ("/metrics", server.metrics_text, "GET"), ("/tokenize", server.tokenize, "POST"),
+             ("/detokenize", server.detokenize, "POST"), ("/version", server.version, "GET")]
+    routes = [Route(path, _endpoint(server, handler, path.startswith("/v1/")), methods=[method])
+              for path, handler, method in table]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+    app.state.server = server
+    return app

@@ -1,0 +1,95 @@
+"""Prometheus exporter: the engine's counters and gauges plus per-request latency histograms.
+
+Each app gets its own CollectorRegistry, so several servers (or tests) can run in one
+process without clashing over metric names in the global registry.
+"""
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from jaxpaged.outputs import RequestOutput
+
+_LABELS = ["model_name"]
+_HELP = {
+    "num_requests_running": "Requests in the running batch.",
+    "num_requests_waiting": "Requests waiting to be scheduled.",
+    "num_requests_swapped": "Requests whose KV blocks are swapped out to host memory.",
+    "num_preemptions_total": "Preemptions (recompute or swap) since start.",
+    "prompt_tokens_total": "Prompt tokens of accepted requests.",
+    "generation_tokens_total": "Generated tokens.",
+    "request_success_total": "Requests that finished (stop or length).",
+    "kv_cache_usage_perc": "Fraction of KV cache blocks held by requests (1 = full).",
+    "prefix_cache_queries_total": "Prompt tokens looked up in the prefix cache.",
+    "prefix_cache_hits_total": "Prompt tokens served from the prefix cache.",
+    "swapped_out_blocks_total": "KV blocks swapped out to host memory.",
+    "swapped_in_blocks_total": "KV blocks swapped back in to the device.",
+}
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0)
+_TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+def _token_buckets(max_model_len: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to max_model_len (vLLM's scheme)."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * scale
+            if value > max_model_len:
+                return buckets
+            buckets.append(float(value))
+        scale *= 10
+
+
+class _EngineCollector:
+    """Reads `engine.get_metrics()` at scrape time; `_total` names are counters, the rest gauges."""
+
+    def __init__(self, engine, model_name: str):
+        self.engine, self.model_name = engine, model_name
+
+    def collect(self):
+        for name, value in self.engine.get_metrics().items():
+            short = name.split(":", 1)[-1]
+            family = CounterMetricFamily if short.endswith("_total") else GaugeMetricFamily
+            metric = family(name, _HELP.get(short, short.replace("_", " ")), labels=_LABELS)
+            metric.add_metric([self.model_name], float(value))
+            yield metric
+
+
+class MetricsExporter:
+    def __init__(self, engine, model_name: str):
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine, model_name))
+
+        def histogram(name: str, doc: str, buckets):
+            return Histogram("jaxpaged:" + name, doc, _LABELS, registry=self.registry,
+                             buckets=buckets).labels(model_name)
+
+        tokens = _token_buckets(engine.max_model_len)
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token, from arrival.", _TTFT_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds", "Mean time per output token after the first.",
+                              _TPOT_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.", _E2E_BUCKETS)
+        self.prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request.", tokens)
+        self.generation_tokens = histogram("request_generation_tokens", "Generated tokens per request.", tokens)
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        """Record one finished request (its `metrics` holds the AsyncLLM's timestamps)."""
+        times = out.metrics
+        num_generated = sum(len(c.token_ids) for c in out.outputs)
+        self.prompt_tokens.observe(len(out.prompt_token_ids or ()))
+        self.generation_tokens.observe(num_generated)
+        if times is None or times.first_token_time is None or times.finished_time is None:
+            return
+        self.ttft.observe(times.first_token_time - times.arrival_time)
+        self.e2e.observe(times.finished_time - times.arrival_time)
+        # the sequences of n > 1 decode side by side, so the longest one sets the pace
+        longest = max((len(c.token_ids) for c in out.outputs), default=0)
+        if longest > 1:
+            self.tpot.observe((times.finished_time - times.first_token_time) / (longest - 1))
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,162 @@
+"""OpenAI responses out of RequestOutputs: whole, or streamed as Server-Sent Events.
+
+AsyncLLM yields cumulative outputs; a stream sends each choice's new text as a delta. When
+a client goes away, Starlette cancels the response task, and the cancellation runs down
+through these generators into AsyncLLM.generate, which aborts the request.
+"""
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+from server import protocol as P
+
+logger = logging.getLogger(__name__)
+
+
+def event(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def prepend(first, gen):
+    """The outputs of `gen` after its already-awaited `first` one; closing this closes `gen`."""
+    try:
+        yield first
+        if not first.finished:
+            async for out in gen:
+                yield out
+    finally:
+        await gen.aclose()
+
+
+async def merge(streams):
+    """(prompt index, output) pairs from several requests as they arrive."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, stream):
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+            queue.put_nowait((i, None))
+        except Exception as exc:
+            queue.put_nowait((i, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        for _ in range(len(streams)):
+            while True:
+                i, item = await queue.get()
+                if item is None:
+                    break
+                if isinstance(item, Exception):
+                    raise item
+                yield i, item
+    finally:
+        for task in tasks:   # cancelling a pump aborts its request
+            task.cancel()
+
+
+@dataclass
+class _Cursor:
+    """What a stream has already sent of one choice."""
+    chars: int = 0
+    tokens: int = 0
+    started: bool = False
+    done: bool = False
+
+
+class Reply:
+    """One response, whole or streamed, built from the RequestOutputs of its prompts."""
+
+    def __init__(self, server, req: P.ParsedRequest, model: str, request_id: str, params):
+        self.server, self.req, self.model, self.request_id = server, req, model, request_id
+        self.created = int(time.time())
+        self.n = params.n
+        # a stop string may be completed by the next token, so its possible start stays unsent
+        self.hold = (max(map(len, params.stop)) - 1) if params.stop and not params.include_stop_str_in_output else 0
+        self.cursors: dict[int, _Cursor] = {}
+
+    def _choice(self, i: int, out, c, text: str, token_ids: list, entries: list, offset: int, echo: bool,
+                done: bool, started: bool = True) -> dict:
+        index = i * self.n + c.index   # prompt i's choices come after those of prompts 0..i-1
+        finish = {"finish_reason": c.finish_reason if done else None,
+                  "stop_reason": c.stop_reason if done else None}
+        want = self.req.logprobs is not None
+        decode = self.server.decode_token
+        if self.req.kind == "chat":
+            lps = P.chat_logprobs(token_ids, entries, self.req.logprobs, decode) if want else None
+            if self.req.stream:
+                delta = {} if started else {"role": "assistant"}
+                if text or not started:
+                    delta["content"] = text
+                return {"index": index, "delta": delta, "logprobs": lps, **finish}
+            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lps, **finish}
+        if echo:
+            text = self.server.prompt_text(out) + text
+            if want:
+                token_ids = list(out.prompt_token_ids) + list(token_ids)
+                entries = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + list(entries)
+        lps = P.completion_logprobs(token_ids, entries, offset, decode) if want else None
+        return {"index": index, "text": text, "logprobs": lps, **finish}
+
+    def _usage(self, finals) -> dict:
+        finals = [f for f in finals if f is not None]
+        return P.usage(sum(len(f.prompt_token_ids) for f in finals),
+                       sum(len(c.token_ids) for f in finals for c in f.outputs),
+                       sum(f.num_cached_tokens for f in finals))
+
+    def whole(self, finals) -> dict:
+        choices = []
+        for i, out in enumerate(finals):
+            self.server.observe(out)
+            choices += [self._choice(i, out, c, c.text, c.token_ids, c.logprobs or [], 0, self.req.echo, True)
+                        for c in out.outputs]
+        return P.response(self.req.kind, self.request_id, self.created, self.model, choices, self._usage(finals))
+
+    def _delta(self, i: int, out, c) -> dict | None:
+        cursor = self.cursors.setdefault(i * self.n + c.index, _Cursor())
+        done = c.finish_reason is not None
+        if cursor.done:
+            return None
+        end = len(c.text) if done else max(cursor.chars, len(c.text) - self.hold)
+        text = c.text[cursor.chars:end]
+        token_ids = c.token_ids[cursor.tokens:]
+        entries = (c.logprobs or [])[cursor.tokens:len(c.token_ids)]
+        wants_tokens = self.req.logprobs is not None and token_ids
+        if not (text or done or wants_tokens or not cursor.started):
+            return None
+        echo = self.req.echo and not cursor.started
+        choice = self._choice(i, out, c, text, token_ids, entries, cursor.chars, echo, done, cursor.started)
+        cursor.chars, cursor.tokens = max(cursor.chars, end), len(c.token_ids)
+        cursor.started, cursor.done = True, done
+        return choice
+
+    async def events(self, streams):
+        finals = [None] * len(streams)
+        try:
+            async for i, out in merge(streams):
+                if out.finished:
+                    finals[i] = out
+                    self.server.observe(out)
+                for c in out.outputs:
+                    choice = self._delta(i, out, c)
+                    if choice is not None:
+                        yield event(P.response(self.req.kind, self.request_id, self.created, self.model, [choice],
+                                                chunk=True))
+            if self.req.include_usage:
+                yield event(P.response(self.req.kind, self.request_id, self.created, self.model, [],
+                                        self._usage(finals), chunk=True))
+        except Exception as exc:   # headers are gone: report the failure inside the stream
+            logger.exception("stream %s failed", self.request_id)
+            yield event(internal_error(exc).to_dict())
+        yield "data: [DONE]\n\n"
+
+
+def internal_error(exc: Exception) -> P.APIError:
+    return P.APIError(500, f"internal error: {type(exc).__name__}: {exc}", None, "internal_error", "server_error")

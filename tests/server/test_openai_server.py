@@ -1,0 +1,270 @@
+"""The OpenAI-compatible server, started for real with uvicorn on 127.0.0.1, driven by the
+official `openai` client and by plain HTTP for what the client hides (errors, SSE, metrics)."""
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from jaxpaged import AsyncLLM
+from server import build_app
+from tests.server.test_async_llm import tiny_engine_args
+
+MODEL, KEY = "tiny-llama", "sk-test"
+
+
+def start(app) -> tuple[uvicorn.Server, threading.Thread, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.02)
+    return server, thread, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    llm = AsyncLLM.from_engine_args(tiny_engine_args(), use_tqdm=False)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def urls(engine):
+    """Two apps on one engine: an open one and one that wants an API key."""
+    servers = [start(build_app(engine, [MODEL, "alias"])), start(build_app(engine, [MODEL], api_key=KEY))]
+    yield servers[0][2], servers[1][2]
+    for server, thread, _ in servers:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def client(urls):
+    return openai.OpenAI(base_url=urls[0] + "/v1", api_key="unused", max_retries=0)
+
+
+def metrics(url: str) -> dict[str, float]:
+    values = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def gauge(values: dict, name: str) -> float:
+    return values[f'jaxpaged:{name}{{model_name="{MODEL}"}}']
+
+
+def wait_idle(url: str, timeout: float = 15.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        values = metrics(url)
+        busy = [gauge(values, n) for n in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")]
+        if busy == [0, 0, 0]:
+            return values
+        assert time.monotonic() < deadline, f"still busy: {values}"
+        time.sleep(0.05)
+
+
+def test_models_version_health_tokenize(client, urls):
+    assert [m.id for m in client.models.list().data] == [MODEL, "alias"]
+    assert httpx.get(urls[0] + "/health").status_code == 200
+    assert httpx.get(urls[0] + "/version").json()["version"]
+    tokens = httpx.post(urls[0] + "/tokenize", json={"prompt": "Hello world"}).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] == 256
+    text = httpx.post(urls[0] + "/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
+    assert text == "Hello world"
+
+
+def test_completion_stream_equals_whole_and_usage_comes_last(client):
+    kw = dict(model=MODEL, prompt="Hello world", max_tokens=12, temperature=0.0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw)
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 12
+    assert whole.usage.prompt_tokens + 12 == whole.usage.total_tokens
+    assert whole.usage.prompt_tokens_details.cached_tokens == 0
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert all(c.usage is None for c in chunks[:-1])
+    assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == "length"
+
+
+def test_chat_stream_equals_whole_with_a_stop_string(client):
+    kw = dict(model="alias", messages=[{"role": "user", "content": "Hello"}], temperature=0.0, max_tokens=12,
+              extra_body={"ignore_eos": True})
+    text = client.chat.completions.create(**kw).choices[0].message.content
+    stop = text[4:6]   # a stop string made of two characters the model is known to produce
+    whole = client.chat.completions.create(**kw, stop=[stop])
+    assert whole.choices[0].finish_reason == "stop" and stop not in whole.choices[0].message.content
+    assert text.startswith(whole.choices[0].message.content)
+    chunks = list(client.chat.completions.create(**kw, stop=[stop], stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].model == "alias"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_n_logprobs_and_echo(client, urls):
+    out = client.completions.create(model=MODEL, prompt=["Hello world", "Hi"], n=2, max_tokens=4, logprobs=3,
+                                    echo=True, temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert out.choices[0].text.startswith("Hello world") and out.choices[2].text.startswith("Hi")
+    lp = out.choices[0].logprobs
+    prompt_len = httpx.post(urls[0] + "/tokenize", json={"prompt": "Hello world"}).json()["count"]
+    assert lp.token_logprobs[0] is None and len(lp.tokens) == prompt_len + 4   # the echoed prompt, then 4
+    assert lp.text_offset == sorted(lp.text_offset) and all(len(t) <= 4 for t in lp.top_logprobs[1:])
+    assert out.usage.completion_tokens == 16
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+    assert all(t.bytes == list(t.token.encode()) for t in content)
+
+
+BAD_COMPLETIONS = [
+    (b"{not json", 400, None),
+    ({"model": MODEL}, 400, "prompt"),
+    ({"prompt": 3}, 400, "prompt"),
+    ({"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": "hi", "max_tokens": "10"}, 400, "max_tokens"),
+    ({"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "hi", "n": 0}, 400, "n"),
+    ({"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
+    ({"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ({"prompt": "hi", "logit_bias": {"5": 500}}, 400, "logit_bias"),
+    ({"prompt": "hi", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
+    ({"prompt": "hi", "stop_token_ids": [100000]}, 400, "stop_token_ids"),
+    ({"prompt": [1, 100000]}, 400, "prompt"),
+    ({"prompt": "", "max_tokens": 3}, 400, "prompt"),
+    ({"prompt": "hi", "max_tokens": 300}, 400, "max_tokens"),
+    ({"prompt": list(range(3, 300))}, 400, "prompt"),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+]
+BAD_CHATS = [
+    ({"model": MODEL}, 400, "messages"),
+    ({"messages": "hello"}, 400, "messages"),
+    ({"messages": [{"content": "no role"}]}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 30, "logprobs": True}, 400, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 1000}, 400, "max_completion_tokens"),
+]
+
+
+@pytest.mark.parametrize("route, body, status, param",
+                         [("completions", *case) for case in BAD_COMPLETIONS] + [("chat/completions", *case)
+                                                                                for case in BAD_CHATS])
+def test_bad_input_gets_its_status_and_an_error_object(urls, route, body, status, param):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(f"{urls[0]}/v1/{route}", content=content)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+
+
+def test_api_key_guards_v1_only_and_the_server_still_serves(urls):
+    guarded = urls[1]
+    assert httpx.get(guarded + "/v1/models").status_code == 401
+    wrong = httpx.get(guarded + "/v1/models", headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(guarded + "/health").status_code == 200
+    keyed = openai.OpenAI(base_url=guarded + "/v1", api_key=KEY, max_retries=0)
+    out = keyed.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    assert out.usage.completion_tokens >= 1
+    assert httpx.get(urls[0] + "/nowhere").json()["error"]["code"] == "not_found"
+
+
+def test_an_internal_failure_is_a_500_for_that_request_only(client, urls, engine, monkeypatch):
+    step = engine.engine.step
+
+    def fail_once():
+        monkeypatch.setattr(engine.engine, "step", step)
+        raise RuntimeError("injected failure")
+    monkeypatch.setattr(engine.engine, "step", fail_once)
+    response = httpx.post(urls[0] + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4})
+    assert response.status_code == 500 and "injected failure" in response.json()["error"]["message"]
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=3).choices[0].finish_reason
+    assert httpx.get(urls[0] + "/health").status_code == 200
+
+
+def test_64_streams_where_a_quarter_walk_away(urls):
+    """Completers finish; walkers disconnect after their first chunk and are aborted."""
+    url = urls[0]
+    before = wait_idle(url)
+
+    async def client_task(http, i):
+        walker = i % 4 == 0
+        body = {"model": MODEL, "prompt": [3 + i, 7, 11], "stream": True, "temperature": 0.0,
+                "max_tokens": 240 if walker else 5, "ignore_eos": True}
+        async with http.stream("POST", url + "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            events = []
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if walker:
+                        return None
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        return chunks[-1]["choices"][0]["finish_reason"]
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=100)) as http:
+            return await asyncio.gather(*(client_task(http, i) for i in range(64)))
+    reasons = asyncio.run(main())
+    assert [r for i, r in enumerate(reasons) if i % 4] == ["length"] * 48
+    after = wait_idle(url)
+    finished = gauge(after, "request_success_total") - gauge(before, "request_success_total")
+    assert finished == 48   # the 16 walkers' requests were aborted, not run to 240 tokens
+    ttft = f'jaxpaged:time_to_first_token_seconds_count{{model_name="{MODEL}"}}'
+    assert after[ttft] - before[ttft] == 48
+    tokens = f'jaxpaged:request_generation_tokens_sum{{model_name="{MODEL}"}}'
+    assert after[tokens] - before[tokens] == 48 * 5
+
+
+def test_a_client_that_hangs_up_on_a_whole_response_aborts_it(urls, engine, monkeypatch):
+    step = engine.engine.step
+
+    def slow_step():   # 240 steps now take over a second, well past the client's patience
+        time.sleep(0.005)
+        return step()
+    before = wait_idle(urls[0])
+    monkeypatch.setattr(engine.engine, "step", slow_step)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(urls[0] + "/v1/completions", timeout=0.4,
+                   json={"prompt": [5, 6, 7], "max_tokens": 240, "ignore_eos": True, "temperature": 0.0})
+    after = wait_idle(urls[0], timeout=1.0)
+    assert gauge(after, "request_success_total") == gauge(before, "request_success_total")
+
+
+def test_serve_command_line_builds_the_engine_args(monkeypatch):
+    import server
+    from jaxpaged import cli
+
+    calls = []
+    monkeypatch.delenv("JAXPAGED_API_KEY", raising=False)
+    monkeypatch.setattr(server, "run_server", lambda args, **kw: calls.append((args, kw)) or 0)
+    assert cli.main(["serve", "some/model", "--port", "8123", "--api-key", "k", "--served-model-name", "a", "b",
+                     "--max-model-len", "512", "--block-size", "32", "--swap-space", "1"]) == 0
+    args, kw = calls[0]
+    assert (args.model, args.max_model_len, args.block_size, args.swap_space) == ("some/model", 512, 32, 1.0)
+    assert args.served_model_name == "a" and args.compile_on_startup
+    assert kw == {"host": "127.0.0.1", "port": 8123, "api_key": "k", "served_model_names": ["a", "b"],
+                  "log_level": "info"}
+    assert cli.main(["serve", "--model", "other/model"]) == 0 and calls[1][0].model == "other/model"
+    assert cli.main(["serve"]) == 0 and calls[2][0].model is None          # the built-in model
+    assert cli.main(["serve", "x", "--model", "y"]) == 2                  # two different models
