@@ -3,24 +3,43 @@
     reference  plain jnp (pallas_kernels/reference.py): ground truth, and the CPU path
     pallas     Pallas GPU kernel (Triton lowering); on CPU it runs in interpret mode (slow: tests)
     triton     a Triton kernel through jax-triton; needs a CUDA GPU
-    auto       pallas on a CUDA GPU, reference elsewhere
+    auto       on a CUDA GPU the fastest of pallas / triton measured at start-up on the model's
+               head shapes (`measure_fastest`); reference elsewhere
 
 An unavailable backend is an error, never a silent fallback.
 """
 
 import functools
+import logging
+import time
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+
+logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "reference", "pallas", "triton")
 
 
-def resolve_backend(name: str, platform: str | None = None) -> str:
+def resolve_backend(name: str, platform: str | None = None, head_shape: tuple[int, int, int] | None = None,
+                    dtype=jnp.bfloat16) -> str:
+    """A concrete backend name; `head_shape` = (num_heads, kv_heads, head_dim) lets auto measure."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     platform = platform or jax.devices()[0].platform
     if name == "auto":
-        return "pallas" if platform == "gpu" else "reference"
+        if platform != "gpu":
+            return "reference"
+        candidates = ["pallas"]
+        try:
+            import jax_triton  # noqa: F401
+            candidates.append("triton")
+        except ImportError:
+            pass
+        if head_shape is None or len(candidates) == 1:
+            return candidates[0]
+        return measure_fastest({c: get_attention(c, platform) for c in candidates}, *head_shape, dtype)
     if name == "triton":
         if platform != "gpu":
             raise ValueError("attention_backend='triton' needs a CUDA GPU (jax-triton kernels cannot run on "
@@ -45,3 +64,40 @@ def get_attention(name: str, platform: str | None = None):
         from pallas_kernels.triton_attention import ragged_paged_attention_triton
         return ragged_paged_attention_triton
     raise ValueError(f"unknown attention backend {name!r}")
+
+
+def measure_fastest(kernels: dict, num_heads: int, kv_heads: int, head_dim: int, dtype,
+                    num_seqs: int = 64, context: int = 1024, block_size: int = 16, repeats: int = 5) -> str:
+    """Time each kernel on a decode batch (num_seqs x context tokens); returns the fastest name.
+
+    A kernel that fails to compile or run is skipped (and logged); if all fail, the first is returned
+    so that its error surfaces when the model runs.
+    """
+    from pallas_kernels.metadata import AttentionMetadata
+
+    blocks_per_seq = -(-context // block_size)
+    num_blocks = num_seqs * blocks_per_seq + 1
+    pool = jnp.zeros((1, 2, num_blocks, block_size, kv_heads, head_dim), dtype)
+    q = jnp.ones((num_seqs, num_heads, head_dim), dtype)
+    tables = np.arange(1, num_blocks, dtype=np.int32).reshape(num_seqs, blocks_per_seq)
+    md = AttentionMetadata(kv_lens=jnp.full((num_seqs,), context, jnp.int32), block_tables=jnp.asarray(tables),
+                           cu_q_lens=jnp.arange(num_seqs + 1, dtype=jnp.int32), q_tile=1)
+    layer = jnp.zeros((), jnp.int32)
+    timings = {}
+    for name, kernel in kernels.items():
+        try:
+            fn = jax.jit(functools.partial(kernel, sm_scale=head_dim ** -0.5))
+            fn(q, pool, layer, md).block_until_ready()
+            start = time.perf_counter()
+            for _ in range(repeats):
+                out = fn(q, pool, layer, md)
+            out.block_until_ready()
+            timings[name] = (time.perf_counter() - start) / repeats
+        except Exception as exc:  # a kernel that cannot run here is not a candidate
+            logger.warning("attention backend %s unavailable: %s", name, exc)
+    if not timings:
+        return next(iter(kernels))
+    best = min(timings, key=timings.get)
+    logger.info("attention backend auto -> %s (%s)", best,
+                ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in timings.items()))
+    return best

@@ -46,8 +46,13 @@ def load_model_and_tokenizer(args: EngineArgs):
         model = builtin_model_path()
         name = name or BUILTIN_MODEL_NAME
     from pallas_kernels.backends import resolve_backend
-    backend = resolve_backend(args.attention_backend)
+    backend = resolve_backend(args.attention_backend)   # validates; auto is refined below on GPU
     loaded = load_model(model, args.dtype, args.revision, attention_backend=backend)
+    if args.attention_backend == "auto" and jax.devices()[0].platform == "gpu":
+        cfg = loaded.config
+        loaded.model.attention_backend = resolve_backend(
+            "auto", head_shape=(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
+            dtype=loaded.model.embed[...].dtype)
     tokenizer = load_tokenizer(args, loaded)
     return loaded, tokenizer, name or args.model
 

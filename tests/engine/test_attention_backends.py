@@ -24,3 +24,23 @@ def test_unavailable_and_unknown_backends_are_errors():
         LLM(tiny_checkpoint("llama"), attention_backend="triton", compile_on_startup=False)
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         LLM(tiny_checkpoint("llama"), attention_backend="flash", compile_on_startup=False)
+
+
+def test_auto_measures_and_picks_the_fastest_kernel():
+    import time
+
+    from pallas_kernels.backends import measure_fastest
+    from pallas_kernels.reference import ragged_paged_attention_reference as ref
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("cannot compile here")
+
+    import jax
+
+    def slow(*args, **kwargs):   # sleeps inside every compiled call, not only while tracing
+        out = ref(*args, **kwargs)
+        return jax.pure_callback(lambda x: (time.sleep(0.02), x)[1], jax.ShapeDtypeStruct(out.shape, out.dtype), out)
+
+    kernels = {"broken": broken, "slow": slow, "fast": ref}
+    assert measure_fastest(kernels, 4, 2, 16, "float32", num_seqs=4, context=32, repeats=2) == "fast"
+    assert measure_fastest({"broken": broken}, 4, 2, 16, "float32", num_seqs=4, context=32) == "broken"
