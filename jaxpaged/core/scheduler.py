@@ -187,7 +187,9 @@ class Scheduler:
             if seats + self._num_seats(request) > self.config.max_num_seqs:
                 break
             hits, num_hit_tokens = ([], 0)
-            if request.num_computed_tokens == 0:
+            # prompt logprobs need every prompt position computed, so such requests skip the cache
+            wants_prompt_logprobs = getattr(request.sampling_params, "prompt_logprobs", None) is not None
+            if request.num_computed_tokens == 0 and not wants_prompt_logprobs:
                 hits, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
             num_new = self._num_new_tokens(request, request.num_computed_tokens + num_hit_tokens, budget)
             if num_new == 0:

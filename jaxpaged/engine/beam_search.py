@@ -73,6 +73,17 @@ def run_beam_search(engine, prompts: list[list[int]], params: BeamSearchParams) 
         raise ValueError(f"beam_width must be <= {MAX_LOGPROBS // 2}, got {width}")
     if engine.has_unfinished_requests():
         raise ValueError("beam_search needs an idle engine; wait for pending requests first")
+    if width > engine.scheduler.config.max_num_seqs:
+        raise ValueError(f"beam_width ({width}) must be <= max_num_seqs ({engine.scheduler.config.max_num_seqs})")
+    per_wave = max(1, engine.scheduler.config.max_num_seqs // width)   # all beams of a wave run together
+    outputs = []
+    for i in range(0, len(prompts), per_wave):
+        outputs += _run_wave(engine, prompts[i:i + per_wave], params)
+    return outputs
+
+
+def _run_wave(engine, prompts: list[list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
+    width = params.beam_width
     scheduler, runner = engine.scheduler, engine.runner
     ids = itertools.count()
     sampling = SamplingParams(temperature=0.0, logprobs=2 * width, max_tokens=params.max_tokens,
@@ -89,20 +100,30 @@ def run_beam_search(engine, prompts: list[list[int]], params: BeamSearchParams) 
         return Request(f"beam-{next(ids)}", parent.prompt_token_ids, sampling, engine.eos_token_ids, seed=0,
                        max_tokens=params.max_tokens)
 
-    fresh: dict[str, object] = {}   # request id -> its SampledToken since the last selection
+    # request id -> its SampledToken since the last selection. A beam with such a token is parked
+    # (out of scheduler.running, keeping its blocks) until its group selects: it must not decode
+    # further, and a preempted sibling may take several steps to catch up.
+    fresh: dict[str, object] = {}
     try:
         while any(g.beams for g in groups):
             plan = scheduler.schedule()
             if plan.is_empty:
                 runner.move_blocks(plan)
-                continue
+                raise RuntimeError("beam search is stuck: the KV cache cannot hold all beams of a prompt at once; "
+                                   "give the engine more blocks or lower beam_width")
             result = runner.fetch(runner.dispatch(plan, {}))
             for request in scheduler.update_after_step(plan, {k: v.token_id for k, v in result.sampled.items()}):
                 fresh[request.request_id] = result.sampled[request.request_id]
+                scheduler.running.remove(request)
             for group in groups:
                 if group.beams and all(b.request.request_id in fresh for b in group.beams):
+                    scheduler.running.extend(b.request for b in group.beams)
                     _select(group, fresh, scheduler, new_request, engine.eos_token_ids, width)
     finally:
+        for request_id in fresh:   # parked beams go back so that finish_request finds them
+            request = scheduler.requests.get(request_id)
+            if request is not None and request not in scheduler.running:
+                scheduler.running.append(request)
         for request in list(scheduler.requests.values()):
             if request.request_id.startswith("beam-"):
                 scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ABORTED)

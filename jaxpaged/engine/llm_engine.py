@@ -69,10 +69,14 @@ class LLMEngine:
         text, token_ids = self._tokenize(prompt)
         self._validate(token_ids, params)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
+        core_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        clash = [c for c in core_ids if c in self._seqs or c in self.scheduler.requests]
+        if clash:
+            raise ValueError(f"request_id {request_id!r} clashes with the sequence id {clash[0]!r} of a request "
+                             "in flight (sequences of n > 1 requests are named '<id>#<index>')")
         sequences = []
-        for i in range(params.n):
+        for i, core_id in enumerate(core_ids):
             seed = self._seed_for(params, i)
-            core_id = request_id if params.n == 1 else f"{request_id}#{i}"
             request = Request(core_id, token_ids, params, self.eos_token_ids, arrival_time, seed, max_tokens)
             sequences.append(SequenceState(request, i, self.tokenizer, request_id))
         state = RequestState(request_id, text, token_ids, sequences)
@@ -163,14 +167,16 @@ class LLMEngine:
         """Mask EOS and stop tokens until min_tokens is reached."""
         bias = {}
         for chunk in plan.chunks:
-            request = chunk.request
-            params = request.sampling_params
-            if chunk.samples and request.num_output_tokens < params.min_tokens:
-                banned = list(params.stop_token_ids or [])
-                if not params.ignore_eos:
-                    banned += list(request.eos_token_ids)
-                if banned:
-                    bias[request.request_id] = {t: float("-inf") for t in banned}
+            if not chunk.samples:
+                continue
+            for request in [chunk.request, *chunk.request.pending_forks]:   # forks sample their first token too
+                params = request.sampling_params
+                if request.num_output_tokens < params.min_tokens:
+                    banned = list(params.stop_token_ids or [])
+                    if not params.ignore_eos:
+                        banned += list(request.eos_token_ids)
+                    if banned:
+                        bias[request.request_id] = {t: float("-inf") for t in banned}
         return bias
 
     def _apply(self, plan, result) -> None:

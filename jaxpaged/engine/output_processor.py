@@ -95,10 +95,14 @@ def record_logprobs(seq: SequenceState, sampled: SampledToken, tokenizer) -> Non
 def record_prompt_logprobs(state: RequestState, lps: PromptLogprobs, tokenizer) -> None:
     if state.prompt_logprobs is None:
         state.prompt_logprobs = []
-    if lps.start != len(state.prompt_logprobs):   # a recomputed chunk we already have
-        return
+    # after a recompute preemption chunks may start before what we already have: keep the new part
+    skip = len(state.prompt_logprobs) - lps.start
+    if skip < 0:
+        raise RuntimeError(f"prompt logprobs of {state.request_id} arrived out of order")
     k = state.sequences[0].request.sampling_params.prompt_logprobs
     for i, (lp, rank) in enumerate(zip(lps.logprobs, lps.ranks)):
+        if i < skip:
+            continue
         target = state.prompt_token_ids[lps.start + 1 + i]
         entry = {tid: Logprob(l, r, _decoded(tokenizer, tid))
                  for r, (tid, l) in enumerate(zip(lps.top_ids[i][:k], lps.top_logprobs[i][:k]), start=1)}

@@ -130,8 +130,7 @@ class ModelRunner:
         for chunk in plan.chunks:
             request = chunk.request
             params = request.sampling_params
-            wants_lp = (params.prompt_logprobs is not None and chunk.start < request.num_prompt_tokens - 1
-                        and len(getattr(request, "prompt_logprobs", [])) < request.num_prompt_tokens - 1)
+            wants_lp = params.prompt_logprobs is not None and chunk.start < request.num_prompt_tokens - 1
             n = chunk.num_new_tokens
             tokens = request.all_token_ids[chunk.start:chunk.start + n]
             if wants_lp:

@@ -38,3 +38,23 @@ def test_beam_search_matches_transformers(arch, width):
             assert seq.tokens[:len(prompt)] == prompt
     assert llm.get_metrics()["jaxpaged:kv_cache_usage_perc"] == 0.0
     assert not llm.llm_engine.scheduler.requests
+
+
+def test_beam_search_in_a_tight_pool_finishes_or_fails_clearly_never_hangs():
+    from jaxpaged import LLM
+
+    def run(num_blocks):
+        llm = LLM(tiny_checkpoint("llama"), dtype="float32", block_size=8, num_gpu_blocks_override=num_blocks,
+                  max_model_len=40, compile_on_startup=False)
+        try:
+            return llm.beam_search([{"prompt_token_ids": list(range(3, 23))}],
+                                   BeamSearchParams(beam_width=4, max_tokens=19, ignore_eos=True))
+        finally:
+            assert llm.get_metrics()["jaxpaged:kv_cache_usage_perc"] == 0.0
+            assert not llm.llm_engine.scheduler.requests
+
+    roomy = run(64)
+    tight = run(10)   # beams share their common prefix blocks: 9 usable blocks are enough
+    assert [s.tokens for s in tight[0].sequences] == [s.tokens for s in roomy[0].sequences]
+    with pytest.raises(RuntimeError, match="cannot hold all beams"):
+        run(7)
