@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.reference import _tile_layout, validate_inputs
+from pallas_kernels.reference import tile_layout, validate_inputs
 
 _MASKED = -1e30
 _MAX_ROWS = 128          # rows (queries x heads) per program: the fp32 accumulator lives in registers
@@ -181,7 +181,7 @@ def _attention(q, kv_pool, layer, md, sliding_window, soft_cap, *, sm_scale, kv_
     pages_per_step = max(-(-16 // block_size), _floor_pow2(min(kv_chunk_blocks, budget_pages)))
     total_steps = pl.cdiv(max_blocks, pages_per_step)
 
-    q_lens, tile_seq, tile_valid, tile_first_row, token_tile, token_row = _tile_layout(
+    q_lens, tile_seq, tile_valid, tile_first_row, token_tile, token_row = tile_layout(
         dataclasses.replace(md, q_tile=q_tile), num_tokens)
     num_tiles = tile_seq.shape[0]
     if num_kv_splits is None:

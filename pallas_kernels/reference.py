@@ -54,7 +54,7 @@ def validate_inputs(q: jax.Array, kv_pool: jax.Array, md: AttentionMetadata) -> 
             raise ValueError(f"{name} must be an integer array, got {getattr(md, name).dtype}")
 
 
-def _tile_layout(md: AttentionMetadata, num_tokens: int):
+def tile_layout(md: AttentionMetadata, num_tokens: int):
     """Per tile: owning sequence, first query row (in the sequence), validity; per token: its tile/row."""
     q_tile = md.q_tile
     num_seqs = md.kv_lens.shape[0]
@@ -95,7 +95,7 @@ def ragged_paged_attention_reference(
     chunk = min(kv_chunk_blocks, max_blocks)
     pages = pages_view(kv_pool)
 
-    q_lens, tile_seq, tile_valid, tile_first_row, token_tile, token_tile_row = _tile_layout(md, num_tokens)
+    q_lens, tile_seq, tile_valid, tile_first_row, token_tile, token_tile_row = tile_layout(md, num_tokens)
     rows = tile_first_row[:, None] + jnp.arange(q_tile, dtype=jnp.int32)[None, :]   # [N, q_tile]
     row_valid = tile_valid[:, None] & (rows < q_lens[tile_seq][:, None])
     q_index = jnp.clip(md.cu_q_lens[tile_seq][:, None] + rows, 0, num_tokens - 1)

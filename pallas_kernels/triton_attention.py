@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.reference import _tile_layout, num_query_tiles, validate_inputs
+from pallas_kernels.reference import tile_layout, num_query_tiles, validate_inputs
 
 _MASKED = tl.constexpr(-1e30)
 _TARGET_PROGRAMS = 264  # two waves of an H100/H200's 132 SMs: below that, split the KV walk
@@ -257,7 +257,7 @@ def kernel_call_args(q, kv_pool, layer, md: AttentionMetadata, sliding_window=0,
 @functools.partial(jax.jit, static_argnums=1)  # one compile, not one per op, when called eagerly
 def _tile_operands(md: AttentionMetadata, num_tokens: int):
     """Per tile: owning sequence, first query row, live rows (0 for padding); per token: tile and row."""
-    q_lens, tile_seq, tile_valid, tile_first_row, token_tile, token_row = _tile_layout(md, num_tokens)
+    q_lens, tile_seq, tile_valid, tile_first_row, token_tile, token_row = tile_layout(md, num_tokens)
     tile_rows = jnp.where(tile_valid, jnp.clip(q_lens[tile_seq] - tile_first_row, 0, md.q_tile), 0)
     return tuple(x.astype(jnp.int32) for x in (tile_seq, tile_first_row, tile_rows)), (token_tile, token_row)
 

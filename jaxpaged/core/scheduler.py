@@ -175,11 +175,7 @@ class Scheduler:
             swap_in += pairs
             self.num_swapped_in_blocks += len(pairs)
             self.swapped.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            seats += self._num_seats(request)
-            chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new,
-                                         self.kv_cache.blocks_of(request.request_id)))
+            seats += self._start_running(request, num_new, chunks)
             budget -= num_new
 
         while self.waiting and budget > 0 and not preempted and not self.swapped:
@@ -202,11 +198,7 @@ class Scheduler:
             if hits or request.num_computed_tokens == 0:
                 self.kv_cache.record_prefix_query(request.num_tokens, num_hit_tokens)
             request.num_computed_tokens += num_hit_tokens
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            seats += self._num_seats(request)
-            chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new,
-                                         self.kv_cache.blocks_of(request.request_id)))
+            seats += self._start_running(request, num_new, chunks)
             budget -= num_new
 
         return SchedulerOutput(chunks, preempted, self.config.max_num_batched_tokens - budget,
@@ -216,6 +208,14 @@ class Scheduler:
     def _num_seats(request: Request) -> int:
         """Sequences the request runs as once its pending forks (n > 1) start."""
         return 1 + len(request.pending_forks)
+
+    def _start_running(self, request: Request, num_new: int, chunks: list[ScheduledChunk]) -> int:
+        """Move a request (swapped in or admitted) to running with its first chunk; returns its seats."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new,
+                                     self.kv_cache.blocks_of(request.request_id)))
+        return self._num_seats(request)
 
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
         num_new = request.num_tokens - num_computed
