@@ -63,12 +63,12 @@ def tile_layout(md: AttentionMetadata, num_tokens: int):
     tiles_per_seq = (q_lens + q_tile - 1) // q_tile
     cu_tiles = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(tiles_per_seq).astype(jnp.int32)])
     tile_ids = jnp.arange(num_tiles, dtype=jnp.int32)
-    tile_seq = jnp.clip(jnp.searchsorted(cu_tiles[1:], tile_ids, side="right"), 0, num_seqs - 1)
+    tile_seq = jnp.clip(jnp.searchsorted(cu_tiles[1:], tile_ids, side="right", method="compare_all"), 0, num_seqs - 1)
     tile_valid = tile_ids < cu_tiles[-1]
     tile_first_row = (tile_ids - cu_tiles[tile_seq]) * q_tile
 
     token_ids = jnp.arange(num_tokens, dtype=jnp.int32)
-    token_seq = jnp.clip(jnp.searchsorted(md.cu_q_lens[1:], token_ids, side="right"), 0, num_seqs - 1)
+    token_seq = jnp.clip(jnp.searchsorted(md.cu_q_lens[1:], token_ids, side="right", method="compare_all"), 0, num_seqs - 1)
     token_row = token_ids - md.cu_q_lens[token_seq]
     token_tile = jnp.clip(cu_tiles[token_seq] + token_row // q_tile, 0, num_tiles - 1)
     return q_lens, tile_seq, tile_valid, tile_first_row, token_tile, token_row % q_tile

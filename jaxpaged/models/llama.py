@@ -110,6 +110,16 @@ class LlamaFamilyForCausalLM(nnx.Module):
             logits = hidden @ self.lm_head[...]
         return logits.astype(jnp.float32)
 
+    def compute_logits_transposed(self, hidden: jax.Array) -> jax.Array:
+        """f32[vocab, rows]: the same logits as compute_logits, laid out vocabulary-major."""
+        cfg = self.config
+        hidden = rms_norm(hidden, self.final_norm[...], cfg.rms_norm_eps)
+        if self.lm_head is None:
+            logits = self.embed[...] @ hidden.T
+        else:
+            logits = jnp.einsum("dv,td->vt", self.lm_head[...], hidden)
+        return logits.astype(jnp.float32)
+
     def hidden_states(self, kv_pool: jax.Array, batch: ForwardBatch) -> tuple[jax.Array, jax.Array]:
         cfg = self.config
         md = batch.attn

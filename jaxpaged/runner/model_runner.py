@@ -22,7 +22,8 @@ from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.models.batch import ForwardBatch
 from jaxpaged.runner.batch_builder import BatchShape, SeqChunk, build_forward_batch, choose_shape, next_bucket
 from jaxpaged.runner.block_ops import HostSwapSpace, copy_blocks
-from jaxpaged.runner.sampler import SamplingMetadata, build_sampling_metadata, sample, token_logprobs
+from jaxpaged.runner.sampler import (SamplingMetadata, build_sampling_metadata, greedy_from_transposed,
+                                     is_plain_greedy, sample, token_logprobs)
 from pallas_kernels import kv_pool_shape
 
 logger = logging.getLogger(__name__)
@@ -238,6 +239,9 @@ def _step(graphdef, state, kv_pool, batch: ForwardBatch, sample_rows, smd: Sampl
                prompt_targets, *, prompt_k: int):
     model = nnx.merge(graphdef, state)
     kv_pool, hidden = model.hidden_states(kv_pool, batch)
+    if is_plain_greedy(smd) and prompt_k < 0:   # the common decode case, in the CPU-friendly layout
+        out = greedy_from_transposed(model.compute_logits_transposed(hidden[batch.logits_indices][sample_rows]))
+        return kv_pool, _pack(out.token_ids, out.logprobs, out.ranks, out.topk_ids, out.topk_logprobs)
     logits = model.compute_logits(hidden[batch.logits_indices])       # f32[num_logits, vocab]
     out = sample(logits[sample_rows], smd)
     packed = [_pack(out.token_ids, out.logprobs, out.ranks, out.topk_ids, out.topk_logprobs)]

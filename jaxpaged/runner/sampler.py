@@ -161,6 +161,24 @@ def _random_sample(logits, md):
     return jnp.argmax(logits + noise, axis=-1).astype(jnp.int32)
 
 
+def is_plain_greedy(md: SamplingMetadata) -> bool:
+    """Every row greedy with no bias, penalties or top logprobs (static: decides the compiled path)."""
+    return md.all_greedy and md.logit_bias is None and md.output_counts is None and md.num_logprobs == 0
+
+
+def greedy_from_transposed(logits_t: jax.Array) -> SamplerOutput:
+    """The plain-greedy sampler on f32[V, S] logits (one column per row).
+
+    On CPU a [V, S] matmul and column reductions run about a third faster than the [S, V] layout
+    for decode-sized S. The argmax has rank 1; its logprob is max - logsumexp.
+    """
+    col_max = jnp.max(logits_t, axis=0)
+    lse = col_max + jnp.log(jnp.sum(jnp.exp(logits_t - col_max[None, :]), axis=0))
+    tokens = jnp.argmax(logits_t, axis=0).astype(jnp.int32)
+    empty = jnp.zeros((logits_t.shape[1], 0), jnp.int32)
+    return SamplerOutput(tokens, col_max - lse, jnp.ones_like(tokens), empty, empty.astype(jnp.float32))
+
+
 def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
     """Turn f32[S, V] logits into one token per row; pure, meant to run inside a jit."""
     logits = logits.astype(jnp.float32)

@@ -264,3 +264,19 @@ def test_build_sampling_metadata_leaves_unused_vocab_arrays_none():
 def test_build_sampling_metadata_rejects_bad_input(call, name):
     with pytest.raises(ValueError, match=name):
         call()
+
+
+def test_greedy_on_transposed_logits_equals_the_general_sampler():
+    from types import SimpleNamespace
+
+    from jaxpaged.runner.sampler import build_sampling_metadata, greedy_from_transposed, is_plain_greedy, sample
+
+    g = SimpleNamespace(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, presence_penalty=0.0,
+                        frequency_penalty=0.0, repetition_penalty=1.0, logit_bias=None, logprobs=None)
+    logits = jax.random.normal(jax.random.key(3), (5, 40)) * 4
+    md = build_sampling_metadata([g] * 5, [0] * 5, [0] * 5, [[]] * 5, [[]] * 5, [None] * 5, 40, 5)
+    assert is_plain_greedy(md)
+    fast, ref = greedy_from_transposed(logits.T), sample(logits, md)
+    np.testing.assert_array_equal(np.asarray(fast.token_ids), np.asarray(ref.token_ids))
+    np.testing.assert_allclose(np.asarray(fast.logprobs), np.asarray(ref.logprobs), atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(fast.ranks), np.asarray(ref.ranks))
