@@ -159,8 +159,6 @@ class LLMEngine:
         if pending is not None:
             result = self.runner.fetch(pending)
             self._apply(plan, result)
-        if not outputs and pending is None and self._to_detokenize:
-            outputs = self._process_text()
         return outputs
 
     def _extra_bias(self, plan) -> dict[str, dict[int, float]]:
