@@ -11,6 +11,13 @@ from jaxpaged.sampling_params import BeamSearchParams, SamplingParams
 PromptType = str | list[int] | dict
 
 
+def _as_prompt_list(prompts) -> list:
+    """One prompt (a str, a token-id list or a dict) or a sequence of them -> a list of prompts."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
+
+
 class LLM:
     """Generate from a batch of prompts with continuous batching over a paged KV cache.
 
@@ -48,10 +55,7 @@ class LLM:
 
         A bad prompt or parameter raises ValueError before anything is queued.
         """
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -82,10 +86,7 @@ class LLM:
         Beams share the prompt's (and each other's) KV blocks by fork and copy-on-write.
         """
         from jaxpaged.engine.beam_search import run_beam_search
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        token_lists = [self.llm_engine._tokenize(p)[1] for p in prompts]
+        token_lists = [self.llm_engine._tokenize(p)[1] for p in _as_prompt_list(prompts)]
         return run_beam_search(self.llm_engine, token_lists, params)
 
     def _run(self, prompts: list, params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
@@ -102,12 +103,13 @@ class LLM:
             raise
         from tqdm.auto import tqdm
         finished: dict[str, RequestOutput] = {}
+        wanted = set(ids)
         start = time.perf_counter()
         num_tokens = 0
         with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, unit="req") as bar:
             while len(finished) < len(ids):
                 for out in engine.step():
-                    if out.finished and out.request_id in set(ids):
+                    if out.finished and out.request_id in wanted:
                         finished[out.request_id] = out
                         num_tokens += sum(len(c.token_ids) for c in out.outputs)
                         bar.update(1)

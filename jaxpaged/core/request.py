@@ -49,7 +49,6 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.block_hashes: list[int] = []     # chained hashes of the full blocks of all_token_ids
-        self.first_token_time: float | None = None
         # n > 1: sibling sequences that fork off this one when it samples its first token
         self.pending_forks: list["Request"] = []
 
@@ -68,10 +67,6 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
-
-    @property
-    def is_prefill_done(self) -> bool:
-        return self.num_computed_tokens >= self.num_prompt_tokens
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

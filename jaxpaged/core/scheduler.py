@@ -70,6 +70,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
+        self.paused: dict[str, Request] = {}   # running, but left out of scheduling (beam search)
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_swapped_out_blocks = 0
@@ -105,7 +106,9 @@ class Scheduler:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
-        if request.status == RequestStatus.RUNNING:
+        if request.request_id in self.paused:
+            del self.paused[request.request_id]
+        elif request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status == RequestStatus.WAITING:
             self.waiting.remove(request)
@@ -125,6 +128,16 @@ class Scheduler:
         child.status = RequestStatus.RUNNING
         self.requests[child.request_id] = child
         self.running.append(child)
+
+    def pause(self, request: Request) -> None:
+        """Take a running request out of scheduling; it keeps its blocks and cannot be preempted."""
+        self.running.remove(request)
+        self.paused[request.request_id] = request
+
+    def resume(self, request: Request) -> None:
+        """Return a paused request to the running list (no-op if it is not paused)."""
+        if self.paused.pop(request.request_id, None) is not None:
+            self.running.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)

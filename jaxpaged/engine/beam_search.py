@@ -101,7 +101,7 @@ def _run_wave(engine, prompts: list[list[int]], params: BeamSearchParams) -> lis
                        max_tokens=params.max_tokens)
 
     # request id -> its SampledToken since the last selection. A beam with such a token is parked
-    # (out of scheduler.running, keeping its blocks) until its group selects: it must not decode
+    # (scheduler.pause: out of scheduling, keeping its blocks) until its group selects: it must not decode
     # further, and a preempted sibling may take several steps to catch up.
     fresh: dict[str, object] = {}
     try:
@@ -114,16 +114,13 @@ def _run_wave(engine, prompts: list[list[int]], params: BeamSearchParams) -> lis
             result = runner.fetch(runner.dispatch(plan, {}))
             for request in scheduler.update_after_step(plan, {k: v.token_id for k, v in result.sampled.items()}):
                 fresh[request.request_id] = result.sampled[request.request_id]
-                scheduler.running.remove(request)
+                scheduler.pause(request)
             for group in groups:
                 if group.beams and all(b.request.request_id in fresh for b in group.beams):
-                    scheduler.running.extend(b.request for b in group.beams)
+                    for beam in group.beams:
+                        scheduler.resume(beam.request)
                     _select(group, fresh, scheduler, new_request, engine.eos_token_ids, width)
     finally:
-        for request_id in fresh:   # parked beams go back so that finish_request finds them
-            request = scheduler.requests.get(request_id)
-            if request is not None and request not in scheduler.running:
-                scheduler.running.append(request)
         for request in list(scheduler.requests.values()):
             if request.request_id.startswith("beam-"):
                 scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ABORTED)

@@ -8,11 +8,10 @@ while the device computes step t.
 
 import itertools
 import logging
-import time
 
 import numpy as np
 
-from jaxpaged.core.kv_cache_manager import KVCacheManager, cdiv
+from jaxpaged.core.kv_cache_manager import KVCacheManager
 from jaxpaged.core.request import Request, RequestStatus
 from jaxpaged.core.scheduler import Scheduler, SchedulerConfig
 from jaxpaged.engine.arg_utils import EngineArgs
@@ -190,11 +189,8 @@ class LLMEngine:
             seq = self._seqs.get(rid)
             if seq is not None and seq.index == 0:
                 record_prompt_logprobs(self._states[seq.parent_id], lps, self.tokenizer)
-        now = time.monotonic()
         for request in got_token:
             seq = self._seqs[request.request_id]
-            if request.first_token_time is None:
-                request.first_token_time = now
             record_logprobs(seq, result.sampled[request.request_id], self.tokenizer)
             self.metrics.generation_tokens_total += 1
             stop = token_stop(request, self.max_model_len)

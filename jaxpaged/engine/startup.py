@@ -57,9 +57,8 @@ def load_model_and_tokenizer(args: EngineArgs):
     return loaded, tokenizer, name or args.model
 
 
-def _num_blocks(args: EngineArgs, loaded: LoadedModel, max_model_len: int) -> int:
+def _num_blocks(args: EngineArgs, loaded: LoadedModel, max_model_len: int, per_block: int) -> int:
     cfg = loaded.config
-    per_block = ModelRunner.bytes_per_block(cfg, args.block_size, loaded.dtype)
     if args.num_gpu_blocks_override is not None:
         return args.num_gpu_blocks_override
     if args.kv_cache_memory_bytes is not None:
@@ -72,7 +71,7 @@ def _num_blocks(args: EngineArgs, loaded: LoadedModel, max_model_len: int) -> in
     limit = stats.get("bytes_limit", 0)
     in_use = stats.get("bytes_in_use", 0)
     # room for activations and logits of the largest step
-    reserve = (1 << 30) + 8 * (args.max_num_batched_tokens or 2048) * (cfg.vocab_size + 4 * cfg.hidden_size)
+    reserve = (1 << 30) + 8 * args.batched_tokens(max_model_len) * (cfg.vocab_size + 4 * cfg.hidden_size)
     budget = int(limit * args.gpu_memory_utilization) - in_use - reserve
     if budget < 2 * per_block:
         raise ValueError(f"no device memory left for the KV cache (limit {limit} B, in use {in_use} B); "
@@ -88,7 +87,8 @@ def build_runner(args: EngineArgs, loaded: LoadedModel, use_tqdm: bool = True):
         raise ValueError(f"max_model_len ({args.max_model_len}) is larger than the model's "
                          f"max_position_embeddings ({model_max})")
     max_model_len = args.max_model_len or model_max
-    num_blocks = _num_blocks(args, loaded, max_model_len)
+    per_block = ModelRunner.bytes_per_block(cfg, args.block_size, loaded.dtype)
+    num_blocks = _num_blocks(args, loaded, max_model_len, per_block)
     capacity = (num_blocks - 1) * args.block_size
     if max_model_len > capacity:
         if args.max_model_len is not None:
@@ -100,7 +100,6 @@ def build_runner(args: EngineArgs, loaded: LoadedModel, use_tqdm: bool = True):
     max_batched = args.batched_tokens(max_model_len)
     num_host_blocks = 0
     if args.preemption_mode == "swap":
-        per_block = ModelRunner.bytes_per_block(cfg, args.block_size, loaded.dtype)
         num_host_blocks = int(args.swap_space * (1 << 30)) // per_block
         if num_host_blocks < 1:
             logger.warning("swap_space %.3f GiB holds no block: preemption falls back to recompute",

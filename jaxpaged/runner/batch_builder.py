@@ -46,11 +46,15 @@ class BatchShape:
 
 
 def choose_shape(chunks: list[SeqChunk], token_floor: int = 8, seq_floor: int = 4,
-                 max_tokens: int | None = None, max_seqs: int | None = None) -> BatchShape:
+                 max_tokens: int | None = None, max_seqs: int | None = None,
+                 num_sample_rows: int = 0) -> BatchShape:
+    """Bucketed shape for `chunks`; `num_sample_rows` > len(chunks) when n > 1 forks sample extra rows."""
     total = sum(len(c.token_ids) for c in chunks)
     num_logits = sum(len(c.logits_positions) for c in chunks)
     decode_only = all(len(c.token_ids) == 1 for c in chunks)
     num_seqs = next_bucket(len(chunks), seq_floor, max_seqs)
+    if num_sample_rows > num_seqs:   # forks may exceed max_num_seqs' bucket by their pending seats
+        num_seqs = next_bucket(num_sample_rows, seq_floor)
     if decode_only:
         return BatchShape(num_seqs, num_seqs, num_seqs, 1)
     num_tokens = next_bucket(total, token_floor, max_tokens)

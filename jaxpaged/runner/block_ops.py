@@ -17,16 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-
-def _bucket(n: int) -> int:
-    size = 4
-    while size < n:
-        size *= 2
-    return size
+from jaxpaged.runner.batch_builder import next_bucket
 
 
 def _padded(pairs: list[tuple[int, int]], src_pad: int, dst_pad: int) -> tuple[np.ndarray, np.ndarray]:
-    size = _bucket(len(pairs))
+    size = next_bucket(len(pairs), 4)
     src = np.full(size, src_pad, np.int32)
     dst = np.full(size, dst_pad, np.int32)
     if pairs:
@@ -60,10 +55,6 @@ class HostSwapSpace:
                                                             jax.memory.Space.Host))()
         self._swap_out = jax.jit(_swap_out, donate_argnums=(1,))
         self._swap_in = jax.jit(_swap_in, donate_argnums=(0,))
-
-    @staticmethod
-    def bytes_per_block(kv_pool_shape: tuple[int, ...], dtype) -> int:
-        return int(np.prod(kv_pool_shape[:2]) * np.prod(kv_pool_shape[3:]) * jnp.dtype(dtype).itemsize)
 
     def swap_out(self, kv_pool: jax.Array, pairs: list[tuple[int, int]]) -> None:
         """Copy device blocks to host blocks ((device, host) pairs)."""

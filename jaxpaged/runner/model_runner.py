@@ -20,7 +20,7 @@ from flax import nnx
 from jaxpaged.core.kv_cache_manager import cdiv
 from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.models.batch import ForwardBatch
-from jaxpaged.runner.batch_builder import BatchShape, SeqChunk, build_forward_batch, choose_shape, next_bucket
+from jaxpaged.runner.batch_builder import BatchShape, SeqChunk, build_forward_batch, choose_shape
 from jaxpaged.runner.block_ops import HostSwapSpace, copy_blocks
 from jaxpaged.runner.sampler import (SamplingMetadata, build_sampling_metadata, greedy_from_transposed,
                                      is_plain_greedy, sample, token_logprobs)
@@ -101,15 +101,6 @@ class ModelRunner:
         c = model_config
         return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * jnp.dtype(dtype).itemsize
 
-    def shape_for(self, chunks: list[SeqChunk], num_sample_rows: int) -> BatchShape:
-        shape = choose_shape(chunks, token_floor=16, seq_floor=4, max_tokens=self.max_num_batched_tokens,
-                             max_seqs=self.max_num_seqs)
-        if num_sample_rows > shape.num_seqs:   # forks of n > 1 sample extra rows
-            seqs = next_bucket(num_sample_rows, 4)
-            shape = dataclasses.replace(shape, num_seqs=seqs, num_logits=max(shape.num_logits, seqs),
-                                        num_tokens=max(shape.num_tokens, seqs))
-        return shape
-
     def move_blocks(self, plan: SchedulerOutput) -> None:
         """Swap-outs, swap-ins, then copy-on-write copies: all before the step reads the pool."""
         if plan.swap_out:
@@ -126,6 +117,7 @@ class ModelRunner:
         chunks, rows, lp_rows = [], [], []
         sample_rows = []
         row_requests = []   # the request whose params/seed drive each sample row
+        lp_targets = []     # (first logits row, the prompt tokens those rows predict)
         prompt_k = -1
         row = 0
         for chunk in plan.chunks:
@@ -138,6 +130,7 @@ class ModelRunner:
                 positions = list(range(n))
                 count = min(n, request.num_prompt_tokens - 1 - chunk.start)
                 lp_rows.append((request.request_id, row, count, chunk.start))
+                lp_targets.append((row, request.all_token_ids[chunk.start + 1:chunk.start + 1 + count]))
                 prompt_k = max(prompt_k, params.prompt_logprobs)
             else:
                 positions = [n - 1] if chunk.samples else []
@@ -153,23 +146,19 @@ class ModelRunner:
                     rows.append((child.request_id, len(sample_rows)))
                     sample_rows.append(sample_rows[i])
                     row_requests.append(child)
-        shape = self.shape_for(chunks, len(sample_rows))
-        if row > shape.num_logits:
-            shape = dataclasses.replace(shape, num_logits=min(
-                max(shape.num_logits * 2, 1 << (row - 1).bit_length()), shape.num_tokens))
+        shape = choose_shape(chunks, token_floor=16, seq_floor=4, max_tokens=self.max_num_batched_tokens,
+                             max_seqs=self.max_num_seqs, num_sample_rows=len(sample_rows))
         batch = build_forward_batch(chunks, self.block_size, self.max_blocks_per_seq, shape)
         sample_rows_arr = np.zeros(shape.num_seqs, np.int32)
         sample_rows_arr[:len(sample_rows)] = sample_rows
-        requests = row_requests
         smd = build_sampling_metadata(
-            [r.sampling_params for r in requests], [r.seed for r in requests],
-            [r.num_output_tokens for r in requests], [r.output_token_ids for r in requests],
-            [r.prompt_token_ids for r in requests], [extra_bias.get(r.request_id) for r in requests],
+            [r.sampling_params for r in row_requests], [r.seed for r in row_requests],
+            [r.num_output_tokens for r in row_requests], [r.output_token_ids for r in row_requests],
+            [r.prompt_token_ids for r in row_requests], [extra_bias.get(r.request_id) for r in row_requests],
             self.model_config.vocab_size, shape.num_seqs)
         targets = np.zeros(shape.num_logits, np.int32)
-        for request_id, first, count, start in lp_rows:
-            request = next(c.request for c in plan.chunks if c.request.request_id == request_id)
-            targets[first:first + count] = request.all_token_ids[start + 1:start + 1 + count]
+        for first, tokens in lp_targets:
+            targets[first:first + len(tokens)] = tokens
         self.kv_pool, packed = self._step(self.state, self.kv_pool, batch, jnp.asarray(sample_rows_arr), smd,
                                           jnp.asarray(targets), prompt_k=prompt_k)
         return _Pending(packed, rows, lp_rows, shape.num_seqs, shape.num_logits, smd.num_logprobs,

@@ -94,7 +94,6 @@ def test_seeded_sampling_is_reproducible_alone_and_in_any_batch():
 
 def test_stop_strings_stop_token_ids_and_min_tokens():
     llm = tiny_llm()
-    tok = llm.get_tokenizer()
     base = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompt = "Hello world"
     free = llm.generate(prompt, base, use_tqdm=False)[0].outputs[0]

@@ -12,7 +12,6 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
-from pallas_kernels import pallas_attention
 from pallas_kernels.pallas_attention import ragged_paged_attention_pallas
 from pallas_kernels.reference import ragged_paged_attention_reference
 from tests.kernels.cases import live_tokens, random_case

@@ -1,7 +1,6 @@
 """The GGUF loader against transformers' own GGUF loading of the built-in SmolLM2 file."""
 
 import os
-import sys
 from importlib import metadata
 
 import gguf
