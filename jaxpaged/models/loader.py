@@ -109,7 +109,7 @@ def convert_hf_weights(get: Callable[[str], np.ndarray], has: Callable[[str], bo
                 stacked[i] = np.concatenate([p.T for p in parts], axis=1)
             else:
                 stacked[i] = np.concatenate(parts, axis=0)
-        weights[f"layers.{name}"] = jnp.asarray(stacked)
+        weights[f"layers.{name}"] = stacked   # host memory: the model moves it to the device layer by layer
         del stacked
     return weights
 
