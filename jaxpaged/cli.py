@@ -25,6 +25,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preemption-mode", default=d.preemption_mode, choices=["recompute", "swap"])
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     parser.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
+                        help="schedule and prepare step t+1 while the device runs step t (default: on)")
 
 
 def engine_kwargs(ns: argparse.Namespace) -> dict:

@@ -26,9 +26,10 @@ class RequestStatus(enum.Enum):
 class Request:
     """One sequence being generated.
 
-    The single scheduling rule: `num_computed_tokens` (tokens whose K/V are in the pool)
-    catches up with `num_tokens` (prompt + generated). A prefill, a prompt chunk and a
-    decode are all "compute the next num_tokens - num_computed_tokens tokens".
+    The single scheduling rule: `num_computed_tokens` (tokens whose K/V are in the pool, or
+    being written by a dispatched step) catches up with `num_tokens_with_placeholders`
+    (prompt + generated, counting tokens sampled on the device but not fetched yet). A
+    prefill, a prompt chunk and a decode are all "compute the next tokens".
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: Any,
@@ -51,10 +52,23 @@ class Request:
         self.block_hashes: list[int] = []     # chained hashes of the full blocks of all_token_ids
         # n > 1: sibling sequences that fork off this one when it samples its first token
         self.pending_forks: list["Request"] = []
+        # tokens sampled by steps dispatched but not fetched yet (async scheduling): their
+        # positions are computed by the next step, whose input token comes from the device
+        self.num_placeholders = 0
 
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        """Tokens the scheduler plans with: the known ones plus those still on the device."""
+        return len(self.all_token_ids) + self.num_placeholders
+
+    @property
+    def num_sampled_tokens(self) -> int:
+        """Output tokens sampled so far, fetched or not (what the sampler's step counter sees)."""
+        return len(self.output_token_ids) + self.num_placeholders
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -41,11 +41,12 @@ class ScheduledChunk:
     start: int                 # num_computed_tokens before this step
     num_new_tokens: int
     block_ids: list[int]       # the request's whole block table
+    # whether this step reaches the end of the request's tokens (so a token is sampled);
+    # fixed when scheduled, before commit() adds the placeholder
+    samples: bool = dataclasses.field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the end of the request's known tokens (so a token is sampled)."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+    def __post_init__(self):
+        self.samples = self.start + self.num_new_tokens == self.request.num_tokens_with_placeholders
 
 
 @dataclasses.dataclass
@@ -57,6 +58,7 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)   # (device, host)
     swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)    # (host, device)
     copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)     # (src, dst) copy-on-write
+    committed: bool = False    # see Scheduler.commit
 
     @property
     def is_empty(self) -> bool:
@@ -153,7 +155,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
+            num_new = 0 if self._ends_in_flight(request) else \
+                self._num_new_tokens(request, request.num_computed_tokens, budget)
             if num_new == 0:
                 i += 1
                 continue
@@ -230,8 +233,14 @@ class Scheduler:
                                      self.kv_cache.blocks_of(request.request_id)))
         return self._num_seats(request)
 
+    def _ends_in_flight(self, request: Request) -> bool:
+        """The token a dispatched step is sampling is the request's last (max_tokens or max_model_len)."""
+        return request.num_placeholders > 0 and (
+            request.num_sampled_tokens >= request.max_tokens
+            or request.num_tokens_with_placeholders >= self.config.max_model_len)
+
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
-        num_new = request.num_tokens - num_computed
+        num_new = request.num_tokens_with_placeholders - num_computed
         if num_new > budget:
             if not self.config.enable_chunked_prefill:
                 return 0
@@ -256,16 +265,31 @@ class Scheduler:
         return []
 
     # ---- after the step ------------------------------------------------------------------
+    def commit(self, output: SchedulerOutput) -> None:
+        """The plan is on the device: advance num_computed_tokens, and give every request that
+        samples a placeholder for its coming token, so the next plan can be made before this
+        step's tokens are fetched (async scheduling)."""
+        if output.committed:
+            return
+        output.committed = True
+        for chunk in output.chunks:
+            chunk.request.num_computed_tokens = chunk.start + chunk.num_new_tokens
+            if chunk.samples:
+                chunk.request.num_placeholders += 1
+
     def update_after_step(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance num_computed_tokens and append sampled tokens; returns requests that got a token."""
+        """The step's tokens arrived: each replaces its placeholder (commit() first if the caller
+        has not). Requests finished meanwhile are skipped; requests preempted after the plan
+        was made keep their token. Returns the requests that got a token."""
+        self.commit(output)
         got_token = []
         for chunk in output.chunks:
             request = chunk.request
-            if request.status != RequestStatus.RUNNING:
+            if not chunk.samples or request.is_finished:
                 continue
-            request.num_computed_tokens = chunk.start + chunk.num_new_tokens
+            request.num_placeholders -= 1
             token = sampled.get(request.request_id)
-            if token is not None and chunk.samples:
+            if token is not None:
                 request.append_output_token(token)
                 got_token.append(request)
         return got_token
@@ -276,5 +300,6 @@ class Scheduler:
         for request in self.running:
             held = len(self.kv_cache.blocks_of(request.request_id)) * self.kv_cache.block_size
             assert held >= request.num_computed_tokens, f"{request} holds too few blocks"
+            assert 0 <= request.num_placeholders <= 2, f"{request} has {request.num_placeholders} placeholders"
         for request in self.waiting:
             assert request.request_id not in self.kv_cache.req_blocks or request.num_computed_tokens > 0

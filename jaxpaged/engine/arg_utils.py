@@ -24,6 +24,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"        # "recompute" | "swap"
+    async_scheduling: bool = True             # plan and prepare step t+1 while the device runs step t
     served_model_name: str | None = None
     compile_on_startup: bool = True           # compile the step's shape buckets before serving
     disable_log_stats: bool = True

@@ -1,9 +1,15 @@
 """LLMEngine: requests in, RequestOutputs out, one scheduler step at a time.
 
-    step():  schedule t  ->  dispatch t (async)  ->  text work for t-1  ->  fetch t  ->  token stops
+With async scheduling (the default) the host works one step ahead of the device:
 
-Host work for the previous step's tokens (detokenization, stop strings, outputs) runs
-while the device computes step t.
+    step():  schedule t+1  ->  dispatch t+1  ->  fetch t  ->  tokens, stops, text of t
+
+Step t+1 is planned and its inputs built while the device still computes step t: each
+request sampling in step t holds a placeholder, and step t+1 reads that token from step
+t's output on the device. A request that stops at step t wastes its slot in step t+1
+(that token is dropped). Steps run one at a time instead (schedule, dispatch, fetch) when
+async scheduling is off, or while a request needs its tokens on the host before the next
+step: penalties (token counts), n > 1 before its forks.
 """
 
 import itertools
@@ -46,6 +52,7 @@ class LLMEngine:
         self._states: dict[str, RequestState] = {}
         self._seqs: dict[str, SequenceState] = {}       # core request id -> its sequence
         self._to_detokenize: list[SequenceState] = []   # got tokens in the last step
+        self._in_flight = None                          # (plan, pending) dispatched, not fetched
         self._ids = itertools.count()
 
     def _eos_token_ids(self) -> tuple[int, ...]:
@@ -144,21 +151,48 @@ class LLMEngine:
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns cumulative outputs of the requests that progressed."""
+        """Run one step; returns cumulative outputs of the requests that progressed.
+
+        With async scheduling the outputs are those of the previous device step, whose
+        tokens are fetched while this call's step runs.
+        """
+        overlap = self.args.async_scheduling and self._can_overlap()
+        outputs = []
+        if self._in_flight is not None and not overlap:
+            outputs += self._complete()
         plan = self.scheduler.schedule()
         self.metrics.num_preemptions_total += len(plan.preempted)
         self.metrics.swapped_out_blocks_total += len(plan.swap_out)
         self.metrics.swapped_in_blocks_total += len(plan.swap_in)
         pending = None
         if not plan.is_empty:
-            pending = self.runner.dispatch(plan, self._extra_bias(plan))
+            prev = self._in_flight[1] if self._in_flight is not None else None
+            pending = self.runner.dispatch(plan, self._extra_bias(plan), prev)
+            self.scheduler.commit(plan)
         else:
             self.runner.move_blocks(plan)
-        outputs = self._process_text()                   # overlaps the device step
+        if self._in_flight is not None:
+            outputs += self._complete()                  # step t's tokens while step t+1 runs
         if pending is not None:
-            result = self.runner.fetch(pending)
-            self._apply(plan, result)
+            self._in_flight = (plan, pending)
+            if not overlap:
+                outputs += self._complete()
         return outputs
+
+    def _complete(self) -> list[RequestOutput]:
+        """Fetch the step in flight, apply its tokens and stops, and build the outputs."""
+        plan, pending = self._in_flight
+        self._in_flight = None
+        self._apply(plan, self.runner.fetch(pending))
+        return self._process_text()
+
+    def _can_overlap(self) -> bool:
+        """Whether every request can be planned before its last token reaches the host."""
+        for request in self.scheduler.requests.values():
+            p = request.sampling_params
+            if request.pending_forks or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
+                return False
+        return True
 
     def _extra_bias(self, plan) -> dict[str, dict[int, float]]:
         """Mask EOS and stop tokens until min_tokens is reached."""
@@ -168,7 +202,7 @@ class LLMEngine:
                 continue
             for request in [chunk.request, *chunk.request.pending_forks]:   # forks sample their first token too
                 params = request.sampling_params
-                if request.num_output_tokens < params.min_tokens:
+                if request.num_sampled_tokens < params.min_tokens:
                     banned = list(params.stop_token_ids or [])
                     if not params.ignore_eos:
                         banned += list(request.eos_token_ids)

@@ -6,6 +6,10 @@
 each step costs exactly one device->host copy. `dispatch` returns as soon as the step is
 queued (JAX dispatch is asynchronous) so the engine can do host work while it runs;
 `fetch` blocks on that one copy.
+
+Async scheduling: a step may be dispatched before the previous one is fetched. A request
+whose last token is still on the device (a placeholder, see Request.num_placeholders)
+takes it from the previous step's `packed` output, on the device (`_take_prev_tokens`).
 """
 
 import dataclasses
@@ -111,9 +115,17 @@ class ModelRunner:
             self.kv_pool = copy_blocks(self.kv_pool, plan.copies)
 
     # ---- one step ----------------------------------------------------------------------------
-    def dispatch(self, plan: SchedulerOutput, extra_bias: dict[str, dict[int, float]]) -> _Pending:
-        """Build the inputs and queue the step on the device; returns without waiting."""
+    def dispatch(self, plan: SchedulerOutput, extra_bias: dict[str, dict[int, float]],
+                 prev: _Pending | None = None) -> _Pending:
+        """Build the inputs and queue the step on the device; returns without waiting.
+
+        `prev` is the step still in flight, if any: a request whose last token it is sampling
+        (a placeholder) reads that token from prev's device output.
+        """
         self.move_blocks(plan)
+        prev_rows = dict(prev.rows) if prev is not None else {}
+        from_prev = []      # (flat token index, sample row of prev)
+        flat = 0
         chunks, rows, lp_rows = [], [], []
         sample_rows = []
         row_requests = []   # the request whose params/seed drive each sample row
@@ -126,6 +138,12 @@ class ModelRunner:
             wants_lp = params.prompt_logprobs is not None and chunk.start < request.num_prompt_tokens - 1
             n = chunk.num_new_tokens
             tokens = request.all_token_ids[chunk.start:chunk.start + n]
+            if len(tokens) < n:   # the last token is a placeholder: the step in flight samples it
+                if len(tokens) != n - 1 or request.request_id not in prev_rows:
+                    raise RuntimeError(f"{request}: {n - len(tokens)} input tokens are not known yet")
+                from_prev.append((flat + n - 1, prev_rows[request.request_id]))
+                tokens = tokens + [0]
+            flat += n
             if wants_lp:
                 positions = list(range(n))
                 count = min(n, request.num_prompt_tokens - 1 - chunk.start)
@@ -153,12 +171,19 @@ class ModelRunner:
         sample_rows_arr[:len(sample_rows)] = sample_rows
         smd = build_sampling_metadata(
             [r.sampling_params for r in row_requests], [r.seed for r in row_requests],
-            [r.num_output_tokens for r in row_requests], [r.output_token_ids for r in row_requests],
+            [r.num_sampled_tokens for r in row_requests], [r.output_token_ids for r in row_requests],
             [r.prompt_token_ids for r in row_requests], [extra_bias.get(r.request_id) for r in row_requests],
             self.model_config.vocab_size, shape.num_seqs)
         targets = np.zeros(shape.num_logits, np.int32)
         for first, tokens in lp_targets:
             targets[first:first + len(tokens)] = tokens
+        if from_prev:
+            index = np.full(shape.num_seqs, shape.num_tokens, np.int32)   # padding: out of bounds, dropped
+            source = np.zeros(shape.num_seqs, np.int32)
+            index[:len(from_prev)], source[:len(from_prev)] = zip(*from_prev)
+            batch = dataclasses.replace(batch, input_ids=_take_prev_tokens(
+                batch.input_ids, prev.packed, jnp.asarray(index), jnp.asarray(source),
+                num_seqs=prev.num_seqs, width=3 + 2 * prev.num_logprobs))
         self.kv_pool, packed = self._step(self.state, self.kv_pool, batch, jnp.asarray(sample_rows_arr), smd,
                                           jnp.asarray(targets), prompt_k=prompt_k)
         return _Pending(packed, rows, lp_rows, shape.num_seqs, shape.num_logits, smd.num_logprobs,
@@ -221,6 +246,14 @@ class ModelRunner:
             packed.block_until_ready()
             if progress is not None:
                 progress.update(1)
+
+
+@functools.partial(jax.jit, static_argnames=("num_seqs", "width"))
+def _take_prev_tokens(input_ids, prev_packed, index, source, *, num_seqs: int, width: int):
+    """input_ids with input_ids[index[i]] = the token sampled in row source[i] of the previous step."""
+    prev_tokens = jax.lax.bitcast_convert_type(prev_packed[:num_seqs * width].reshape(num_seqs, width)[:, 0],
+                                               jnp.int32)
+    return input_ids.at[index].set(prev_tokens[source], mode="drop")
 
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("prompt_k",), donate_argnums=(2,))
