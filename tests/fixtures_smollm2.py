@@ -24,12 +24,9 @@ def _folder_and_name() -> tuple[str, str]:
 @functools.cache
 def smollm2_hf_model():
     """transformers' own float32 Llama loaded from the same GGUF: the reference."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    from jaxpaged.bench.throughput import builtin_hf_model
 
-    folder, name = _folder_and_name()
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    return model.eval()
+    return builtin_hf_model("float32")
 
 
 @functools.cache

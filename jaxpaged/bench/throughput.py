@@ -57,12 +57,25 @@ def run_jaxpaged(work, dtype: str) -> tuple[float, int, int, object]:
     return elapsed, out_tokens, sum(len(p) for p, _ in work), llm.llm_engine.model_config
 
 
+def builtin_hf_model(dtype: str = "float32"):
+    """transformers' own Llama read from the built-in GGUF (the same weights jaxpaged runs)."""
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jaxpaged.models.builtin import builtin_model_path
+
+    path = builtin_model_path()
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                 dtype=getattr(torch, dtype))
+    return model.eval()
+
+
 def run_transformers(work, dtype: str, batch_size: int = 8) -> tuple[float, int]:
     import torch
 
-    from tests.fixtures_smollm2 import smollm2_hf_model
-
-    model = smollm2_hf_model().to(getattr(torch, dtype))
+    model = builtin_hf_model(dtype)
     start = time.perf_counter()
     useful = 0
     for i in range(0, len(work), batch_size):
