@@ -73,11 +73,12 @@ def measure_fastest(kernels: dict, num_heads: int, kv_heads: int, head_dim: int,
     A kernel that fails to compile or run is skipped (and logged); if all fail, the first is returned
     so that its error surfaces when the model runs.
     """
+    from pallas_kernels.layout import kv_pool_shape
     from pallas_kernels.metadata import AttentionMetadata
 
     blocks_per_seq = -(-context // block_size)
     num_blocks = num_seqs * blocks_per_seq + 1
-    pool = jnp.zeros((1, 2, num_blocks, block_size, kv_heads, head_dim), dtype)
+    pool = jnp.zeros(kv_pool_shape(1, num_blocks, block_size, kv_heads, head_dim), dtype)
     q = jnp.ones((num_seqs, num_heads, head_dim), dtype)
     tables = np.arange(1, num_blocks, dtype=np.int32).reshape(num_seqs, blocks_per_seq)
     md = AttentionMetadata(kv_lens=jnp.full((num_seqs,), context, jnp.int32), block_tables=jnp.asarray(tables),

@@ -2,7 +2,7 @@
 
 The pool is one array for all layers:
 
-    kv_pool[layer, 0 (K) | 1 (V), block_id, offset_in_block, kv_head, head_dim]
+    kv_pool[layer, 0 (K) | 1 (V), block_id, kv_head, offset_in_block, head_dim]
 
 A token's slot is `block_id * block_size + offset`. Block 0 is the null block: padding
 tokens never write anywhere (slot -1 is dropped) and padded block-table entries point at
@@ -10,6 +10,9 @@ block 0, whose contents are always masked out by `kv_lens`.
 
 One array (rather than one per layer) lets the model scan over layers with the pool in
 the loop carry, updated in place, and lets swap/copy move a block of every layer at once.
+Heads are outside the offset so that each (block, kv head) page is one contiguous
+[block_size, head_dim] tile: attention reads keys of one head as a plain matrix, without
+a transpose or a strided gather.
 """
 
 import jax
@@ -18,13 +21,13 @@ import jax.numpy as jnp
 
 def kv_pool_shape(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                   head_dim: int) -> tuple[int, ...]:
-    return (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+    return (num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim)
 
 
 def pages_view(kv_pool: jax.Array) -> jax.Array:
-    """[L * 2 * num_blocks, block_size, kv_heads, head_dim]: row (layer * 2 + kv) * num_blocks + block."""
-    num_layers, two, num_blocks, block_size, kv_heads, head_dim = kv_pool.shape
-    return kv_pool.reshape(num_layers * two * num_blocks, block_size, kv_heads, head_dim)
+    """[L * 2 * num_blocks, kv_heads, block_size, head_dim]: row (layer * 2 + kv) * num_blocks + block."""
+    num_layers, two, num_blocks, kv_heads, block_size, head_dim = kv_pool.shape
+    return kv_pool.reshape(num_layers * two * num_blocks, kv_heads, block_size, head_dim)
 
 
 def write_kv(kv_pool: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array,
@@ -34,14 +37,15 @@ def write_kv(kv_pool: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array,
     Pure: returns the updated pool. Slots < 0 (padding tokens) are dropped. Inside a jit
     whose pool is donated (or a loop carry) XLA performs the scatter in place.
     """
-    num_layers, _, num_blocks, block_size, kv_heads, head_dim = kv_pool.shape
-    slots_per_plane = num_blocks * block_size
-    flat = kv_pool.reshape(num_layers * 2 * slots_per_plane, kv_heads, head_dim)
-    out_of_bounds = flat.shape[0]
-    base = layer * 2 * slots_per_plane
-    k_rows = jnp.where(slot_mapping >= 0, base + slot_mapping, out_of_bounds)
-    v_rows = jnp.where(slot_mapping >= 0, base + slots_per_plane + slot_mapping, out_of_bounds)
-    rows = jnp.concatenate([k_rows, v_rows])
-    values = jnp.concatenate([k, v]).astype(kv_pool.dtype)
-    flat = flat.at[rows].set(values, mode="drop", unique_indices=False)
-    return flat.reshape(kv_pool.shape)
+    _, _, num_blocks, kv_heads, block_size, head_dim = kv_pool.shape
+    rows = kv_pool.reshape(-1, head_dim)               # one row per (layer, K|V, block, head, offset)
+    plane_rows = num_blocks * kv_heads * block_size
+    block, offset = slot_mapping // block_size, slot_mapping % block_size
+    heads = jnp.arange(kv_heads, dtype=slot_mapping.dtype)
+    k_rows = layer * 2 * plane_rows + (block[:, None] * kv_heads + heads[None, :]) * block_size + offset[:, None]
+    k_rows = jnp.where(slot_mapping[:, None] >= 0, k_rows, rows.shape[0])   # [T, kv_heads]; out of bounds: dropped
+    v_rows = jnp.where(slot_mapping[:, None] >= 0, k_rows + plane_rows, rows.shape[0])
+    indices = jnp.concatenate([k_rows.reshape(-1), v_rows.reshape(-1)])
+    values = jnp.concatenate([k.reshape(-1, head_dim), v.reshape(-1, head_dim)]).astype(kv_pool.dtype)
+    rows = rows.at[indices].set(values, mode="drop", unique_indices=False)
+    return rows.reshape(kv_pool.shape)

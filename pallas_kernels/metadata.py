@@ -22,3 +22,7 @@ class AttentionMetadata:
     # Queries are processed in tiles of q_tile tokens of one sequence: 1 for decode-only
     # batches (no padding waste), larger when some sequence brings a prompt chunk.
     q_tile: int = dataclasses.field(default=1, metadata=dict(static=True))
+    # Every sequence has at most one query token (q_len <= 1): the reference then walks the
+    # batch's pages as one flat list instead of tile by tile. Trusted, not checked (the lengths
+    # are traced); the GPU kernels ignore it.
+    decode_only: bool = dataclasses.field(default=False, metadata=dict(static=True))

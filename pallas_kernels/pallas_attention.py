@@ -7,7 +7,7 @@ Same contract as `reference.py`. One program per (query tile, kv head, kv split)
                         walks pages [s * pages_per_split, (s+1) * pages_per_split) of the
                         tile's sequence, `pages_per_step` pages at a time:
                           page ids <- block_tables[seq, step]          (a few i32)
-                          K, V     <- kv_pool[layer, 0|1, pages, :, h, :]  (pointer gather)
+                          K, V     <- kv_pool[layer, 0|1, pages, h, :, :]  (pointer gather)
                         online softmax in fp32, writes (acc, max, sum) or the final rows
 
 Every KV byte a tile needs is read once per (tile, kv head): decodes read their context
@@ -47,12 +47,12 @@ def _floor_pow2(n: int) -> int:
 
 def _validate_kernel_inputs(q, kv_pool, md, kv_chunk_blocks, num_kv_splits):
     validate_inputs(q, kv_pool, md)
-    head_dim, block_size = q.shape[2], kv_pool.shape[3]
-    group = q.shape[1] // kv_pool.shape[4]
+    head_dim, block_size = q.shape[2], kv_pool.shape[4]
+    group = q.shape[1] // kv_pool.shape[3]
     if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim must be a power of two in [16, 256] for the Pallas kernel, got {head_dim}")
     if block_size > 256 or block_size & (block_size - 1):
-        raise ValueError(f"block_size (kv_pool.shape[3]) must be a power of two in [1, 256], got {block_size}")
+        raise ValueError(f"block_size (kv_pool.shape[4]) must be a power of two in [1, 256], got {block_size}")
     if group > _MAX_ROWS:
         raise ValueError(f"num_heads // kv_heads must be in [1, {_MAX_ROWS}], got {group}")
     if kv_chunk_blocks < 1:
@@ -73,7 +73,7 @@ def _dot(a, b, *, contract_b):
 def _attention_kernel(info_ref, tables_ref, cap_ref, q_ref, kv_ref, *out_refs, group, pages_per_step,
                       steps_per_split, sm_scale, use_cap, split_output):
     rows, head_dim = q_ref.shape
-    block_size = kv_ref.shape[3]
+    block_size = kv_ref.shape[4]
     step_tokens = pages_per_step * block_size
     head, split = pl.program_id(1), pl.program_id(2)
     seq, kv_len, first_pos, num_queries = info_ref[0], info_ref[1], info_ref[2], info_ref[3]
@@ -96,8 +96,8 @@ def _attention_kernel(info_ref, tables_ref, cap_ref, q_ref, kv_ref, *out_refs, g
     def step(j, carry):
         acc, m, l = carry
         pages = tables_ref[seq, pl.ds(j * pages_per_step, pages_per_step)]
-        k = kv_ref[layer, 0, pages, :, head, :].reshape(step_tokens, head_dim).astype(compute_dtype)
-        v = kv_ref[layer, 1, pages, :, head, :].reshape(step_tokens, head_dim).astype(compute_dtype)
+        k = kv_ref[layer, 0, pages, head, :, :].reshape(step_tokens, head_dim).astype(compute_dtype)
+        v = kv_ref[layer, 1, pages, head, :, :].reshape(step_tokens, head_dim).astype(compute_dtype)
         k_pos = j * step_tokens + jnp.arange(step_tokens, dtype=jnp.int32)
         # Slots past kv_len hold stale data of earlier owners; zeroing V keeps a NaN there
         # from turning 0 * NaN into a poisoned row.
@@ -140,7 +140,7 @@ def _kernel_q_tile(q_tile: int, group: int) -> int:
 
 def ragged_paged_attention_pallas(
     q: jax.Array,             # [num_tokens, num_heads, head_dim]
-    kv_pool: jax.Array,       # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+    kv_pool: jax.Array,       # [num_layers, 2, num_blocks, kv_heads, block_size, head_dim]
     layer: jax.Array,         # i32[] which layer of the pool to read
     md: AttentionMetadata,
     sliding_window: jax.Array | int = 0,  # i32[]; 0 = no window, else keys with q_pos - k_pos < window
@@ -168,7 +168,7 @@ def ragged_paged_attention_pallas(
 def _attention(q, kv_pool, layer, md, sliding_window, soft_cap, *, sm_scale, kv_chunk_blocks, interpret,
                num_kv_splits, use_cap):
     num_tokens, num_heads, head_dim = q.shape
-    block_size, kv_heads = kv_pool.shape[3], kv_pool.shape[4]
+    kv_heads, block_size = kv_pool.shape[3], kv_pool.shape[4]
     group = num_heads // kv_heads
     num_seqs, max_blocks = md.block_tables.shape
 

@@ -9,6 +9,10 @@ into tiles of `q_tile` tokens, each tile belonging to one sequence:
 Each tile walks its sequence's KV in chunks of `kv_chunk_blocks` pages with an online
 softmax, so memory stays O(tiles x chunk) whatever the context length, and the number of
 chunks visited is the longest context in the batch, not a compiled bucket.
+
+A decode-only batch (`md.decode_only`) takes a second path: every page any sequence reads
+goes into one flat list, walked `pages_per_chunk` pages at a time (see `_flat_pages_attention`).
+The work is then the pages in use, not sequences x the longest context.
 """
 
 import functools
@@ -34,10 +38,10 @@ def validate_inputs(q: jax.Array, kv_pool: jax.Array, md: AttentionMetadata) -> 
     if q.ndim != 3:
         raise ValueError(f"q must be [num_tokens, num_heads, head_dim], got shape {q.shape}")
     if kv_pool.ndim != 6 or kv_pool.shape[1] != 2:
-        raise ValueError("kv_pool must be [num_layers, 2, num_blocks, block_size, kv_heads, head_dim], "
+        raise ValueError("kv_pool must be [num_layers, 2, num_blocks, kv_heads, block_size, head_dim], "
                          f"got shape {kv_pool.shape}")
     num_heads, head_dim = q.shape[1:]
-    kv_heads = kv_pool.shape[4]
+    kv_heads = kv_pool.shape[3]
     if kv_pool.shape[5] != head_dim:
         raise ValueError(f"kv_pool head_dim {kv_pool.shape[5]} != q head_dim {head_dim}")
     if num_heads % kv_heads:
@@ -74,21 +78,37 @@ def tile_layout(md: AttentionMetadata, num_tokens: int):
     return q_lens, tile_seq, tile_valid, tile_first_row, token_tile, token_row % q_tile
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "kv_chunk_blocks"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "kv_chunk_blocks", "pages_per_chunk"))
 def ragged_paged_attention_reference(
     q: jax.Array,             # [num_tokens, num_heads, head_dim]
-    kv_pool: jax.Array,       # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+    kv_pool: jax.Array,       # [num_layers, 2, num_blocks, kv_heads, block_size, head_dim]
     layer: jax.Array,         # i32[] which layer of the pool to read
     md: AttentionMetadata,
     sliding_window: jax.Array | int = 0,  # i32[]; 0 = no window, else keys with q_pos - k_pos < window
     soft_cap: float | jax.Array = 0.0,    # 0 = off, else logits -> cap * tanh(logits / cap)
     *,
     sm_scale: float,
-    kv_chunk_blocks: int = 8,
+    kv_chunk_blocks: int = 8,    # pages per step of a tile's walk (mixed batches)
+    pages_per_chunk: int = 128,  # pages per step of the flat walk (decode-only batches), at most 16 per seq
 ) -> jax.Array:               # [num_tokens, num_heads, head_dim], dtype of q
     validate_inputs(q, kv_pool, md)
+    for name, value in (("kv_chunk_blocks", kv_chunk_blocks), ("pages_per_chunk", pages_per_chunk)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if md.decode_only:
+        return _flat_pages_attention(q, kv_pool, layer, md, sliding_window, soft_cap, sm_scale=sm_scale,
+                                     pages_per_chunk=pages_per_chunk)
+    return _tiled_attention(q, kv_pool, layer, md, sliding_window, soft_cap, sm_scale=sm_scale,
+                            kv_chunk_blocks=kv_chunk_blocks)
+
+
+def _soft_capped(s: jax.Array, cap: jax.Array) -> jax.Array:
+    return jnp.where(cap > 0, cap * jnp.tanh(s / jnp.where(cap > 0, cap, 1.0)), s)
+
+
+def _tiled_attention(q, kv_pool, layer, md, sliding_window, soft_cap, *, sm_scale, kv_chunk_blocks):
     num_tokens, num_heads, head_dim = q.shape
-    _, _, num_blocks, block_size, kv_heads, _ = kv_pool.shape
+    _, _, num_blocks, kv_heads, block_size, _ = kv_pool.shape
     group = num_heads // kv_heads
     q_tile = md.q_tile
     max_blocks = md.block_tables.shape[1]
@@ -115,18 +135,20 @@ def ragged_paged_attention_reference(
     m0 = jnp.full((num_tiles, kv_heads, group, q_tile), _MASKED, jnp.float32)
     l0 = jnp.zeros_like(m0)
 
+    def kv_chunk(base, block_ids):
+        """[N, kv_heads, chunk_tokens, head_dim]: whole blocks gathered, then each head's pages side by side."""
+        # block ids are valid by construction (padding points at block 0): skip XLA's bounds clamping,
+        # which makes CPU gathers several times slower
+        blocks = pages.at[base + block_ids].get(mode="promise_in_bounds")          # [N, chunk, h, bs, D]
+        return blocks.transpose(0, 2, 1, 3, 4).reshape(num_tiles, kv_heads, chunk_tokens, head_dim)
+
     def body(c, carry):
         acc, m, l = carry
         block_idx = jnp.clip(c * chunk + jnp.arange(chunk, dtype=jnp.int32), 0, max_blocks - 1)
         block_ids = tables[:, block_idx]                                            # [N, chunk]
-        # block ids are valid by construction (padding points at block 0): skip XLA's bounds clamping,
-        # which makes CPU gathers several times slower
-        k = pages.at[k_base + block_ids].get(mode="promise_in_bounds")
-        v = pages.at[v_base + block_ids].get(mode="promise_in_bounds")
-        k = k.reshape(num_tiles, chunk_tokens, kv_heads, head_dim)
-        v = v.reshape(num_tiles, chunk_tokens, kv_heads, head_dim)
-        s = jnp.einsum("nqhgd,nkhd->nhgqk", q_tiles, k.astype(jnp.float32))
-        s = jnp.where(cap > 0, cap * jnp.tanh(s / jnp.where(cap > 0, cap, 1.0)), s)
+        k = kv_chunk(k_base, block_ids).astype(jnp.float32)
+        v = kv_chunk(v_base, block_ids).astype(jnp.float32)
+        s = _soft_capped(jnp.einsum("nqhgd,nhkd->nhgqk", q_tiles, k), cap)
         k_pos = c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)       # [ck]
         mask = (k_pos[None, None, :] < kv_len[:, None, None]) & (k_pos[None, None, :] <= q_pos[:, :, None])
         mask &= (window <= 0) | (q_pos[:, :, None] - k_pos[None, None, :] < window)
@@ -137,7 +159,7 @@ def ragged_paged_attention_reference(
         p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
         alpha = jnp.exp(m - m_new)
         l = l * alpha + p.sum(axis=-1)
-        acc = acc * alpha[..., None] + jnp.einsum("nhgqk,nkhd->nhgqd", p, v.astype(jnp.float32))
+        acc = acc * alpha[..., None] + jnp.einsum("nhgqk,nhkd->nhgqd", p, v)
         return acc, m_new, l
 
     num_chunks = (jnp.max(kv_len) + chunk_tokens - 1) // chunk_tokens
@@ -145,3 +167,80 @@ def ragged_paged_attention_reference(
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]                                # [N, h, g, qt, D]
     out = out.transpose(0, 3, 1, 2, 4).reshape(num_tiles, q_tile, num_heads, head_dim)
     return out[token_tile, token_tile_row].astype(q.dtype)
+
+
+def _flat_pages_attention(q, kv_pool, layer, md, sliding_window, soft_cap, *, sm_scale, pages_per_chunk):
+    """Decode-only batches: the pages of all sequences laid end to end, walked in fixed-size chunks.
+
+        pages read   | seq0: 0 1 2 | seq1: 0 | seq2 (window): 3 4 5 | padding seqs: none |
+        flat index   |       0 1 2 |       3 |                4 5 6 |
+
+    The tile walk pays sequences x the longest context; this pays the pages in use, whoever
+    owns them. A chunk's pages may belong to several sequences: each page yields a partial
+    softmax (max, sum, weighted V) of its sequence's single query, merged into that sequence's
+    running (max, sum, acc) by segment max / sum over the page owners (sorted: pages are laid
+    out sequence by sequence). A one-hot [seqs, pages] matmul would do the same merge at
+    num_seqs times the cost, more than the attention itself from about 32 sequences.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, _, num_blocks, kv_heads, block_size, _ = kv_pool.shape
+    group = num_heads // kv_heads
+    num_seqs, max_blocks = md.block_tables.shape
+    # Unused slots of the last chunk cost as much as pages: a few sequences rarely fill a big chunk.
+    pages_per_chunk = min(pages_per_chunk, 16 * num_seqs)
+    pages = pages_view(kv_pool)
+    k_base = (layer * 2) * num_blocks
+    v_base = k_base + num_blocks
+    window = jnp.asarray(sliding_window, jnp.int32)
+    cap = jnp.asarray(soft_cap, jnp.float32)
+
+    kv_len = md.kv_lens                                                             # [S]
+    # The query sits at kv_len - 1; with a window it sees keys from kv_len - window on.
+    first_page = jnp.where(window > 0, jnp.maximum(kv_len - window, 0) // block_size, 0)
+    num_pages = (kv_len + block_size - 1) // block_size - first_page                # 0 for padding
+    pages_end = jnp.cumsum(num_pages).astype(jnp.int32)                             # [S] flat index past seq's pages
+    pages_start = pages_end - num_pages
+    total_pages = pages_end[-1]
+    q_index = jnp.clip(md.cu_q_lens[:-1], 0, num_tokens - 1)
+    queries = q[q_index].astype(jnp.float32) * sm_scale
+    queries = queries.reshape(num_seqs, kv_heads, group, head_dim)                  # [S, h, g, D]
+    offsets = jnp.arange(block_size, dtype=jnp.int32)
+    merge = functools.partial(jax.ops.segment_sum, num_segments=num_seqs, indices_are_sorted=True)
+
+    def body(c, carry):
+        m, l, acc = carry
+        flat = c * pages_per_chunk + jnp.arange(pages_per_chunk, dtype=jnp.int32)   # [P]
+        # Slots past the last page (in the last chunk) fall to the last sequence, past its last
+        # page: the causal mask hides all their keys, so they add nothing whatever they read.
+        seq = jnp.clip(jnp.searchsorted(pages_end, flat, side="right", method="compare_all"), 0, num_seqs - 1)
+        page = first_page[seq] + flat - pages_start[seq]                            # [P] index in seq's table
+        block_ids = md.block_tables[seq, jnp.clip(page, 0, max_blocks - 1)]
+        k = pages.at[k_base + block_ids].get(mode="promise_in_bounds").astype(jnp.float32)   # [P, h, bs, D]
+        v = pages.at[v_base + block_ids].get(mode="promise_in_bounds").astype(jnp.float32)
+        s = _soft_capped(jnp.einsum("phgd,phkd->phgk", queries[seq], k), cap)        # [P, h, g, bs]
+        k_pos = page[:, None] * block_size + offsets                                # [P, bs]
+        q_pos = kv_len[seq][:, None] - 1
+        visible = (k_pos <= q_pos) & ((window <= 0) | (q_pos - k_pos < window))
+        visible = visible[:, None, None, :]
+        s = jnp.where(visible, s, _MASKED)
+        page_max = s.max(axis=-1)                                                   # [P, h, g]
+        p = jnp.where(visible, jnp.exp(s - page_max[..., None]), 0.0)
+        page_sum = p.sum(axis=-1)
+        page_acc = jnp.einsum("phgk,phkd->phgd", p, v)
+
+        # Sequences without a page in this chunk get -inf here and keep their max.
+        m_new = jnp.maximum(m, jax.ops.segment_max(page_max, seq, num_segments=num_seqs, indices_are_sorted=True))
+        page_weight = jnp.exp(page_max - m_new[seq])                                # [P, h, g]
+        alpha = jnp.exp(m - m_new)                                                  # [S, h, g]
+        l = l * alpha + merge(page_sum * page_weight, seq)
+        acc = acc * alpha[..., None] + merge(page_acc * page_weight[..., None], seq)
+        return m_new, l, acc
+
+    m0 = jnp.full((num_seqs, kv_heads, group), _MASKED, jnp.float32)
+    acc0 = jnp.zeros((num_seqs, kv_heads, group, head_dim), jnp.float32)
+    num_chunks = (total_pages + pages_per_chunk - 1) // pages_per_chunk
+    _, l, acc = jax.lax.fori_loop(0, num_chunks, body, (m0, jnp.zeros_like(m0), acc0))
+    out = (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(num_seqs, num_heads, head_dim)
+    token_seq = jnp.searchsorted(md.cu_q_lens[1:], jnp.arange(num_tokens, dtype=jnp.int32), side="right",
+                                 method="compare_all")
+    return out[jnp.clip(token_seq, 0, num_seqs - 1)].astype(q.dtype)

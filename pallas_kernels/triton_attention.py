@@ -73,7 +73,7 @@ def plan_launch(q_shape, kv_pool_shape, block_tables_shape, q_tile: int, kv_chun
                 dtype=jnp.bfloat16) -> TritonLaunch:
     """The grid and tile sizes for these static shapes; `dtype` is the pool's (the dots' inputs)."""
     num_tokens, num_heads, head_dim = q_shape
-    _, _, num_blocks, block_size, kv_heads, _ = kv_pool_shape
+    _, _, num_blocks, kv_heads, block_size, _ = kv_pool_shape
     num_seqs, max_blocks = block_tables_shape
     group = num_heads // kv_heads
     # Tile sizes ptxas keeps in registers without spilling (measured for sm_80 and sm_90 at head_dim
@@ -156,8 +156,8 @@ def _paged_attention_kernel(
         k_pos = c * CHUNK + n
         k_ok = (k_pos < kv_len) & (k_pos // BLOCK_SIZE < MAX_BLOCKS)
         block_id = tl.load(block_tables_ptr + seq * MAX_BLOCKS + k_pos // BLOCK_SIZE, mask=k_ok, other=0)
-        slot = block_id.to(tl.int64) * BLOCK_SIZE + k_pos % BLOCK_SIZE
-        kv_off = k_base + (slot * KV_HEADS + kv_head) * HEAD_DIM
+        page = block_id.to(tl.int64) * KV_HEADS + kv_head     # this head's [BLOCK_SIZE, HEAD_DIM] tile
+        kv_off = k_base + (page * BLOCK_SIZE + k_pos % BLOCK_SIZE) * HEAD_DIM
         kv_mask = k_ok[:, None] & d_ok[None, :]
         k = tl.load(pool_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(pool_ptr + PLANE + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
@@ -191,9 +191,9 @@ def _validate(q, kv_pool, layer, md, sliding_window, soft_cap, sm_scale, kv_chun
     if q.shape[0] < 1 or md.kv_lens.shape[0] < 1 or md.block_tables.shape[1] < 1:
         raise ValueError(f"q needs >= 1 token and md >= 1 sequence and block column, got q {q.shape}, "
                          f"block_tables {md.block_tables.shape}")
-    block_size = kv_pool.shape[3]
+    block_size = kv_pool.shape[4]
     if block_size & (block_size - 1):
-        raise ValueError(f"kv_pool block_size (axis 3) must be a power of two, got {block_size}")
+        raise ValueError(f"kv_pool block_size (axis 4) must be a power of two, got {block_size}")
     if not isinstance(kv_chunk_blocks, int) or kv_chunk_blocks < 1:
         raise ValueError(f"kv_chunk_blocks must be an int >= 1, got {kv_chunk_blocks!r}")
     if not isinstance(sm_scale, numbers.Real) or not 0 < sm_scale < math.inf:
@@ -213,7 +213,7 @@ def _target_compute_capability() -> int | None:
 @functools.partial(jax.jit, static_argnames=("sm_scale", "kv_chunk_blocks"))
 def ragged_paged_attention_triton(
     q: jax.Array,             # [num_tokens, num_heads, head_dim]
-    kv_pool: jax.Array,       # [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+    kv_pool: jax.Array,       # [num_layers, 2, num_blocks, kv_heads, block_size, head_dim]
     layer: jax.Array,         # i32[] which layer of the pool to read
     md: AttentionMetadata,
     sliding_window: jax.Array | int = 0,  # i32[]; 0 = no window, else keys with q_pos - k_pos < window

@@ -3,7 +3,8 @@
 Buckets keep the number of compiled shapes small: tokens per step and sequences per step
 are rounded up to powers of two (from a floor), block tables always have
 `max_blocks_per_seq` columns (attention loops only over the blocks in use), and the query
-tile is 1 for decode-only steps and `PREFILL_Q_TILE` otherwise.
+tile is 1 for decode-only steps and `PREFILL_Q_TILE` otherwise; decode-only steps are also
+flagged in the metadata (`decode_only`) so that the CPU attention walks their pages flat.
 """
 
 import dataclasses
@@ -93,8 +94,10 @@ def build_forward_batch(chunks: list[SeqChunk], block_size: int, max_blocks_per_
         t += n
         cu_q_lens[i + 1] = t
     cu_q_lens[len(chunks) + 1:] = t
+    # Warm-up builds all-padding batches: their shape says which step they compile for.
+    decode_only = all(len(c.token_ids) == 1 for c in chunks) if chunks else shape.q_tile == 1
     attn = AttentionMetadata(kv_lens=jnp.asarray(kv_lens), block_tables=jnp.asarray(block_tables),
-                             cu_q_lens=jnp.asarray(cu_q_lens), q_tile=shape.q_tile)
+                             cu_q_lens=jnp.asarray(cu_q_lens), q_tile=shape.q_tile, decode_only=decode_only)
     return ForwardBatch(input_ids=jnp.asarray(input_ids), positions=jnp.asarray(positions),
                         slot_mapping=jnp.asarray(slot_mapping), logits_indices=jnp.asarray(logits_indices),
                         attn=attn)

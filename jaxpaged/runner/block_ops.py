@@ -1,7 +1,7 @@
 """Whole-block moves on the KV pool: copy-on-write copies, swap out to / swap in from pinned host memory.
 
 A block id names the same block in every layer, so each move is one gather and one
-scatter over axis 2 of the pool ([layers, 2, blocks, block_size, kv_heads, head_dim]).
+scatter over axis 2 of the pool ([layers, 2, blocks, kv_heads, block_size, head_dim]).
 The number of blocks moved is padded to a power of two so each op compiles once per
 bucket; padded entries scatter out of bounds and are dropped.
 

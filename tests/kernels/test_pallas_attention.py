@@ -64,6 +64,17 @@ def test_matches_reference(head_dim, group, block_size, num_seqs, dtype, window,
     assert_matches_reference(out, ref, md, dtype)
 
 
+def test_decode_batch_matches_the_flat_reference():
+    """The kernel ignores `decode_only`; the reference then walks the pages flat, 4 at a time."""
+    rng = np.random.default_rng(16)
+    q, kv_pool, layer, md, kwargs = random_case(rng, head_dim=64, group=4, block_size=16, num_seqs=6,
+                                                dtype=jnp.float32, sliding_window=20, decode_only=True, pad_seqs=2,
+                                                max_blocks_per_seq=5)
+    ref = ragged_paged_attention_reference(q, kv_pool, layer, md, **kwargs, pages_per_chunk=4)
+    out = ragged_paged_attention_pallas(q, kv_pool, layer, md, **kwargs, interpret=True)
+    assert_matches_reference(out, ref, md, jnp.float32)
+
+
 def test_big_prompt_tile_and_traced_soft_cap():
     """q_tile x group beyond one program's rows is re-tiled; a soft cap may arrive as an array."""
     rng = np.random.default_rng(12)

@@ -38,7 +38,7 @@ def emulate_kernel(q, kv_pool, layer, md, sliding_window=0, soft_cap=0.0, *, sm_
                                                               sm_scale=sm_scale, kv_chunk_blocks=kv_chunk_blocks)
     q, pool, (layer,), (window,), (cap,), kv_lens, tables, cu_q_lens, tile_seq, tile_first_row, tile_rows = (
         np.asarray(x) for x in operands)
-    pages = pool[layer]                                        # [2, num_blocks, block_size, kv_heads, head_dim]
+    pages = pool[layer]                                        # [2, num_blocks, kv_heads, block_size, head_dim]
     queries = q.astype(pages.dtype).astype(np.float32)
     group, rows, chunk, block_size = launch.group, launch.rows, launch.chunk_tokens, launch.block_size
     live_rows, masked = launch.q_tile * group, np.float32(-1e30)    # the kernel's mask value
@@ -71,7 +71,7 @@ def emulate_kernel(q, kv_pool, layer, md, sliding_window=0, soft_cap=0.0, *, sm_
             k_pos = c * chunk + np.arange(chunk)
             k_ok = (k_pos < kv_len) & (k_pos // block_size < launch.max_blocks)
             block_id = np.where(k_ok, tables[seq, np.minimum(k_pos // block_size, launch.max_blocks - 1)], 0)
-            k, v = (np.where(k_ok[:, None], pages[kv, block_id, k_pos % block_size, kv_head], 0).astype(np.float32)
+            k, v = (np.where(k_ok[:, None], pages[kv, block_id, kv_head, k_pos % block_size], 0).astype(np.float32)
                     for kv in (0, 1))
             s = (qt @ k.T) * np.float32(sm_scale)
             if cap > 0:
@@ -94,7 +94,8 @@ def emulate_kernel(q, kv_pool, layer, md, sliding_window=0, soft_cap=0.0, *, sm_
 
 def long_decode_case(rng, dtype, sliding_window):
     """Decodes over contexts of 300, 45 and 1 tokens (16-token pages), the rest of the pool garbage:
-    with 16-key chunks and few programs the walk is split over many programs, some of them empty."""
+    with 16-key chunks and few programs the walk is split over many programs, some of them empty.
+    Flagged decode-only as the engine sends it: the reference takes its flat-pages path."""
     block_size, kv_heads, head_dim, group = 16, 2, 64, 4
     kv_lens = np.array([300, 45, 1, 0], np.int32)
     blocks = -(-kv_lens // block_size)
@@ -104,11 +105,11 @@ def long_decode_case(rng, dtype, sliding_window):
     for i, (kv_len, num) in enumerate(zip(kv_lens, blocks)):
         tables[i, :num], ids = ids[:num], ids[num:]
         for pos in range(kv_len):
-            pool[1, :, tables[i, pos // block_size], pos % block_size] = rng.standard_normal((2, kv_heads, head_dim))
+            pool[1, :, tables[i, pos // block_size], :, pos % block_size] = rng.standard_normal((2, kv_heads, head_dim))
     q = rng.standard_normal((5, kv_heads * group, head_dim))
     q[3:] = np.nan                                          # padded tokens must not leak into live rows
     md = AttentionMetadata(kv_lens=jnp.asarray(kv_lens), block_tables=jnp.asarray(tables),
-                           cu_q_lens=jnp.asarray([0, 1, 2, 3, 3], jnp.int32), q_tile=1)
+                           cu_q_lens=jnp.asarray([0, 1, 2, 3, 3], jnp.int32), q_tile=1, decode_only=True)
     kwargs = dict(sliding_window=jnp.int32(sliding_window), soft_cap=0.0, sm_scale=head_dim ** -0.5)
     return jnp.asarray(q, dtype), jnp.asarray(pool, dtype), jnp.int32(1), md, kwargs
 
