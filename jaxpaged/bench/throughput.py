@@ -47,8 +47,12 @@ def run_jaxpaged(work, dtype: str) -> tuple[float, int, int, object]:
     llm = LLM(None, dtype=dtype, max_model_len=512, max_num_seqs=32, compile_on_startup=True, use_tqdm=False)
     prompts = [{"prompt_token_ids": p} for p, _ in work]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in work]
-    llm.generate(prompts[:4], [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)] * 4,
-                 use_tqdm=False)   # untimed: first-call costs outside the compiled buckets
+    # Untimed warm-up on prompts of the same lengths (other tokens, so no prefix-cache hits later):
+    # compiles the mixed prefill shapes of the workload's first steps, which compile_on_startup's
+    # buckets (decodes, and prefills of few sequences) do not cover.
+    vocab = llm.llm_engine.model_config.vocab_size
+    warm = [{"prompt_token_ids": [(t + 1) % vocab for t in p]} for p, _ in work]
+    llm.generate(warm, [SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)] * len(warm), use_tqdm=False)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
