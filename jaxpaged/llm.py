@@ -106,13 +106,18 @@ class LLM:
         wanted = set(ids)
         start = time.perf_counter()
         num_tokens = 0
-        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, unit="req") as bar:
-            while len(finished) < len(ids):
-                for out in engine.step():
-                    if out.finished and out.request_id in wanted:
-                        finished[out.request_id] = out
-                        num_tokens += sum(len(c.token_ids) for c in out.outputs)
-                        bar.update(1)
-                        elapsed = max(time.perf_counter() - start, 1e-9)
-                        bar.set_postfix_str(f"output {num_tokens / elapsed:.1f} tok/s")
+        try:
+            with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, unit="req") as bar:
+                while len(finished) < len(ids):
+                    for out in engine.step():
+                        if out.finished and out.request_id in wanted:
+                            finished[out.request_id] = out
+                            num_tokens += sum(len(c.token_ids) for c in out.outputs)
+                            bar.update(1)
+                            elapsed = max(time.perf_counter() - start, 1e-9)
+                            bar.set_postfix_str(f"output {num_tokens / elapsed:.1f} tok/s")
+        except BaseException:   # an error or Ctrl-C: drop this call's requests so the engine stays usable
+            for request_id in ids:
+                engine.abort_request(request_id)
+            raise
         return [finished[i] for i in ids]

@@ -12,6 +12,7 @@ async scheduling is off, or while a request needs its tokens on the host before 
 step: penalties (token counts), n > 1 before its forks.
 """
 
+import collections
 import itertools
 import logging
 
@@ -52,7 +53,7 @@ class LLMEngine:
         self._states: dict[str, RequestState] = {}
         self._seqs: dict[str, SequenceState] = {}       # core request id -> its sequence
         self._to_detokenize: list[SequenceState] = []   # got tokens in the last step
-        self._in_flight = None                          # (plan, pending) dispatched, not fetched
+        self._in_flight = collections.deque()           # (plan, pending) dispatched, not fetched, oldest first
         self._ids = itertools.count()
 
     def _eos_token_ids(self) -> tuple[int, ...]:
@@ -158,32 +159,38 @@ class LLMEngine:
         """
         overlap = self.args.async_scheduling and self._can_overlap()
         outputs = []
-        if self._in_flight is not None and not overlap:
+        while self._in_flight and not overlap:
             outputs += self._complete()
         plan = self.scheduler.schedule()
         self.metrics.num_preemptions_total += len(plan.preempted)
         self.metrics.swapped_out_blocks_total += len(plan.swap_out)
         self.metrics.swapped_in_blocks_total += len(plan.swap_in)
-        pending = None
         if not plan.is_empty:
-            prev = self._in_flight[1] if self._in_flight is not None else None
+            prev = self._in_flight[-1][1] if self._in_flight else None
             pending = self.runner.dispatch(plan, self._extra_bias(plan), prev)
             self.scheduler.commit(plan)
+            self._in_flight.append((plan, pending))
         else:
             self.runner.move_blocks(plan)
-        if self._in_flight is not None:
-            outputs += self._complete()                  # step t's tokens while step t+1 runs
-        if pending is not None:
-            self._in_flight = (plan, pending)
-            if not overlap:
-                outputs += self._complete()
+        # with overlap, step t's tokens while step t+1 runs; else this step's own
+        while len(self._in_flight) > (1 if overlap and not plan.is_empty else 0):
+            outputs += self._complete()
         return outputs
 
     def _complete(self) -> list[RequestOutput]:
-        """Fetch the step in flight, apply its tokens and stops, and build the outputs."""
-        plan, pending = self._in_flight
-        self._in_flight = None
-        self._apply(plan, self.runner.fetch(pending))
+        """Fetch the oldest step in flight, apply its tokens and stops, and build the outputs.
+
+        An interrupted fetch (Ctrl-C) leaves the step queued, for the next call to fetch again;
+        a failed one drops it (its requests fail with the caller, who aborts them).
+        """
+        plan, pending = self._in_flight[0]
+        try:
+            result = self.runner.fetch(pending)
+        except Exception:
+            self._in_flight.popleft()
+            raise
+        self._in_flight.popleft()
+        self._apply(plan, result)
         return self._process_text()
 
     def _can_overlap(self) -> bool:
@@ -219,9 +226,11 @@ class LLMEngine:
                 self.scheduler.fork(request, child)
                 got_token.append(child)
             request.pending_forks = []
+        planned = {chunk.request.request_id: chunk.request for chunk in plan.chunks}
         for rid, lps in result.prompt_logprobs.items():
             seq = self._seqs.get(rid)
-            if seq is not None and seq.index == 0:
+            # the plan's own request: an id aborted and reused while the step was in flight is another one
+            if seq is not None and seq.index == 0 and seq.request is planned.get(rid):
                 record_prompt_logprobs(self._states[seq.parent_id], lps, self.tokenizer)
         for request in got_token:
             seq = self._seqs[request.request_id]
