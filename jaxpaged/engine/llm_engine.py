@@ -159,7 +159,7 @@ class LLMEngine:
         """
         overlap = self.args.async_scheduling and self._can_overlap()
         outputs = []
-        while self._in_flight and not overlap:
+        while len(self._in_flight) > (1 if overlap else 0):   # plan with at most one step unfetched
             outputs += self._complete()
         plan = self.scheduler.schedule()
         self.metrics.num_preemptions_total += len(plan.preempted)
