@@ -27,6 +27,7 @@ from jaxpaged.engine.output_processor import (RequestState, SequenceState, detok
                                               record_prompt_logprobs, token_stop)
 from jaxpaged.engine.startup import build_runner, load_model_and_tokenizer
 from jaxpaged.outputs import RequestOutput
+from jaxpaged.runner.sampler import uses_output_tokens
 from jaxpaged.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -195,11 +196,8 @@ class LLMEngine:
 
     def _can_overlap(self) -> bool:
         """Whether every request can be planned before its last token reaches the host."""
-        for request in self.scheduler.requests.values():
-            p = request.sampling_params
-            if request.pending_forks or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
-                return False
-        return True
+        return not any(request.pending_forks or uses_output_tokens(request.sampling_params)
+                       for request in self.scheduler.requests.values())
 
     def _extra_bias(self, plan) -> dict[str, dict[int, float]]:
         """Mask EOS and stop tokens until min_tokens is reached."""
@@ -226,7 +224,7 @@ class LLMEngine:
                 self.scheduler.fork(request, child)
                 got_token.append(child)
             request.pending_forks = []
-        planned = {chunk.request.request_id: chunk.request for chunk in plan.chunks}
+        planned = {c.request.request_id: c.request for c in plan.chunks} if result.prompt_logprobs else {}
         for rid, lps in result.prompt_logprobs.items():
             seq = self._seqs.get(rid)
             # the plan's own request: an id aborted and reused while the step was in flight is another one

@@ -161,6 +161,11 @@ def _random_sample(logits, md):
     return jnp.argmax(logits + noise, axis=-1).astype(jnp.int32)
 
 
+def uses_output_tokens(params) -> bool:
+    """Whether a request's penalties count its previous tokens (so each step needs them on the host)."""
+    return bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0)
+
+
 def is_plain_greedy(md: SamplingMetadata) -> bool:
     """Every row greedy with no bias, penalties or top logprobs (static: decides the compiled path)."""
     return md.all_greedy and md.logit_bias is None and md.output_counts is None and md.num_logprobs == 0
@@ -247,7 +252,7 @@ def build_sampling_metadata(params: list, seeds: list[int], steps: list[int],
     seeds_u32 = column([int(s) & 0xFFFFFFFF for s in seeds], 0, np.uint32)
 
     output_counts = prompt_mask = None
-    if np.any(presence != 0) or np.any(frequency != 0) or np.any(repetition != 1):
+    if any(map(uses_output_tokens, params)):
         output_counts = np.zeros((padded_size, vocab_size), np.int32)
         prompt_mask = np.zeros((padded_size, vocab_size), bool)
         for i in range(n):
