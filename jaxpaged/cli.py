@@ -22,6 +22,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--swap-space", type=float, default=d.swap_space)
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--attention-backend", default=d.attention_backend)
+    parser.add_argument("--generation-config", default=d.generation_config,
+                        help="auto: sampling defaults and EOS ids from the model's generation_config.json; "
+                             "vllm: ignore it; or a folder holding one")
     parser.add_argument("--preemption-mode", default=d.preemption_mode, choices=["recompute", "swap"])
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     parser.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")

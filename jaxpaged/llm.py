@@ -45,6 +45,10 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (vLLM's name); changes nothing."""
+        return self.llm_engine.generation_defaults.apply(SamplingParams())
+
     def get_metrics(self) -> dict[str, float]:
         return self.llm_engine.get_metrics()
 
@@ -86,7 +90,10 @@ class LLM:
         Beams share the prompt's (and each other's) KV blocks by fork and copy-on-write.
         """
         from jaxpaged.engine.beam_search import run_beam_search
-        token_lists = [self.llm_engine._tokenize(p)[1] for p in _as_prompt_list(prompts)]
+        prompts = _as_prompt_list(prompts)
+        if any(isinstance(p, dict) and p.get("cache_salt") is not None for p in prompts):
+            raise ValueError("cache_salt is not supported by beam_search yet; drop it from the prompt dicts")
+        token_lists = [self.llm_engine._tokenize(p)[1] for p in prompts]
         return run_beam_search(self.llm_engine, token_lists, params)
 
     def _run(self, prompts: list, params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:

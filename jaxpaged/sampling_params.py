@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import copy
 import enum
+import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 # vLLM's default cap on top logprobs per token; larger values make every step return
 # (and transfer) a wider top-k, so we refuse them instead of silently slowing down.
@@ -176,6 +177,25 @@ class SamplingParams:
     def clone(self) -> SamplingParams:
         """A deep copy: the engine may fill in defaults without touching the caller's object."""
         return copy.deepcopy(self)
+
+    def was_set(self, name: str) -> bool:
+        """Whether the caller passed `name` (a model's generation_config fills in only the others)."""
+        return name in self._set_fields
+
+
+def _recording_set_fields(init):
+    """Wrap the dataclass __init__ so each instance knows which fields its caller passed."""
+    names = [f.name for f in fields(SamplingParams) if f.init]
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self._set_fields = frozenset(names[:len(args)]) | frozenset(kwargs)
+
+    return __init__
+
+
+SamplingParams.__init__ = _recording_set_fields(SamplingParams.__init__)
 
 
 @dataclass

@@ -119,6 +119,9 @@ class _Server:
         model = self.model(req.model)
         params = [P.build_sampling_params(req, len(ids), self.engine.max_model_len) for _, ids in inputs]
         request_id = f"{prefix}-{uuid.uuid4().hex}"
+        salt = req.body.get("cache_salt")   # checked by protocol.py; the engine hashes it into the first block
+        if salt is not None:
+            inputs = [({**prompt, "cache_salt": salt}, ids) for prompt, ids in inputs]
         gens = [self.engine.generate(prompt, sp, f"{request_id}-{i}", output_kind="cumulative")
                 for i, ((prompt, _), sp) in enumerate(zip(inputs, params))]
         firsts = await asyncio.gather(*(anext(g) for g in gens), return_exceptions=True)

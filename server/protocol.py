@@ -6,12 +6,15 @@ whose ValueError messages start with the field name, so `param` can be recovered
 """
 
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass, field
 
 from jaxpaged.outputs import Logprob
 from jaxpaged.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 # OpenAI's default for /v1/completions (vLLM keeps it); chat defaults to the rest of the context.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -46,21 +49,63 @@ def _ints(v) -> bool:
 
 
 _NUMBER, _INTEGER, _BOOL = (_num, "a number"), (_int, "an integer"), (lambda v: isinstance(v, bool), "a boolean")
+_STRING, _OBJECT = (lambda v: isinstance(v, str), "a string"), (lambda v: isinstance(v, dict), "an object")
 # name -> (type check, what it must be); null always means "the default"
 _COMMON_FIELDS = {
-    "model": (lambda v: isinstance(v, str), "a string"), "user": (lambda v: isinstance(v, str), "a string"),
+    "model": _STRING, "user": _STRING,   # user: bookkeeping for OpenAI, accepted and ignored
     "max_tokens": _INTEGER, "max_completion_tokens": _INTEGER, "n": _INTEGER, "seed": _INTEGER,
     "top_k": _INTEGER, "min_tokens": _INTEGER, "temperature": _NUMBER, "top_p": _NUMBER, "min_p": _NUMBER,
     "presence_penalty": _NUMBER, "frequency_penalty": _NUMBER, "repetition_penalty": _NUMBER,
     "stop": (_str_or_strs, "a string or a list of strings"), "stop_token_ids": (_ints, "a list of token ids"),
     "logit_bias": (lambda v: isinstance(v, dict), "an object mapping token ids to biases"),
     "stream": _BOOL, "ignore_eos": _BOOL, "include_stop_str_in_output": _BOOL, "skip_special_tokens": _BOOL,
-    "stream_options": (lambda v: isinstance(v, dict), "an object"),
+    "stream_options": _OBJECT,
+    # vLLM's: requests share prefix-cache blocks only under the same salt (tenants never see each other's)
+    "cache_salt": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
 }
 _COMPLETION_FIELDS = {**_COMMON_FIELDS, "echo": _BOOL, "logprobs": _INTEGER,
                       "prompt": (lambda v: True, "")}   # its shape is checked by _prompts
 _CHAT_FIELDS = {**_COMMON_FIELDS, "logprobs": _BOOL, "top_logprobs": _INTEGER, "add_generation_prompt": _BOOL,
-                "messages": (lambda v: True, "")}
+                "messages": (lambda v: True, ""),
+                # OpenAI's that change no generated token, accepted and ignored: bookkeeping (metadata only
+                # matters with store, which is refused), hints for a cache that is automatic here, and
+                # parallel_tool_calls, which means nothing without tools (refused below)
+                "metadata": _OBJECT, "prompt_cache_key": _STRING, "safety_identifier": _STRING,
+                "prompt_cache_options": _OBJECT, "prompt_cache_retention": _STRING, "parallel_tool_calls": _BOOL}
+
+
+# OpenAI's request fields, as the `openai` package lists them (types/chat/completion_create_params.py and
+# types/completion_create_params.py; a test keeps these in step with the installed one). A field of these that
+# the route does not implement (is not in its _*_FIELDS) is refused with a 400 naming it, unless its value asks
+# for nothing (_NO_OP_VALUES), so a client never believes JSON mode or tool calling was honoured. A field in
+# neither list is ignored with a warning in the log, as vLLM does. Tools come first: they are what to name.
+OPENAI_CHAT_FIELDS = (
+    "tools", "functions", "tool_choice", "function_call", "parallel_tool_calls", "response_format", "audio",
+    "modalities", "prediction", "reasoning_effort", "verbosity", "service_tier", "store", "moderation",
+    "web_search_options", "messages", "model", "frequency_penalty", "logit_bias", "logprobs",
+    "max_completion_tokens", "max_tokens", "metadata", "n", "presence_penalty", "prompt_cache_key",
+    "prompt_cache_options", "prompt_cache_retention", "safety_identifier", "seed", "stop", "stream",
+    "stream_options", "temperature", "top_logprobs", "top_p", "user")
+OPENAI_COMPLETION_FIELDS = (
+    "best_of", "suffix", "model", "prompt", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens",
+    "n", "presence_penalty", "seed", "stop", "stream", "stream_options", "temperature", "top_p", "user")
+# unimplemented field -> (does this value ask for nothing, the values that do); null always does. Clients
+# other than the official one (which sends only what the user set) send such defaults.
+_NO_OP_VALUES = {
+    "tools": (lambda v, body: v == [], "[]"),
+    "functions": (lambda v, body: v == [], "[]"),
+    # "auto" picks among no tools: any tools were refused already
+    "tool_choice": (lambda v, body: v in ("none", "auto"), '"none" or "auto" without tools'),
+    "function_call": (lambda v, body: v in ("none", "auto"), '"none" or "auto" without functions'),
+    "response_format": (lambda v, body: isinstance(v, dict) and v.get("type") == "text", '{"type": "text"}'),
+    "modalities": (lambda v, body: isinstance(v, list) and all(m == "text" for m in v), '["text"]'),
+    "reasoning_effort": (lambda v, body: v == "none", '"none"'),
+    "verbosity": (lambda v, body: v == "medium", '"medium" (the default)'),
+    "service_tier": (lambda v, body: v in ("auto", "default"), '"auto" or "default"'),
+    "store": (lambda v, body: v is False, "false"),
+    "best_of": (lambda v, body: _int(v) and v in (1, body.get("n") or 1), "1 or the value of n"),
+    "suffix": (lambda v, body: v == "", '""'),
+}
 _SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                   "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
                   "include_stop_str_in_output", "skip_special_tokens", "logit_bias")
@@ -91,13 +136,25 @@ def parse_json(raw: bytes) -> dict:
     return body
 
 
-def _check_types(body: dict, fields: dict, required: str) -> None:
+def _check_types(body: dict, fields: dict, openai_fields: tuple, required: str) -> None:
     if body.get(required) is None:
         raise APIError(400, f"{required} is required", required, "missing_required_parameter")
     for name, (ok, what) in fields.items():
         value = body.get(name)
         if value is not None and not ok(value):
             raise APIError(400, f"{name} must be {what}, got {brief_repr(value)}", name, "invalid_type")
+    for name in openai_fields:
+        value = body.get(name)
+        if name in fields or value is None:
+            continue
+        is_no_op, no_ops = _NO_OP_VALUES.get(name, (None, None))
+        if is_no_op is None or not is_no_op(value, body):
+            accepts = f" (it accepts only {no_ops})" if no_ops else ""
+            raise APIError(400, f"{name} is not supported by this server{accepts}, got {brief_repr(value)}",
+                           name, "unsupported_parameter")
+    unknown = sorted(set(body) - set(fields) - set(openai_fields))
+    if unknown:   # neither OpenAI's nor ours: ignored, as vLLM does, but said in the log
+        logger.warning("ignoring request fields this server does not know: %s", ", ".join(unknown))
     options = body.get("stream_options")
     if options is not None:
         if not body.get("stream"):
@@ -121,7 +178,7 @@ def _common(kind: str, body: dict, logprobs: int | None) -> ParsedRequest:
 
 
 def parse_completion_request(body: dict) -> ParsedRequest:
-    _check_types(body, _COMPLETION_FIELDS, "prompt")
+    _check_types(body, _COMPLETION_FIELDS, OPENAI_COMPLETION_FIELDS, "prompt")
     req = _common("completion", body, body.get("logprobs"))
     req.echo = bool(body.get("echo"))
     req.prompts = _prompts(body["prompt"])
@@ -141,7 +198,7 @@ def _prompts(value) -> list:
 
 
 def parse_chat_request(body: dict) -> ParsedRequest:
-    _check_types(body, _CHAT_FIELDS, "messages")
+    _check_types(body, _CHAT_FIELDS, OPENAI_CHAT_FIELDS, "messages")
     top = body.get("top_logprobs")
     if top is not None and not body.get("logprobs"):
         raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs", "invalid_value")

@@ -18,10 +18,10 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.ref_cnt = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
         # insertion order = eviction order; values unused
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
-        self.cached: dict[int, int] = {}   # block hash -> block id
+        self.cached: dict[bytes, int] = {}   # block hash -> block id
 
     @property
     def num_usable_blocks(self) -> int:
@@ -65,7 +65,7 @@ class BlockPool:
             if self.ref_cnt[block] == 0:
                 self.free_queue[block] = None
 
-    def cache(self, block: int, block_hash: int) -> None:
+    def cache(self, block: int, block_hash: bytes) -> None:
         """Register a full block under its hash (keeps the first block seen for a hash)."""
         if not self.enable_caching or self.block_hash[block] is not None:
             return
@@ -74,8 +74,13 @@ class BlockPool:
         self.block_hash[block] = block_hash
         self.cached[block_hash] = block
 
-    def lookup(self, block_hash: int) -> int | None:
+    def lookup(self, block_hash: bytes) -> int | None:
         return self.cached.get(block_hash) if self.enable_caching else None
+
+    def uncache(self, blocks: list[int]) -> None:
+        """Unregister the blocks' hashes; the blocks themselves stay where they are."""
+        for block in blocks:
+            self._drop_hash(block)
 
     def _drop_hash(self, block: int) -> None:
         h = self.block_hash[block]

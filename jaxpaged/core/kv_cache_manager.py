@@ -6,8 +6,12 @@ A request's block table covers its computed tokens plus the ones being computed:
     blocks   |   b7 (full)  |  b2 (full)   | b9 (partial: 6 of 16 slots used)
 
 Full blocks are hashed by chaining the previous block's hash with their token ids, so a
-hash names a whole prefix; the partial last block is never shared by hash.
+hash names a whole prefix; the partial last block is never shared by hash. A request's
+`cache_salt` enters the first block's hash, so requests with different salts share nothing.
 """
+
+import hashlib
+import struct
 
 from jaxpaged.core.block_pool import BlockPool
 from jaxpaged.core.request import Request
@@ -17,8 +21,17 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra: object = None) -> int:
-    return hash((parent_hash, token_ids, extra))
+def hash_block(parent_hash: bytes | None, token_ids: tuple[int, ...] | list[int], salt: str | None = None) -> bytes:
+    """SHA-256 of (parent hash, salt, token ids): collision-resistant and the same in every process.
+
+    Python's `hash` of a tuple is neither (PYTHONHASHSEED, 64 bits): a collision would hand a
+    request another prompt's K/V. Each part is length-prefixed so no two inputs serialize alike.
+    """
+    digest = hashlib.sha256(parent_hash or b"\x00" * 32)
+    salt_bytes = salt.encode() if salt is not None else b""
+    digest.update(struct.pack("<?I", salt is not None, len(salt_bytes)) + salt_bytes)
+    digest.update(struct.pack(f"<I{len(token_ids)}q", len(token_ids), *token_ids))
+    return digest.digest()
 
 
 class KVCacheManager:
@@ -55,7 +68,8 @@ class KVCacheManager:
         while (len(hashes) + 1) * bs <= request.num_tokens:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, tuple(request.all_token_ids[i * bs:(i + 1) * bs])))
+            salt = request.cache_salt if i == 0 else None   # chained: the first block's salt covers all
+            hashes.append(hash_block(parent, request.all_token_ids[i * bs:(i + 1) * bs], salt))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """Longest cached prefix of full blocks: (block ids, tokens covered). Does not change state.
@@ -176,6 +190,10 @@ class KVCacheManager:
         blocks = self.req_blocks[request.request_id]
         for i in range(min(num_tokens // self.block_size, len(request.block_hashes), len(blocks))):
             self.pool.cache(blocks[i], request.block_hashes[i])
+
+    def forget_cached_blocks(self, blocks: list[int]) -> None:
+        """Drop these blocks from the prefix cache (their K/V is not trusted); changes state."""
+        self.pool.uncache(blocks)
 
     def free(self, request: Request) -> None:
         """Release all blocks of a request (tail first, so its tail is evicted before its prefix)."""

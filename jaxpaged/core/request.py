@@ -34,7 +34,7 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: Any,
                  eos_token_ids: tuple[int, ...] = (), arrival_time: float | None = None,
-                 seed: int = 0, max_tokens: int | None = None):
+                 seed: int = 0, max_tokens: int | None = None, cache_salt: str | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -49,7 +49,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
-        self.block_hashes: list[int] = []     # chained hashes of the full blocks of all_token_ids
+        self.cache_salt = cache_salt          # prefix-cache namespace: only equal salts share blocks
+        self.block_hashes: list[bytes] = []   # chained hashes of the full blocks of all_token_ids
         # n > 1: sibling sequences that fork off this one when it samples its first token
         self.pending_forks: list["Request"] = []
         # tokens sampled by steps dispatched but not fetched yet (async scheduling): their

@@ -26,6 +26,7 @@ class EngineArgs:
     preemption_mode: str = "recompute"        # "recompute" | "swap"
     async_scheduling: bool = True             # plan and prepare step t+1 while the device runs step t
     served_model_name: str | None = None
+    generation_config: str = "auto"          # auto: the model's generation_config.json; vllm: ignore it; or a folder
     compile_on_startup: bool = True           # compile the step's shape buckets before serving
     disable_log_stats: bool = True
 
@@ -56,3 +57,5 @@ class EngineArgs:
                 f"one of {', '.join(ATTENTION_BACKENDS)}")
         require("preemption_mode", self.preemption_mode in ("recompute", "swap"), "'recompute' or 'swap'")
         require("seed", isinstance(self.seed, int), "an int")
+        require("generation_config", isinstance(self.generation_config, str) and self.generation_config != "",
+                "'auto', 'vllm' or a folder holding generation_config.json")

@@ -18,7 +18,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from jaxpaged.engine.arg_utils import EngineArgs
-from jaxpaged.engine.llm_engine import LLMEngine
+from jaxpaged.engine.llm_engine import LLMEngine, StepFailedError
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 
@@ -197,7 +197,7 @@ class AsyncLLM:
             logger.exception("the engine loop died")
             with self._cond:
                 self._stopping = True
-        self._fail_all(RuntimeError("AsyncLLM was shut down while the request was running"))
+        self._fail_requests(RuntimeError("AsyncLLM was shut down while the request was running"))
         with self._cond:   # commands that raced with shutdown; none can come after this
             pending, self._commands = self._commands, []
             self._closed = True
@@ -251,13 +251,19 @@ class AsyncLLM:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception as exc:
-            # The step ran the whole batch, so the failure can't be pinned on one request:
-            # fail those in flight and keep serving new ones.
+        except StepFailedError as exc:
+            # The step ran its whole batch, so the failure can't be pinned on one request: the
+            # engine aborted that step's requests; they fail, every other request keeps going.
+            logger.exception("engine step failed; failing its %d request(s)", len(exc.request_ids))
+            error = EngineRequestError(f"internal engine error: {exc.__cause__ or exc}")
+            error.__cause__ = exc
+            self._fail_requests(error, exc.request_ids)
+            return
+        except Exception as exc:   # outside any step (a bug): the engine's state is unknown, fail all
             logger.exception("engine step failed; failing the %d request(s) in flight", len(self._streams))
             error = EngineRequestError(f"internal engine error: {type(exc).__name__}: {exc}")
             error.__cause__ = exc
-            self._fail_all(error)
+            self._fail_requests(error)
             return
         now = time.time()
         for out in outputs:
@@ -285,14 +291,16 @@ class AsyncLLM:
         except RuntimeError:   # the caller's event loop is closed
             return False
 
-    def _fail_all(self, error: BaseException) -> None:
-        for request_id, stream in list(self._streams.items()):
+    def _fail_requests(self, error: BaseException, request_ids: list[str] | None = None) -> None:
+        """Abort and fail the given requests (default: every request in flight)."""
+        for request_id in list(self._streams) if request_ids is None else request_ids:
+            stream = self._streams.pop(request_id, None)
             try:
                 self.engine.abort_request(request_id)
             except Exception:
                 logger.exception("aborting request %s failed", request_id)
-            self._deliver(stream, error)
-        self._streams.clear()
+            if stream is not None:
+                self._deliver(stream, error)
         self._publish_metrics()
 
     def _publish_metrics(self) -> None:

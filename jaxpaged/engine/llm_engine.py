@@ -15,6 +15,7 @@ step: penalties (token counts), n > 1 before its forks.
 import collections
 import itertools
 import logging
+import os
 
 import numpy as np
 
@@ -22,6 +23,7 @@ from jaxpaged.core.kv_cache_manager import KVCacheManager
 from jaxpaged.core.request import Request, RequestStatus
 from jaxpaged.core.scheduler import Scheduler, SchedulerConfig
 from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.engine.generation_config import load_generation_defaults
 from jaxpaged.engine.metrics import EngineMetrics
 from jaxpaged.engine.output_processor import (RequestState, SequenceState, detokenize, record_logprobs,
                                               record_prompt_logprobs, token_stop)
@@ -33,6 +35,14 @@ from jaxpaged.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+class StepFailedError(RuntimeError):
+    """A step raised; `request_ids` are the requests it aborted (the engine stays usable)."""
+
+    def __init__(self, message: str, request_ids: list[str]):
+        super().__init__(message)
+        self.request_ids = request_ids
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs, use_tqdm: bool = True):
         self.args = args
@@ -40,6 +50,9 @@ class LLMEngine:
         self.model_config = self.loaded.config
         self.runner, self.max_model_len, num_blocks = build_runner(args, self.loaded, use_tqdm)
         self.num_blocks = num_blocks
+        source = self.loaded.source
+        self.generation_defaults = load_generation_defaults(args.generation_config,
+                                                            source if os.path.isdir(source) else None)
         self.eos_token_ids = self._eos_token_ids()
         max_batched = args.batched_tokens(self.max_model_len)
         self.scheduler_config = SchedulerConfig(
@@ -58,7 +71,7 @@ class LLMEngine:
         self._ids = itertools.count()
 
     def _eos_token_ids(self) -> tuple[int, ...]:
-        ids = set(self.model_config.eos_token_ids)
+        ids = set(self.model_config.eos_token_ids) | set(self.generation_defaults.eos_token_ids)
         eos = getattr(self.tokenizer, "eos_token_id", None)
         if eos is not None:
             ids.add(int(eos))
@@ -71,10 +84,12 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        params = self.generation_defaults.apply(params)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._states:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
+        cache_salt = self._cache_salt(prompt)
         self._validate(token_ids, params)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
         core_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
@@ -85,7 +100,8 @@ class LLMEngine:
         sequences = []
         for i, core_id in enumerate(core_ids):
             seed = self._seed_for(params, i)
-            request = Request(core_id, token_ids, params, self.eos_token_ids, arrival_time, seed, max_tokens)
+            request = Request(core_id, token_ids, params, self.eos_token_ids, arrival_time, seed, max_tokens,
+                              cache_salt)
             sequences.append(SequenceState(request, i, self.tokenizer, request_id))
         state = RequestState(request_id, text, token_ids, sequences)
         # n > 1: one sequence prefills; the others fork off it (sharing its blocks) when it samples
@@ -118,6 +134,14 @@ class LLMEngine:
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
             return None, [int(t) for t in prompt]
         raise ValueError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    @staticmethod
+    def _cache_salt(prompt) -> str | None:
+        """A prompt dict's `cache_salt`: requests share prefix-cache blocks only under the same salt."""
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+        return salt
 
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
@@ -168,7 +192,10 @@ class LLMEngine:
         self.metrics.swapped_in_blocks_total += len(plan.swap_in)
         if not plan.is_empty:
             prev = self._in_flight[-1][1] if self._in_flight else None
-            pending = self.runner.dispatch(plan, self._extra_bias(plan), prev)
+            try:
+                pending = self.runner.dispatch(plan, self._extra_bias(plan), prev)
+            except Exception as exc:
+                raise self._fail_steps([plan], exc) from exc
             self.scheduler.commit(plan)
             self._in_flight.append((plan, pending))
         else:
@@ -187,12 +214,42 @@ class LLMEngine:
         plan, pending = self._in_flight[0]
         try:
             result = self.runner.fetch(pending)
-        except Exception:
-            self._in_flight.popleft()
-            raise
+        except Exception as exc:
+            # every later step in flight took its input tokens from this one's output
+            plans = [p for p, _ in self._in_flight]
+            self._in_flight.clear()
+            raise self._fail_steps(plans, exc) from exc
         self._in_flight.popleft()
         self._apply(plan, result)
         return self._process_text()
+
+    def _fail_steps(self, plans: list, cause: Exception) -> "StepFailedError":
+        """Undo what failed steps leave behind; returns the error to raise.
+
+        Their requests are aborted: tokens they were sampling are lost and their K/V may be half
+        written. So are requests swapped out by those steps (the copy to the host may not have
+        run). Every block the steps touched leaves the prefix cache: a block registered when
+        it was planned would otherwise hand unwritten K/V to the next request with that prefix.
+        Dropping a valid entry costs only a cache hit.
+        """
+        failed: dict[str, None] = {}
+        touched: list[int] = []
+        for plan in plans:
+            for chunk in plan.chunks:
+                touched += chunk.block_ids
+                for request in (chunk.request, *chunk.request.pending_forks):
+                    failed[request.request_id] = None
+            for request in plan.preempted:
+                if request.status == RequestStatus.SWAPPED:
+                    failed[request.request_id] = None
+            touched += [dst for _, dst in plan.swap_in] + [dst for _, dst in plan.copies]
+        request_ids = list(dict.fromkeys(self._seqs[rid].parent_id for rid in failed if rid in self._seqs))
+        for request_id in request_ids:
+            self.abort_request(request_id)
+        self.kv_cache.forget_cached_blocks(touched)
+        logger.error("engine step failed (%s: %s); aborted %d request(s): %s", type(cause).__name__, cause,
+                     len(request_ids), request_ids)
+        return StepFailedError(f"engine step failed: {type(cause).__name__}: {cause}", request_ids)
 
     def _can_overlap(self) -> bool:
         """Whether every request can be planned before its last token reaches the host."""

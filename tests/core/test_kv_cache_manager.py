@@ -202,3 +202,38 @@ def test_freeing_everything_returns_usage_to_zero():
 def test_bad_block_size_is_rejected():
     with pytest.raises(ValueError, match="block_size"):
         KVCacheManager(num_blocks=4, block_size=0)
+
+
+def test_block_hash_is_sha256_and_the_same_in_another_process():
+    import subprocess
+    import sys
+
+    from jaxpaged.core.kv_cache_manager import hash_block
+
+    first = hash_block(None, [1, 2, 3, 4])
+    second = hash_block(first, [5, 6, 7, 8], None)
+    assert isinstance(second, bytes) and len(second) == 32
+    # another interpreter (another PYTHONHASHSEED) computes the same chain
+    code = ("from jaxpaged.core.kv_cache_manager import hash_block;"
+            "print(hash_block(hash_block(None, [1, 2, 3, 4]), [5, 6, 7, 8]).hex())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={"PYTHONHASHSEED": "12345", "PATH": ""}).stdout.strip()
+    assert out == second.hex()
+    # the parts never run together: a salt, a parent or another split of the tokens changes the key
+    assert len({hash_block(None, [1, 2]), hash_block(None, [1, 2], ""), hash_block(None, [1, 2], "a"),
+                hash_block(None, [1, 2], "b"), hash_block(first, [1, 2]), hash_block(None, [1, 2, 0])}) == 6
+
+
+def test_cache_salt_separates_prefix_cache_tenants():
+    kv = KVCacheManager(num_blocks=16, block_size=BS)
+    tokens = list(range(50))
+    salted = Request("a", tokens, types.SimpleNamespace(max_tokens=4), cache_salt="tenant-a")
+    assert prefill(kv, salted) == 0
+    # same tokens, no salt or another salt: no hit
+    assert prefill(kv, Request("b", tokens, types.SimpleNamespace(max_tokens=4))) == 0
+    assert prefill(kv, Request("c", tokens, types.SimpleNamespace(max_tokens=4), cache_salt="tenant-b")) == 0
+    # same salt: the three full blocks are shared
+    again = Request("d", tokens, types.SimpleNamespace(max_tokens=4), cache_salt="tenant-a")
+    assert prefill(kv, again) == 48
+    assert kv.blocks_of("d")[:3] == kv.blocks_of("a")[:3]
+    kv.check_invariants()

@@ -185,3 +185,30 @@ def test_shutdown_ends_requests_in_flight_and_refuses_new_ones():
         await asyncio.wait_for(engine.abort("anything"), 5)   # returns instead of waiting forever
     asyncio.run(main())
     assert not engine.is_running
+
+
+def test_a_step_failing_in_the_runner_fails_its_request_and_poisons_no_prefix(monkeypatch):
+    engine = AsyncLLM.from_engine_args(tiny_engine_args(), use_tqdm=False)
+    prompt = list(range(3, 43))   # five full blocks of 8
+    try:
+        reference = asyncio.run(run_to_end(engine, prompt, greedy(6, seed=0)))[-1].outputs[0].token_ids
+        engine.engine.kv_cache.pool.reset_prefix_cache()
+        runner = engine.engine.runner
+        step = runner._step
+
+        def fail_once(*args, **kwargs):
+            monkeypatch.setattr(runner, "_step", step)
+            raise RuntimeError("injected failure")
+
+        async def main():
+            monkeypatch.setattr(runner, "_step", fail_once)
+            with pytest.raises(EngineRequestError, match="injected failure"):
+                await run_to_end(engine, prompt, greedy(6))
+            await wait_until_idle(engine)
+            return await run_to_end(engine, prompt, greedy(6))
+        final = asyncio.run(main())[-1]
+        assert final.num_cached_tokens == 0            # the failed prefill's blocks were not kept
+        assert final.outputs[0].token_ids == reference
+        assert engine.is_running
+    finally:
+        engine.shutdown()

@@ -3,6 +3,7 @@ official `openai` client and by plain HTTP for what the client hides (errors, SS
 
 import asyncio
 import json
+import logging
 import socket
 import threading
 import time
@@ -14,6 +15,7 @@ import uvicorn
 
 from jaxpaged import AsyncLLM
 from server import build_app
+from server import protocol as P
 from tests.server.test_async_llm import tiny_engine_args
 
 MODEL, KEY = "tiny-llama", "sk-test"
@@ -154,6 +156,8 @@ BAD_COMPLETIONS = [
     ({"prompt": list(range(3, 300))}, 400, "prompt"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+    ({"prompt": "hi", "cache_salt": ""}, 400, "cache_salt"),
+    ({"prompt": "hi", "cache_salt": 7}, 400, "cache_salt"),
 ]
 BAD_CHATS = [
     ({"model": MODEL}, 400, "messages"),
@@ -161,7 +165,26 @@ BAD_CHATS = [
     ({"messages": [{"content": "no role"}]}, 400, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 30, "logprobs": True}, 400, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 1000}, 400, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "cache_salt": ""}, 400, "cache_salt"),
 ]
+HI = [{"role": "user", "content": "hi"}]
+# OpenAI fields this server does not implement, each asking for something: refused, never silently ignored
+UNSUPPORTED = [
+    ("chat/completions", {"messages": HI, "response_format": {"type": "json_object"}}, "response_format"),
+    ("chat/completions", {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object"}}}}, "response_format"),
+    ("chat/completions", {"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}],
+                          "tool_choice": "auto"}, "tools"),
+    ("chat/completions", {"messages": HI, "tool_choice": "required"}, "tool_choice"),
+    ("chat/completions", {"messages": HI, "functions": [{"name": "f"}]}, "functions"),
+    ("chat/completions", {"messages": HI, "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ("chat/completions", {"messages": HI, "modalities": ["text", "audio"]}, "modalities"),
+    ("chat/completions", {"messages": HI, "store": True}, "store"),
+    ("chat/completions", {"messages": HI, "service_tier": "flex"}, "service_tier"),
+    ("completions", {"prompt": "hi", "n": 2, "best_of": 3}, "best_of"),
+    ("completions", {"prompt": "hi", "suffix": " world"}, "suffix"),
+]
+
 
 
 @pytest.mark.parametrize("route, body, status, param",
@@ -174,6 +197,71 @@ def test_bad_input_gets_its_status_and_an_error_object(urls, route, body, status
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert error["param"] == param
+
+
+@pytest.mark.parametrize("route, body, param", UNSUPPORTED)
+def test_an_unsupported_openai_field_is_a_400_naming_it(urls, route, body, param):
+    response = httpx.post(f"{urls[0]}/v1/{route}", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert f"{param} is not supported by this server" in error["message"]
+
+
+def test_the_official_client_hears_that_json_mode_is_not_supported(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=HI, response_format={"type": "json_object"})
+    assert info.value.param == "response_format" and "not supported" in info.value.message
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=HI, tool_choice="required",
+                                       tools=[{"type": "function", "function": {"name": "f"}}])
+    assert info.value.param == "tools"
+
+
+def test_values_that_ask_for_nothing_are_accepted_and_unknown_fields_are_logged(client, caplog):
+    caplog.set_level(logging.WARNING, logger="server.protocol")
+    chat = client.chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=2, tools=[], tool_choice="none", parallel_tool_calls=False,
+        response_format={"type": "text"}, store=False, service_tier="auto", metadata={"team": "a"}, user="u1",
+        prompt_cache_key="k", safety_identifier="s1", modalities=["text"], verbosity="medium",
+        extra_body={"foo_bar": 1, "functions": None, "audio": None})
+    assert chat.choices[0].finish_reason
+    out = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, n=2, best_of=2, suffix="", user="u1",
+                                    extra_body={"tool_choice": "required"})   # not a completions field: ignored
+    assert len(out.choices) == 2
+    client.completions.create(model=MODEL, prompt="Hi", max_tokens=1, best_of=1, suffix=None)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("foo_bar" in w for w in warnings) and any("tool_choice" in w for w in warnings)
+    assert not any("metadata" in w or "best_of" in w for w in warnings)
+
+
+def test_openai_field_lists_match_the_installed_openai_package():
+    from openai.types import completion_create_params as completion
+    from openai.types.chat import completion_create_params as chat
+
+    def keys(params) -> set:
+        return set(params.__required_keys__ | params.__optional_keys__)
+    assert set(P.OPENAI_CHAT_FIELDS) == keys(chat.CompletionCreateParamsNonStreaming)
+    assert set(P.OPENAI_COMPLETION_FIELDS) == keys(completion.CompletionCreateParamsNonStreaming)
+
+
+def test_cache_salt_keeps_prefix_cache_blocks_apart(client):
+    messages = [{"role": "user", "content": "a question long enough to fill a few blocks of the prefix cache"}]
+
+    def cached(route: str, **extra) -> int:
+        if route == "chat":
+            out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, extra_body=extra)
+        else:
+            out = client.completions.create(model=MODEL, prompt=messages[0]["content"], max_tokens=1,
+                                            extra_body=extra)
+        return out.usage.prompt_tokens_details.cached_tokens
+    assert cached("chat", cache_salt="tenant-a") == 0
+    assert cached("chat", cache_salt="tenant-b") == 0     # same prompt, another tenant: nothing shared
+    assert cached("chat") == 0                            # no salt shares nothing with a salted prompt
+    assert cached("chat", cache_salt="tenant-a") > 0      # same tenant: its own blocks again
+    assert cached("chat") > 0
+    assert cached("completion", cache_salt="tenant-a") == 0
+    assert cached("completion", cache_salt="tenant-a") > 0
 
 
 def test_api_key_guards_v1_only_and_the_server_still_serves(urls):
