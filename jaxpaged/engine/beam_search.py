@@ -16,6 +16,7 @@ import dataclasses
 import itertools
 
 from jaxpaged.core.request import Request, RequestStatus
+from jaxpaged.engine.detokenizer import decode_ids
 from jaxpaged.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
 
 
@@ -130,7 +131,7 @@ def _run_wave(engine, prompts: list[list[int]], params: BeamSearchParams) -> lis
         ranked = [seq for _, seq in sorted(group.finished, key=lambda x: -x[0])][:width]
         for seq in ranked:
             if tokenizer is not None:
-                seq.text = tokenizer.decode(seq.tokens[len(group.prompt_ids):], skip_special_tokens=True)
+                seq.text = decode_ids(tokenizer, seq.tokens[len(group.prompt_ids):], skip_special_tokens=True)
         outputs.append(BeamSearchOutput(ranked))
     return outputs
 

@@ -43,6 +43,8 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_positions: int = 0
+    # llama.cpp's per-frequency divisors [head_dim // 2] (a GGUF file's rope_freqs.weight); () = none
+    rope_freq_factors: tuple[float, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -68,6 +70,8 @@ class ModelConfig:
         """Rotary inverse frequencies [head_dim // 2] (before any length-dependent scaling)."""
         dim = self.head_dim
         inv = 1.0 / (self.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+        if self.rope_freq_factors:   # as llama.cpp does: theta_i = pos * inv_freq_i / factor_i
+            inv = inv / np.asarray(self.rope_freq_factors, dtype=np.float64)
         if self.rope_type == "linear":
             inv = inv / self.rope_factor
         elif self.rope_type == "llama3":
@@ -129,6 +133,12 @@ def model_config_from_hf(hf_config: Any) -> ModelConfig:
     rope = _rope_params(hf_config)
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("partial_rotary_factor != 1.0 is not supported")
+    # Set by the GGUF loader; the factors compose with linear scaling as in llama.cpp, but
+    # llama3 would scale twice and dynamic NTK recomputes the frequencies without them.
+    freq_factors = tuple(float(f) for f in (getattr(hf_config, "rope_freq_factors", None) or ()))
+    if freq_factors and rope["rope_type"] not in ("default", "linear"):
+        raise ValueError(f"rope_freq_factors (a GGUF file's rope_freqs.weight) cannot be combined with "
+                         f"rope_type {rope['rope_type']!r}; supported with them: default, linear")
     num_layers = hf_config.num_hidden_layers
     max_pos = _get(hf_config, "max_position_embeddings", 2048)
     eos = _get(hf_config, "eos_token_id", ())
@@ -158,6 +168,7 @@ def model_config_from_hf(hf_config: Any) -> ModelConfig:
         rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
         rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
         rope_original_max_positions=int(rope.get("original_max_position_embeddings", max_pos)),
+        rope_freq_factors=freq_factors,
         bos_token_id=_get(hf_config, "bos_token_id", None),
         eos_token_ids=tuple(int(e) for e in eos_ids if e is not None),
     )

@@ -1,7 +1,9 @@
 """Load a llama.cpp GGUF checkpoint as a Hugging Face `LlamaConfig` plus a float32 state dict.
 
 The weights come back named and shaped exactly like transformers' Llama state dict, so
-the same Flax conversion code serves safetensors and GGUF checkpoints alike.
+the same Flax conversion code serves safetensors and GGUF checkpoints alike. The one thing
+HF's Llama has no slot for, llama.cpp's per-frequency rope factors (`rope_freqs.weight`),
+rides on the config as `rope_freq_factors`.
 """
 
 import os
@@ -14,6 +16,8 @@ import numpy as np
 import transformers
 from gguf import GGUFReader
 from gguf.quants import dequantize
+
+from jaxpaged.models.gguf_tokenizer import build_gguf_tokenizer
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 
@@ -35,6 +39,7 @@ _GLOBAL_TENSORS = {
     "output.weight": "lm_head.weight",
 }
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+ROPE_FREQS_TENSOR = "rope_freqs.weight"
 
 
 def _open(path: str) -> GGUFReader:
@@ -89,6 +94,25 @@ def _rope_parameters(reader: GGUFReader) -> dict:
     return rope
 
 
+def _rope_freq_factors(reader: GGUFReader, head_dim: int) -> tuple[float, ...] | None:
+    """The divisors of each rotary frequency [head_dim // 2], or None when the file has none.
+
+    llama.cpp's converter writes llama3 rope scaling (Llama 3.1/3.2) as this tensor rather than
+    as metadata, and llama.cpp divides frequency i by factor i: theta_i = pos * base^(-2i/d) / f_i.
+    """
+    tensor = next((t for t in reader.tensors if t.name == ROPE_FREQS_TENSOR), None)
+    if tensor is None:
+        return None
+    factors = dequantize(tensor.data, tensor.tensor_type).reshape(-1).astype(np.float64)
+    if factors.size != head_dim // 2:
+        raise ValueError(f"GGUF tensor {ROPE_FREQS_TENSOR!r} has {factors.size} values, expected "
+                         f"head_dim // 2 = {head_dim // 2} (one factor per rotary frequency)")
+    if not np.all(np.isfinite(factors) & (factors > 0)):
+        raise ValueError(f"GGUF tensor {ROPE_FREQS_TENSOR!r} holds a factor that is not a positive "
+                         f"finite number: {factors.tolist()}")
+    return tuple(factors.tolist())
+
+
 def _config(reader: GGUFReader) -> transformers.LlamaConfig:
     hidden_size = int(_field(reader, "llama.embedding_length"))
     num_heads = int(_field(reader, "llama.attention.head_count"))
@@ -114,6 +138,9 @@ def _config(reader: GGUFReader) -> transformers.LlamaConfig:
     key_length = _field(reader, "llama.attention.key_length")
     if key_length is not None:
         kwargs["head_dim"] = int(key_length)
+    freq_factors = _rope_freq_factors(reader, kwargs.get("head_dim", hidden_size // num_heads))
+    if freq_factors is not None:
+        kwargs["rope_freq_factors"] = freq_factors   # read by models.config.model_config_from_hf
     return transformers.LlamaConfig(**kwargs)
 
 
@@ -144,18 +171,17 @@ def load_gguf(path: str) -> tuple[transformers.PretrainedConfig, dict[str, np.nd
 
     Tensors are dequantized one at a time from the memory-mapped file, so peak memory
     stays near one float32 copy of the weights. `lm_head.weight` is present only when
-    the file has an untied `output.weight`.
+    the file has an untied `output.weight`. A `rope_freqs.weight` tensor becomes the config's
+    `rope_freq_factors` (not a state dict entry); one of the wrong length raises ValueError.
     """
     reader = _open(path)
     config = _config(reader)
     state: dict[str, np.ndarray] = {}
     for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS_TENSOR:
+            continue   # already in config.rope_freq_factors
         name = _hf_name(tensor.name)
         if name is None:
-            if tensor.name == "rope_freqs.weight":
-                # llama3-style rope scaling baked into a tensor; HF's Llama has no slot for it.
-                warnings.warn(f"{path}: ignoring rope_freqs.weight (llama3 rope scaling)")
-                continue
             raise ValueError(f"unexpected tensor {tensor.name!r} in llama GGUF {path!r}")
         weight = dequantize(tensor.data, tensor.tensor_type)
         # GGUF lists dims fastest-first; the dequantized array is already row-major
@@ -175,24 +201,24 @@ def _tokenizer_cache_dir(path: str) -> str:
     root = os.environ.get("JAXPAGED_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "jaxpaged"))
     stat = os.stat(path)
     # size and mtime change whenever the file is replaced, so a stale cache is never reused.
-    return os.path.join(root, "tokenizers", f"{os.path.basename(path)}-{stat.st_size}-{stat.st_mtime_ns}")
+    # the -v2 tag: caches of the builder before it (transformers' converter, which needs torch) are not reused
+    return os.path.join(root, "tokenizers",
+                        f"{os.path.basename(path)}-{stat.st_size}-{stat.st_mtime_ns}-v2")
 
 
 def load_gguf_tokenizer(path: str):
-    """Return transformers' tokenizer for a GGUF file (chat template included).
+    """Return the tokenizer of a GGUF file (chat template included), built without torch.
 
-    Converting the GGUF vocabulary takes seconds (about 4 s for SmolLM2), so the converted
-    tokenizer is saved once under $JAXPAGED_CACHE (default ~/.cache/jaxpaged) and later
-    calls load it from there in a fraction of a second.
+    Building it takes seconds (about 5 s for SmolLM2 on a busy 2-core machine, nearly all of
+    it `GGUFReader` parsing 98k metadata strings), so it is saved once under $JAXPAGED_CACHE
+    (default ~/.cache/jaxpaged) and later calls load it from there in a fraction of a second.
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: path={path!r}")
     cache_dir = _tokenizer_cache_dir(path)
     if os.path.isfile(os.path.join(cache_dir, "tokenizer_config.json")):
-        return transformers.AutoTokenizer.from_pretrained(cache_dir)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(
-        os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path)
-    )
+        return transformers.PreTrainedTokenizerFast.from_pretrained(cache_dir)
+    tokenizer = build_gguf_tokenizer(path)
     try:
         os.makedirs(os.path.dirname(cache_dir), exist_ok=True)
         # Save to a private folder then rename, so a concurrent reader never sees half a cache.

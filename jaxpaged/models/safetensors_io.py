@@ -1,47 +1,67 @@
 """Read Hugging Face safetensors checkpoints (single file or sharded) lazily, tensor by tensor.
 
-The files are memory-mapped and each tensor is a zero-copy numpy view until it is cast,
-so loading never holds more than the converted weights plus one tensor. bfloat16 comes
-through `ml_dtypes`, which numpy alone lacks.
+`safetensors.safe_open(..., framework="numpy")` memory-maps each file and copies out one
+tensor per `get`, so loading never holds more than the converted weights plus one tensor.
+numpy, not "flax"/"jax": those frameworks put every tensor on the default device, and the
+loader then casts, transposes and stacks it on the host, a device round trip per tensor.
+bfloat16 and the float8 types come through `ml_dtypes` (importing it teaches numpy the name
+"bfloat16", which safetensors asks numpy for).
 """
 
 import json
-import mmap
 import os
 import struct
 
 import ml_dtypes
 import numpy as np
+from safetensors import safe_open
 
-_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+# safetensors (0.8) looks these up as attributes of numpy, which lacks them (safetensors
+# issue #682), so their bytes are read from the file and typed here.
+_FLOAT8_DTYPES = {
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+    "F8_E4M3FNUZ": ml_dtypes.float8_e4m3fnuz, "F8_E5M2FNUZ": ml_dtypes.float8_e5m2fnuz,
+    "F8_E8M0": ml_dtypes.float8_e8m0fnu,
 }
 
 
 class SafetensorsFile:
     def __init__(self, path: str):
         self.path = path
-        with open(path, "rb") as f:
-            self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        (header_len,) = struct.unpack("<Q", self._mmap[:8])
-        header = json.loads(self._mmap[8:8 + header_len])
-        header.pop("__metadata__", None)
-        self._data_start = 8 + header_len
-        self.entries: dict[str, dict] = header
+        self._file = safe_open(path, framework="numpy")
+        self.dtypes: dict[str, str] = {name: self._file.get_slice(name).get_dtype() for name in self._file.keys()}
+        self._float8_offsets: dict[str, tuple[int, int]] | None = None
+
+    def names(self) -> list[str]:
+        return list(self.dtypes)
 
     def get(self, name: str) -> np.ndarray:
-        entry = self.entries[name]
-        if entry["dtype"] not in _DTYPES:
-            raise ValueError(f"tensor {name!r} in {self.path} has unsupported dtype {entry['dtype']}")
-        dtype = np.dtype(_DTYPES[entry["dtype"]])
-        start, end = entry["data_offsets"]
-        count = (end - start) // dtype.itemsize
-        array = np.frombuffer(self._mmap, dtype=dtype, count=count, offset=self._data_start + start)
-        return array.reshape(entry["shape"])
+        """A host copy of one tensor, in its stored dtype."""
+        kind = self.dtypes[name]
+        if kind in _FLOAT8_DTYPES:
+            return self._get_float8(name, np.dtype(_FLOAT8_DTYPES[kind]))
+        try:
+            return self._file.get_tensor(name)
+        except (AttributeError, TypeError) as exc:   # a dtype numpy cannot hold (e.g. F4)
+            raise ValueError(f"tensor {name!r} in {self.path} has unsupported dtype {kind}") from exc
+
+    def _get_float8(self, name: str, dtype: np.dtype) -> np.ndarray:
+        if self._float8_offsets is None:
+            # The header's data_offsets count from the end of the header (8-byte length + JSON).
+            with open(self.path, "rb") as f:
+                (header_len,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(header_len))
+            header.pop("__metadata__", None)
+            self._float8_offsets = {}   # name -> (file offset, byte count)
+            for key, entry in header.items():
+                start, end = entry["data_offsets"]
+                self._float8_offsets[key] = (8 + header_len + start, end - start)
+        offset, nbytes = self._float8_offsets[name]
+        shape = self._file.get_slice(name).get_shape()
+        return np.fromfile(self.path, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset).reshape(shape)
 
     def dtype_name(self, name: str) -> str:
-        return self.entries[name]["dtype"]
+        return self.dtypes[name]
 
 
 class Checkpoint:
@@ -59,7 +79,7 @@ class Checkpoint:
             raise FileNotFoundError(f"no *.safetensors weights found in {folder!r} (only safetensors "
                                     "checkpoints and .gguf files are supported)")
         self.files = [SafetensorsFile(os.path.join(folder, n)) for n in shard_names]
-        self._where = {name: f for f in self.files for name in f.entries}
+        self._where = {name: f for f in self.files for name in f.names()}
 
     def names(self) -> list[str]:
         return list(self._where)

@@ -7,7 +7,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from jaxpaged.engine.detokenizer import IncrementalDetokenizer, decode_token
+from jaxpaged.engine.detokenizer import IncrementalDetokenizer, decode_ids, decode_token
 
 FFFD = "\ufffd"
 TEXTS = [
@@ -162,6 +162,9 @@ class _CountingBackend:
     def get_added_tokens_decoder(self):
         return self._backend.get_added_tokens_decoder()
 
+    def get_vocab_size(self, with_added_tokens):
+        return self._backend.get_vocab_size(with_added_tokens=with_added_tokens)
+
 
 def test_cost_per_token_does_not_grow_with_output_length(byte_bpe):
     # A long output with a run of skipped EOS tokens (as with ignore_eos): the decoded
@@ -183,8 +186,10 @@ def test_decode_token_shows_the_tokens_own_text(byte_bpe):
     space_paris = byte_bpe.encode(" Paris")
     assert "".join(decode_token(byte_bpe, i) for i in space_paris) == " Paris"
     assert decode_token(byte_bpe, byte_bpe.eos_token_id) == "<|endoftext|>"
-    for bad in (len(byte_bpe), -1):
-        with pytest.raises(ValueError, match=rf"token_id must be in \[0, {len(byte_bpe)}\), got {bad}"):
+    # an id past the vocabulary is a padding row of the model's embedding: it reads as ""
+    assert decode_token(byte_bpe, len(byte_bpe)) == decode_token(byte_bpe, len(byte_bpe) + 1000) == ""
+    for bad in (-1, True, 1.0):
+        with pytest.raises(ValueError, match=rf"token_id must be a non-negative int, got {bad}"):
             decode_token(byte_bpe, bad)
 
 
@@ -201,3 +206,89 @@ def test_smollm2_tokenizer_streams_chat_text_exactly():
     detok, deltas = stream(tokenizer, prompt, output)
     assert all(FFFD not in d for d in deltas)
     assert detok.output_text == tokenizer.decode(output, skip_special_tokens=True) == text[: -len("<|im_end|>")]
+
+
+# Fast tokenizers decode through tokenizers' DecodeStream; the Python window is the path of
+# slow tokenizers. A tokenizer whose backend is not a Rust `tokenizers.Tokenizer` takes the
+# window with the same decoder, which lets the two paths be compared on one vocabulary.
+def window_only(tokenizer):
+    class WindowOnly:
+        backend_tokenizer = _CountingBackend(tokenizer.backend_tokenizer)
+
+    return WindowOnly()
+
+
+def test_fast_tokenizer_streams_through_decode_stream(byte_bpe, monkeypatch):
+    def no_window(self, force):
+        raise AssertionError("the Python window decoded a fast tokenizer's output")
+
+    ids = byte_bpe.encode(TEXTS[1])
+    assert IncrementalDetokenizer(byte_bpe, []).uses_decode_stream
+    assert not IncrementalDetokenizer(window_only(byte_bpe), []).uses_decode_stream
+    monkeypatch.setattr(IncrementalDetokenizer, "_emit", no_window)
+    detok, deltas = stream(byte_bpe, byte_bpe.encode("Hello"), ids)
+    assert detok.uses_decode_stream
+    assert "".join(deltas) == detok.output_text == TEXTS[1]
+
+
+def _tricky_ids(tokenizer, specials: list[str]) -> list[list[int]]:
+    special_ids = tokenizer.convert_tokens_to_ids(specials)
+    padding = len(tokenizer) + 7   # a model's embedding row past the tokenizer's vocabulary
+    cases = [tokenizer.encode(t, add_special_tokens=False) for t in TEXTS + ["  two  spaces \n\n and lines "]]
+    cases.append(tokenizer.encode("你好", add_special_tokens=False) + special_ids
+                 + tokenizer.encode(" ok 😀", add_special_tokens=False) + special_ids[:1])
+    emoji = tokenizer.encode("a 😀🎉", add_special_tokens=False)
+    cases.append(emoji[:-2] + [padding] + emoji[-2:-1] + [padding, padding] + emoji[-1:])   # inside a character
+    cases.append([padding] + tokenizer.encode(" Paris", add_special_tokens=False) + [padding])
+    return cases
+
+
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("tokenizer_name,specials", [("byte_bpe", ["<|im_start|>", "<|endoftext|>"]),
+                                                     ("sentencepiece_bpe", ["<s>", "</s>"])])
+def test_decode_stream_and_window_agree_on_tricky_strings(request, tokenizer_name, specials, skip):
+    tokenizer = request.getfixturevalue(tokenizer_name)
+    for ids in _tricky_ids(tokenizer, specials):
+        for split in sorted({0, 1, len(ids) // 2, len(ids) - 1}):
+            for chunk in (1, 3):
+                results = []
+                for tok in (tokenizer, window_only(tokenizer)):
+                    detok, deltas = stream(tok, ids[:split], ids[split:], chunk=chunk, skip_special_tokens=skip)
+                    results.append((deltas + [detok.flush()], detok.output_text))
+                assert results[0] == results[1], (ids, split, chunk)
+                in_vocab = [i for i in ids[split:] if i < len(tokenizer)]
+                if split == 0:
+                    assert results[0][1] == tokenizer.decode(in_vocab, skip_special_tokens=skip)
+
+
+@pytest.fixture(scope="module")
+def byt5():
+    # A real slow (pure Python) tokenizer: one token per UTF-8 byte, and decode raises on an
+    # id past its 384 tokens.
+    from transformers import ByT5Tokenizer
+
+    return ByT5Tokenizer()
+
+
+def test_slow_tokenizer_streams_by_window_and_skips_padding_ids(byt5):
+    padding = len(byt5) + 20
+    with pytest.raises(ValueError):
+        byt5.decode([padding])
+    text = "naïve 東京 😀 ok"
+    ids = byt5.encode(text, add_special_tokens=False)
+    with_padding = ids[:8] + [padding] + ids[8:] + [padding, byt5.eos_token_id]
+    detok, deltas = stream(byt5, byt5.encode("prompt", add_special_tokens=False), with_padding)
+    assert not detok.uses_decode_stream
+    assert all(FFFD not in d for d in deltas)
+    assert detok.output_text == text
+    assert decode_token(byt5, padding) == ""
+    assert decode_ids(byt5, with_padding) == text
+
+
+def test_padding_ids_decode_to_nothing_on_the_fast_path(byte_bpe):
+    padding = len(byte_bpe)
+    ids = [padding] * 50 + byte_bpe.encode(" Paris 😀") + [padding]
+    detok, deltas = stream(byte_bpe, [padding], ids)
+    assert detok.uses_decode_stream
+    assert detok.output_text == " Paris 😀" == decode_ids(byte_bpe, ids)
+    assert detok.token_ids == ids

@@ -12,6 +12,9 @@ class CharTokenizer:
 
     all_special_ids = ()
 
+    def __len__(self):   # ids past it decode to "" (a model's padding rows)
+        return 0x110000
+
     def decode(self, ids, **kwargs):
         return "".join(chr(i) for i in ids)
 

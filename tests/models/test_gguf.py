@@ -104,42 +104,21 @@ def _assert_tokenizes_like_transformers(tokenizer):
     assert prompt.endswith("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
 
 
-def test_tokenizer_first_load_converts_and_caches(monkeypatch, tokenizer_cache):
-    import transformers
+def test_tokenizer_second_load_comes_from_cache(monkeypatch, tokenizer_cache):
+    from jaxpaged.models import gguf_loader
 
     monkeypatch.setenv("JAXPAGED_CACHE", tokenizer_cache)
-    reference = smollm2_tokenizer()
-    load = transformers.AutoTokenizer.from_pretrained
-    conversions = []
-
-    def convert_once(*args, **kwargs):
-        # The GGUF conversion takes seconds: hand back the reference's, which is the same call.
-        if "gguf_file" in kwargs:
-            conversions.append(kwargs["gguf_file"])
-            return reference
-        return load(*args, **kwargs)
-
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", convert_once)
-    assert load_gguf_tokenizer(smollm2_path()) is reference
-    assert conversions == [os.path.basename(smollm2_path())]
+    first = load_gguf_tokenizer(smollm2_path())   # builds and fills the cache
     (cached,) = os.listdir(os.path.join(tokenizer_cache, "tokenizers"))
     assert cached.startswith(os.path.basename(smollm2_path()))
     assert "chat_template.jinja" in os.listdir(os.path.join(tokenizer_cache, "tokenizers", cached))
 
+    def refuse_build(path):
+        raise AssertionError("tokenizer was built again instead of read from the cache")
 
-def test_tokenizer_second_load_comes_from_cache(monkeypatch, tokenizer_cache):
-    import transformers
-
-    monkeypatch.setenv("JAXPAGED_CACHE", tokenizer_cache)
-    convert = transformers.AutoTokenizer.from_pretrained
-
-    def refuse_conversion(*args, **kwargs):
-        assert "gguf_file" not in kwargs, "tokenizer was converted again instead of read from the cache"
-        return convert(*args, **kwargs)
-
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse_conversion)
+    monkeypatch.setattr(gguf_loader, "build_gguf_tokenizer", refuse_build)
     tokenizer = load_gguf_tokenizer(smollm2_path())
-    assert tokenizer is not smollm2_tokenizer()
+    assert tokenizer is not first
     _assert_tokenizes_like_transformers(tokenizer)
 
 
@@ -198,6 +177,152 @@ def test_tiny_untied_llama_with_yarn_round_trips(tmp_path):
     assert config.rope_parameters == {
         "rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0, "original_max_position_embeddings": 16,
     }  # fmt: skip
+
+
+# HF tensor inside model.layers.{i} -> its llama.cpp name inside blk.{i}
+_GGUF_LAYER_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}  # fmt: skip
+
+
+def _llama3_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
+    """rope_freqs.weight as llama.cpp's converter computes it from HF llama3 rope parameters."""
+    inv_freq = 1.0 / rope["rope_theta"] ** (np.arange(0, head_dim, 2) / head_dim)
+    wavelen = 2 * np.pi / inv_freq
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    original = rope["original_max_position_embeddings"]
+    smooth = (original / wavelen - low) / (high - low)
+    factors = np.where(wavelen < original / high, 1.0,
+                       np.where(wavelen > original / low, factor, 1.0 / ((1 - smooth) / factor + smooth)))
+    return factors.astype(np.float32)
+
+
+def _write_gguf_of_hf_llama(path: str, folder: str, rope_freqs: np.ndarray | None) -> None:
+    """The tied-embedding HF Llama checkpoint in `folder` as an F32 GGUF, laid out as llama.cpp's converter does."""
+    import transformers
+    from safetensors.numpy import load_file
+
+    cfg = transformers.AutoConfig.from_pretrained(folder)
+    hf = load_file(os.path.join(folder, "model.safetensors"))
+    writer = gguf.GGUFWriter(path, "llama")
+    for key, value in [("block_count", cfg.num_hidden_layers), ("context_length", cfg.max_position_embeddings),
+                       ("embedding_length", cfg.hidden_size), ("feed_forward_length", cfg.intermediate_size),
+                       ("attention.head_count", cfg.num_attention_heads), ("vocab_size", cfg.vocab_size),
+                       ("attention.head_count_kv", cfg.num_key_value_heads)]:  # fmt: skip
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    writer.add_float32("llama.rope.freq_base", cfg.rope_parameters["rope_theta"])
+    writer.add_bos_token_id(cfg.bos_token_id)
+    writer.add_eos_token_id(cfg.eos_token_id)
+    writer.add_tensor("token_embd.weight", hf["model.embed_tokens.weight"])
+    writer.add_tensor("output_norm.weight", hf["model.norm.weight"])
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", rope_freqs)
+    for i in range(cfg.num_hidden_layers):
+        for hf_name, gguf_name in _GGUF_LAYER_NAMES.items():
+            weight = hf[f"model.layers.{i}.{hf_name}.weight"]
+            if gguf_name == "attn_q":
+                weight = _llama_cpp_permute(weight, cfg.num_attention_heads)
+            elif gguf_name == "attn_k":
+                weight = _llama_cpp_permute(weight, cfg.num_key_value_heads)
+            writer.add_tensor(f"blk.{i}.{gguf_name}.weight", weight)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def llama3_gguf(tmp_path_factory):
+    """(HF folder, GGUF with rope_freqs.weight, the same GGUF without it) of one tiny llama3-scaled Llama."""
+    import transformers
+
+    from tests.tiny_models import tiny_checkpoint
+
+    folder = tiny_checkpoint("llama")   # llama3 rope: factor 8, original context 64, theta 1e4, head_dim 16
+    cfg = transformers.AutoConfig.from_pretrained(folder)
+    rope_freqs = _llama3_rope_freqs(cfg.rope_parameters, cfg.hidden_size // cfg.num_attention_heads)
+    # Every regime of the llama3 formula is exercised: kept, smoothed and fully scaled frequencies.
+    assert rope_freqs[0] == 1.0 and 1.0 < rope_freqs[1] < 8.0 and rope_freqs[-1] == 8.0
+    with_factors = str(tmp_path_factory.mktemp("gguf") / "llama3.gguf")
+    without_factors = str(tmp_path_factory.mktemp("gguf") / "llama3-no-rope-freqs.gguf")
+    _write_gguf_of_hf_llama(with_factors, folder, rope_freqs)
+    _write_gguf_of_hf_llama(without_factors, folder, None)
+    return folder, with_factors, without_factors
+
+
+def _hf_logprobs(folder: str, tokens: list[int]) -> np.ndarray:
+    """transformers' log-probability of tokens[i + 1] after tokens[:i + 1], for each i."""
+    import torch
+
+    from tests.tiny_models import hf_logits
+
+    logprobs = torch.log_softmax(torch.from_numpy(hf_logits(folder, tokens)[:-1]), dim=-1).numpy()
+    return logprobs[np.arange(len(tokens) - 1), tokens[1:]]
+
+
+def test_llama3_rope_freqs_match_transformers_beyond_the_original_context(llama3_gguf):
+    import torch
+
+    from jaxpaged import LLM, SamplingParams
+    from tests.tiny_models import hf_model
+
+    folder, with_factors, without_factors = llama3_gguf
+    config, state = load_gguf(with_factors)
+    assert "rope_freqs.weight" not in state and len(config.rope_freq_factors) == 8
+    prompt = np.random.default_rng(3).integers(3, 320, 150).tolist()   # runs past 2 x 64 positions
+    max_tokens = 8
+    with torch.no_grad():
+        reference = hf_model(folder).generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=0,
+        )[0, len(prompt):].tolist()
+    full = prompt + reference
+    long_positions = slice(127, None)   # logprob index i predicts position i + 1 >= 128
+    expected = _hf_logprobs(folder, full)
+
+    def run(path):
+        llm = LLM(path, tokenizer=folder, dtype="float32", block_size=16, num_gpu_blocks_override=16,
+                  max_model_len=192, compile_on_startup=False)
+        greedy = llm.generate({"prompt_token_ids": prompt}, SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, logprobs=1), use_tqdm=False)[0].outputs[0]
+        scored = llm.generate({"prompt_token_ids": full}, SamplingParams(max_tokens=1, prompt_logprobs=0),
+                              use_tqdm=False)[0]
+        prompt_logprobs = [entry[token].logprob for token, entry in zip(full[1:], scored.prompt_logprobs[1:])]
+        return greedy, np.array(prompt_logprobs)
+
+    greedy, prompt_logprobs = run(with_factors)
+    assert greedy.token_ids == reference
+    greedy_logprobs = [entry[token].logprob for token, entry in zip(greedy.token_ids, greedy.logprobs)]
+    np.testing.assert_allclose(greedy_logprobs, expected[len(prompt) - 1:], atol=1e-4)
+    np.testing.assert_allclose(prompt_logprobs[long_positions], expected[long_positions], atol=1e-4)
+
+    # Dropping the factors (the loader's old behaviour) is far outside that tolerance.
+    _, ignored = run(without_factors)
+    assert np.abs(ignored[long_positions] - expected[long_positions]).max() > 0.1
+
+
+def test_rope_freqs_of_the_wrong_length_is_rejected(tmp_path, llama3_gguf):
+    folder, _, _ = llama3_gguf
+    path = str(tmp_path / "bad-rope-freqs.gguf")
+    _write_gguf_of_hf_llama(path, folder, np.ones(5, dtype=np.float32))
+    with pytest.raises(ValueError, match=r"rope_freqs\.weight.* 5 values, expected head_dim // 2 = 8"):
+        load_gguf(path)
+
+
+def test_rope_freq_factors_with_a_rope_type_that_ignores_them_are_rejected():
+    import transformers
+
+    from jaxpaged.models.config import model_config_from_hf
+
+    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, num_attention_heads=2, num_hidden_layers=1,
+                                   architectures=["LlamaForCausalLM"], rope_freq_factors=(1.0,) * 4,
+                                   rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
+    with pytest.raises(ValueError, match=r"rope_freqs\.weight.*rope_type 'dynamic'"):
+        model_config_from_hf(cfg)
 
 
 def test_missing_file_names_the_path(tmp_path):
