@@ -81,6 +81,8 @@ def add_serve_parser(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # transformers announces at import that torch is missing; the run time never needs it
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     parser = argparse.ArgumentParser(prog="jaxpaged", description="JAX LLM inference with a paged KV cache")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one or more prompts")

