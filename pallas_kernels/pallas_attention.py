@@ -4,17 +4,23 @@ Same contract as `reference.py`. One program per (query tile, kv head, kv split)
 
     grid = (num_tiles, kv_heads, num_kv_splits)
     program (t, h, s):  rows = the q_tile queries of tile t x the `group` heads of kv head h
-                        walks pages [s * pages_per_split, (s+1) * pages_per_split) of the
-                        tile's sequence, `pages_per_step` pages at a time:
-                          page ids <- block_tables[seq, step]          (a few i32)
+                        walks split s of the pages its rows can see, `pages_per_step` at a time:
+                          page ids <- block_tables[seq, page0 : page0 + pages_per_step]  (a few i32)
                           K, V     <- kv_pool[layer, 0|1, pages, h, :, :]  (pointer gather)
                         online softmax in fp32, writes (acc, max, sum) or the final rows
 
-Every KV byte a tile needs is read once per (tile, kv head): decodes read their context
-once, a prompt chunk of T tiles re-reads its causal prefix up to T times. Keys after the
-tile's last query and whole steps before its sliding window are never loaded. With more than one
-split the partial (acc, max, sum) go to HBM in fp32 and a small jnp reduction merges them
-(split-K), which keeps the GPU busy when a decode batch has few (tile, head) programs.
+The split is dynamic (flash-decoding style): the number of splits is a static grid axis, but
+each split's pages are cut in the kernel from the tile's own visible pages (`split_pages`),
+
+    visible pages of a 5-page context, 3 splits:  | s0: p0 p1 | s1: p2 | s2: p3 p4 |
+
+so a short context in a table sized for a long max_model_len is still spread over every
+split instead of landing whole in the first. Every KV byte a tile needs is read once per
+(tile, kv head): decodes read their context once, a prompt chunk of T tiles re-reads its
+causal prefix up to T times. Pages after the tile's last query and before its sliding window
+are never loaded. With more than one split the partial (acc, max, sum) go to HBM in fp32 and
+a small jnp reduction merges them (split-K), which keeps the GPU busy when a decode batch has
+few (tile, head) programs.
 
 Triton needs power-of-two tensors and matmuls of at least 16 x 16 x 16, hence the limits
 on block_size and head_dim and the padding of each tile's rows to at least 16.
@@ -65,13 +71,38 @@ def _validate_kernel_inputs(q, kv_pool, md, kv_chunk_blocks, num_kv_splits):
         raise ValueError(f"kv_pool dtype must be float32, bfloat16 or float16, got {kv_pool.dtype}")
 
 
+def visible_pages(kv_len, first_pos, num_queries, window, *, block_size: int, max_blocks: int):
+    """Pages [first, end) of a tile's block-table row that hold keys some of its queries can see.
+
+    Keys after the tile's last query are causally invisible; keys before its first query's
+    window are invisible to every row. Works on traced scalars (in the kernel) and on arrays.
+    """
+    kv_end = jnp.minimum(kv_len, first_pos + num_queries)
+    kv_start = jnp.where(window > 0, jnp.maximum(first_pos - window + 1, 0), 0)
+    first = kv_start // block_size
+    end = jnp.minimum((kv_end + block_size - 1) // block_size, max_blocks)
+    return first, jnp.maximum(first, end)       # empty for a padding tile
+
+
+def split_pages(first, end, split, num_splits: int):
+    """Pages [begin, stop) of [first, end) that split `split` of `num_splits` walks.
+
+    Sized from the tile's own page count, not the table width (a dynamic split, as in
+    flash-decoding): contiguous, counts differing by at most one, so every split has a page
+    when the context has at least num_splits of them, and the longest split walks
+    cdiv(pages, num_splits) pages whatever max_model_len is.
+    """
+    pages = end - first
+    return first + split * pages // num_splits, first + (split + 1) * pages // num_splits
+
+
 def _dot(a, b, *, contract_b):
     """a @ b (or a @ b.T) with fp32 accumulation whatever the input dtype."""
     return jax.lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 def _attention_kernel(info_ref, tables_ref, cap_ref, q_ref, kv_ref, *out_refs, group, pages_per_step,
-                      steps_per_split, sm_scale, use_cap, split_output):
+                      num_splits, max_blocks, sm_scale, use_cap, split_output):
     rows, head_dim = q_ref.shape
     block_size = kv_ref.shape[4]
     step_tokens = pages_per_step * block_size
@@ -82,12 +113,13 @@ def _attention_kernel(info_ref, tables_ref, cap_ref, q_ref, kv_ref, *out_refs, g
     query = jnp.arange(rows, dtype=jnp.int32) // group       # row r holds query r // group, head r % group
     row_valid = query < num_queries
     q_pos = first_pos + query
-    # Keys after the tile's last query are causally invisible; keys before the first query's
-    # window are invisible to every row.
-    kv_end = jnp.minimum(kv_len, first_pos + num_queries)
-    kv_start = jnp.where(window > 0, jnp.maximum(first_pos - window + 1, 0), 0)
-    first_step = jnp.maximum(split * steps_per_split, kv_start // step_tokens)
-    end_step = jnp.minimum((split + 1) * steps_per_split, pl.cdiv(kv_end, step_tokens))
+    first, end = visible_pages(kv_len, first_pos, num_queries, window, block_size=block_size,
+                               max_blocks=max_blocks)
+    page_begin, page_stop = split_pages(first, end, split, num_splits)
+    # A split starts anywhere, so its last step may reach past its pages (into the next split's,
+    # or the table's padding): those keys are masked, and their loads go to the null block.
+    key_stop = jnp.minimum(kv_len, page_stop * block_size)
+    page_in_step = jnp.arange(pages_per_step, dtype=jnp.int32)
 
     q = q_ref[...]
     compute_dtype = jnp.promote_types(q.dtype, kv_ref.dtype)
@@ -95,18 +127,21 @@ def _attention_kernel(info_ref, tables_ref, cap_ref, q_ref, kv_ref, *out_refs, g
 
     def step(j, carry):
         acc, m, l = carry
-        pages = tables_ref[seq, pl.ds(j * pages_per_step, pages_per_step)]
+        page0 = page_begin + j * pages_per_step
+        pages = tables_ref[seq, pl.ds(page0, pages_per_step)]
+        pages = jnp.where(page0 + page_in_step < page_stop, pages, 0)
         k = kv_ref[layer, 0, pages, head, :, :].reshape(step_tokens, head_dim).astype(compute_dtype)
         v = kv_ref[layer, 1, pages, head, :, :].reshape(step_tokens, head_dim).astype(compute_dtype)
-        k_pos = j * step_tokens + jnp.arange(step_tokens, dtype=jnp.int32)
+        k_pos = page0 * block_size + jnp.arange(step_tokens, dtype=jnp.int32)
+        key_valid = k_pos < key_stop
         # Slots past kv_len hold stale data of earlier owners; zeroing V keeps a NaN there
         # from turning 0 * NaN into a poisoned row.
-        v = jnp.where((k_pos < kv_len)[:, None], v, jnp.zeros_like(v))
+        v = jnp.where(key_valid[:, None], v, jnp.zeros_like(v))
         s = _dot(q, k, contract_b=1) * sm_scale                          # [rows, step_tokens] fp32
         if use_cap:
             cap = cap_ref[0]
             s = jnp.where(cap > 0, cap * jnp.tanh(s / jnp.where(cap > 0, cap, 1.0)), s)
-        mask = row_valid[:, None] & (k_pos[None, :] < kv_len) & (k_pos[None, :] <= q_pos[:, None])
+        mask = row_valid[:, None] & key_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
         mask &= (window <= 0) | (q_pos[:, None] - k_pos[None, :] < window)
         s = jnp.where(mask, s, _MASKED)
         m_new = jnp.maximum(m, s.max(axis=1))
@@ -119,7 +154,8 @@ def _attention_kernel(info_ref, tables_ref, cap_ref, q_ref, kv_ref, *out_refs, g
     acc = jnp.zeros((rows, head_dim), jnp.float32)
     m = jnp.full((rows,), _MASKED, jnp.float32)
     l = jnp.zeros((rows,), jnp.float32)
-    acc, m, l = jax.lax.fori_loop(first_step, jnp.maximum(first_step, end_step), step, (acc, m, l))
+    num_steps = (page_stop - page_begin + pages_per_step - 1) // pages_per_step
+    acc, m, l = jax.lax.fori_loop(0, num_steps, step, (acc, m, l))
     if split_output:
         acc_ref, m_ref, l_ref = out_refs
         acc_ref[...] = acc
@@ -185,8 +221,8 @@ def _attention(q, kv_pool, layer, md, sliding_window, soft_cap, *, sm_scale, kv_
         dataclasses.replace(md, q_tile=q_tile), num_tokens)
     num_tiles = tile_seq.shape[0]
     if num_kv_splits is None:
+        # Past total_steps splits even the longest context walks one step per split: more only add merging.
         num_kv_splits = max(1, min(total_steps, _TARGET_PROGRAMS // (num_tiles * kv_heads)))
-    steps_per_split = pl.cdiv(total_steps, num_kv_splits)
 
     kv_len = jnp.where(tile_valid, md.kv_lens[tile_seq], 0)
     num_queries = jnp.where(tile_valid, jnp.clip(q_lens[tile_seq] - tile_first_row, 0, q_tile), 0)
@@ -195,9 +231,8 @@ def _attention(q, kv_pool, layer, md, sliding_window, soft_cap, *, sm_scale, kv_
     info = jnp.stack([tile_seq, kv_len, first_pos, num_queries,
                       zeros + jnp.asarray(layer, jnp.int32), zeros + jnp.asarray(sliding_window, jnp.int32),
                       zeros, zeros], axis=1).astype(jnp.int32)                        # [tiles, 8]
-    # Padded columns point at the null block so the last step of a split never reads out of bounds.
-    padded_blocks = num_kv_splits * steps_per_split * pages_per_step
-    tables = jnp.pad(md.block_tables.astype(jnp.int32), ((0, 0), (0, padded_blocks - max_blocks)))
+    # A step starts at any page before max_blocks: the padded columns keep its table read in bounds.
+    tables = jnp.pad(md.block_tables.astype(jnp.int32), ((0, 0), (0, pages_per_step - 1)))
     cap = jnp.asarray(soft_cap, jnp.float32).reshape(1)
 
     # Rows of a tile: query-major, heads of one kv group inside; padding rows and padded
@@ -223,8 +258,8 @@ def _attention(q, kv_pool, layer, md, sliding_window, soft_cap, *, sm_scale, kv_
         out_specs = pl.BlockSpec((None, None, rows, head_dim), lambda t, h, s: (t, h, 0, 0))
 
     kernel = functools.partial(
-        _attention_kernel, group=group, pages_per_step=pages_per_step, steps_per_split=steps_per_split,
-        sm_scale=sm_scale, use_cap=use_cap, split_output=split_output)
+        _attention_kernel, group=group, pages_per_step=pages_per_step, num_splits=num_kv_splits,
+        max_blocks=max_blocks, sm_scale=sm_scale, use_cap=use_cap, split_output=split_output)
     # An accumulator of 8K+ fp32, or a page bigger than the K/V budget: spread it over 8 warps.
     big = rows * head_dim >= 64 * 128 or pages_per_step * block_size * head_dim * itemsize > _STEP_BYTES
     result = pl.pallas_call(

@@ -2,6 +2,7 @@
 
 import dataclasses
 
+from jaxpaged.sampling_params import MAX_LOGPROBS
 from pallas_kernels.backends import BACKENDS as ATTENTION_BACKENDS
 
 
@@ -21,6 +22,7 @@ class EngineArgs:
     swap_space: float = 4.0                   # GiB of pinned host memory for swapped-out blocks
     seed: int = 0
     attention_backend: str = "auto"
+    scan_layers: bool | None = None           # lax.scan over stacked layers; None: on GPU/TPU, unrolled on CPU
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"        # "recompute" | "swap"
@@ -28,6 +30,7 @@ class EngineArgs:
     served_model_name: str | None = None
     generation_config: str = "auto"          # auto: the model's generation_config.json; vllm: ignore it; or a folder
     compile_on_startup: bool = True           # compile the step's shape buckets before serving
+    max_logprobs: int = 20                    # most top logprobs a request may ask for (every step returns this many)
     disable_log_stats: bool = True
 
     def batched_tokens(self, max_model_len: int) -> int:
@@ -55,7 +58,10 @@ class EngineArgs:
         require("swap_space", self.swap_space >= 0, ">= 0 (GiB)")
         require("attention_backend", self.attention_backend in ATTENTION_BACKENDS,
                 f"one of {', '.join(ATTENTION_BACKENDS)}")
+        require("scan_layers", self.scan_layers is None or isinstance(self.scan_layers, bool), "None, True or False")
         require("preemption_mode", self.preemption_mode in ("recompute", "swap"), "'recompute' or 'swap'")
         require("seed", isinstance(self.seed, int), "an int")
+        require("max_logprobs", isinstance(self.max_logprobs, int) and 0 <= self.max_logprobs <= MAX_LOGPROBS,
+                f"an int in [0, {MAX_LOGPROBS}]")
         require("generation_config", isinstance(self.generation_config, str) and self.generation_config != "",
                 "'auto', 'vllm' or a folder holding generation_config.json")

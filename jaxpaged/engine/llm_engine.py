@@ -153,6 +153,11 @@ class LLMEngine:
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt is {len(token_ids)} tokens, but max_model_len is {self.max_model_len}: "
                              f"the prompt must be at most {self.max_model_len - 1} tokens")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.args.max_logprobs:
+                raise ValueError(f"{name}={value} is more than this engine's max_logprobs "
+                                 f"({self.args.max_logprobs}); allowed: None or [0, {self.args.max_logprobs}]")
         for name, ids in (("stop_token_ids", params.stop_token_ids or []),
                           ("logit_bias", list((params.logit_bias or {}).keys()))):
             bad = [t for t in ids if not 0 <= int(t) < vocab]

@@ -6,6 +6,7 @@ import os
 import jax
 
 from jaxpaged.core.kv_cache_manager import cdiv
+from jaxpaged.engine import memory
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.models.loader import LoadedModel, load_model
 from jaxpaged.runner.model_runner import ModelRunner
@@ -39,6 +40,10 @@ def load_tokenizer(args: EngineArgs, loaded: LoadedModel):
 
 
 def load_model_and_tokenizer(args: EngineArgs):
+    if args.num_gpu_blocks_override is None and args.kv_cache_memory_bytes is None:
+        preset = memory.preset_mem_fraction(args.gpu_memory_utilization)   # must precede JAX's first GPU call
+        if preset:
+            logger.info(preset)
     model = args.model
     name = args.served_model_name
     if model is None:
@@ -47,7 +52,7 @@ def load_model_and_tokenizer(args: EngineArgs):
         name = name or BUILTIN_MODEL_NAME
     from pallas_kernels.backends import resolve_backend
     backend = resolve_backend(args.attention_backend)   # validates; auto is refined below on GPU
-    loaded = load_model(model, args.dtype, args.revision, attention_backend=backend)
+    loaded = load_model(model, args.dtype, args.revision, attention_backend=backend, scan_layers=args.scan_layers)
     if args.attention_backend == "auto" and jax.devices()[0].platform == "gpu":
         cfg = loaded.config
         loaded.model.attention_backend = resolve_backend(
@@ -58,25 +63,34 @@ def load_model_and_tokenizer(args: EngineArgs):
 
 
 def _num_blocks(args: EngineArgs, loaded: LoadedModel, max_model_len: int, per_block: int) -> int:
-    cfg = loaded.config
     if args.num_gpu_blocks_override is not None:
         return args.num_gpu_blocks_override
     if args.kv_cache_memory_bytes is not None:
         return max(2, args.kv_cache_memory_bytes // per_block)
     device = jax.devices()[0]
-    if device.platform == "cpu":
+    if not memory.has_device_memory(device):
         wanted = args.max_num_seqs * cdiv(max_model_len, args.block_size) + 1
         return max(2, min(wanted, CPU_KV_CACHE_BYTES // per_block))
-    stats = device.memory_stats() or {}
-    limit = stats.get("bytes_limit", 0)
-    in_use = stats.get("bytes_in_use", 0)
-    # room for activations and logits of the largest step
-    reserve = (1 << 30) + 8 * args.batched_tokens(max_model_len) * (cfg.vocab_size + 4 * cfg.hidden_size)
-    budget = int(limit * args.gpu_memory_utilization) - in_use - reserve
-    if budget < 2 * per_block:
-        raise ValueError(f"no device memory left for the KV cache (limit {limit} B, in use {in_use} B); "
-                         "lower max_num_batched_tokens or raise gpu_memory_utilization")
-    return budget // per_block
+    allocator = memory.AllocatorConfig.from_env()
+    report = memory.read_memory_report(device, allocator)   # before the probe runner adds its arrays
+    probe = _new_runner(args, loaded, 2, max_model_len)      # the step's memory does not grow with the pool
+    activation = memory.step_reserve_bytes(probe)
+    del probe
+    sizing = memory.size_kv_cache(report, allocator, args.gpu_memory_utilization, per_block, activation,
+                                  args.batched_tokens(max_model_len))
+    if sizing.warning:
+        logger.warning(sizing.warning)
+    logger.info("KV cache memory: %.2f GiB of %.2f GiB (weights and other arrays %.2f GiB, largest step %.2f GiB)",
+                sizing.kv_cache_bytes / memory.GiB, report.total_bytes / memory.GiB,
+                report.bytes_in_use / memory.GiB, activation / memory.GiB)
+    return sizing.num_blocks
+
+
+def _new_runner(args: EngineArgs, loaded: LoadedModel, num_blocks: int, max_model_len: int,
+                num_host_blocks: int = 0) -> ModelRunner:
+    return ModelRunner(loaded.model, num_blocks, args.block_size, max_model_len, args.max_num_seqs,
+                       args.batched_tokens(max_model_len), num_host_blocks=num_host_blocks,
+                       max_logprobs=args.max_logprobs)
 
 
 def build_runner(args: EngineArgs, loaded: LoadedModel, use_tqdm: bool = True):
@@ -88,6 +102,7 @@ def build_runner(args: EngineArgs, loaded: LoadedModel, use_tqdm: bool = True):
                          f"max_position_embeddings ({model_max})")
     max_model_len = args.max_model_len or model_max
     per_block = ModelRunner.bytes_per_block(cfg, args.block_size, loaded.dtype)
+    enable_compilation_cache()   # the KV sizing compiles the step's largest buckets
     num_blocks = _num_blocks(args, loaded, max_model_len, per_block)
     capacity = (num_blocks - 1) * args.block_size
     if max_model_len > capacity:
@@ -96,21 +111,23 @@ def build_runner(args: EngineArgs, loaded: LoadedModel, use_tqdm: bool = True):
                              f"({capacity} tokens in {num_blocks - 1} blocks of {args.block_size}); lower "
                              "max_model_len or give the cache more memory")
         max_model_len = capacity
-    enable_compilation_cache()
-    max_batched = args.batched_tokens(max_model_len)
     num_host_blocks = 0
     if args.preemption_mode == "swap":
         num_host_blocks = int(args.swap_space * (1 << 30)) // per_block
         if num_host_blocks < 1:
             logger.warning("swap_space %.3f GiB holds no block: preemption falls back to recompute",
                            args.swap_space)
-    runner = ModelRunner(loaded.model, num_blocks, args.block_size, max_model_len, args.max_num_seqs,
-                         max_batched, num_host_blocks=num_host_blocks)
+    runner = _new_runner(args, loaded, num_blocks, max_model_len, num_host_blocks)
     logger.info("KV cache: %d blocks of %d tokens (%d tokens), max_model_len %d", num_blocks - 1,
                 args.block_size, capacity, max_model_len)
     if args.compile_on_startup:
-        shapes = runner.warmup_shapes()
+        import time
+
         from tqdm.auto import tqdm
-        with tqdm(total=len(shapes), desc="Compiling step buckets", disable=not use_tqdm) as bar:
+        shapes = runner.warmup_shapes()
+        start = time.perf_counter()
+        with tqdm(total=len(shapes), desc=f"Compiling {len(shapes)} step variants", disable=not use_tqdm) as bar:
             runner.warmup(shapes, bar)
+        logger.info("compiled %d step variants in %.1f s (tokens x sequences buckets; nothing compiles "
+                    "after start-up)", len(shapes), time.perf_counter() - start)
     return runner, max_model_len, num_blocks

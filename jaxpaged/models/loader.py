@@ -1,12 +1,14 @@
 """Load a model from a Hugging Face id, a local folder or a .gguf file into our layout.
 
 Hugging Face tensors (PyTorch names, [out, in] linear weights) are transposed, fused
-(q|k|v, gate|up) and stacked over layers one tensor at a time, cast to the target dtype,
-and moved to the device as soon as each stacked weight is complete: memory stays near
-one copy of the weights.
+(q|k|v, gate|up) and cast to the target dtype one layer at a time, and each layer goes to
+the device at once: as its own arrays for the unrolled layer loop, or written in place into
+preallocated [num_layers, ...] stacks for the scanned one (`scan_layers`). The host holds one
+layer's tensors, the device one copy of the weights.
 """
 
 import dataclasses
+import functools
 import os
 from typing import Any, Callable
 
@@ -17,7 +19,7 @@ import numpy as np
 
 from jaxpaged.models.config import ModelConfig, model_config_from_hf
 from jaxpaged.models.registry import model_class_for
-from jaxpaged.models.llama import weight_shapes
+from jaxpaged.models.llama import layer_weight_shapes, weight_shapes
 
 _DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 _CHECKPOINT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
@@ -42,8 +44,22 @@ def resolve_dtype(dtype: str, checkpoint_dtype: str) -> str:
     return dtype
 
 
+def resolve_scan_layers(scan_layers: bool | None) -> bool:
+    """None = by platform: scan (compile time flat in depth) on GPU and TPU, unrolled on CPU,
+    where XLA copies each layer's weights out of a scanned stack (see `jaxpaged.models.llama`)."""
+    if scan_layers is None:
+        return jax.devices()[0].platform != "cpu"
+    return bool(scan_layers)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_layer(stack: jax.Array, value: jax.Array, i: jax.Array) -> jax.Array:
+    """stack [num_layers, ...] with stack[i] = value, in place (the stack is donated)."""
+    return jax.lax.dynamic_update_index_in_dim(stack, value, i, 0)
+
+
 def _hf_layer_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
-    """Our stacked weight name -> the Hugging Face tensors (concatenated on the output dim) of layer i."""
+    """Our layer weight name -> the Hugging Face tensors (concatenated on the output dim) of layer i."""
     p = f"model.layers.{i}."
     attn, mlp = p + "self_attn.", p + "mlp."
     sources = {
@@ -68,13 +84,16 @@ def _hf_layer_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
 
 
 def convert_hf_weights(get: Callable[[str], np.ndarray], has: Callable[[str], bool], cfg: ModelConfig,
-                       dtype: str) -> dict[str, jax.Array]:
+                       dtype: str, scan_layers: bool) -> dict:
     """Hugging Face state dict (read through `get`) -> our weights on the device, in `dtype`.
 
-    Raises ValueError naming the tensor when one is missing or has the wrong shape.
+    `weights["layers"]` is a dict of stacked [num_layers, ...] arrays when `scan_layers`, else a
+    list of per-layer dicts (see `LlamaFamilyForCausalLM`). Raises ValueError naming the tensor
+    when one is missing or has the wrong shape.
     """
     np_dtype = _DTYPES[dtype]
     shapes = weight_shapes(cfg)
+    layer_shapes = layer_weight_shapes(cfg)
 
     def fetch(name: str, shape: tuple[int, ...]) -> np.ndarray:
         if not has(name):
@@ -90,27 +109,33 @@ def convert_hf_weights(get: Callable[[str], np.ndarray], has: Callable[[str], bo
             out = (cfg.q_size, cfg.kv_size, cfg.kv_size)[j]
         else:
             out = ours[-1] // parts
-        return (out, ours[1]) if len(ours) == 3 else (out,)
+        return (out, ours[0]) if len(ours) == 2 else (out,)
 
-    weights: dict[str, jax.Array] = {}
+    weights: dict = {}
     weights["embed"] = jnp.asarray(fetch("model.embed_tokens.weight", shapes["embed"]).astype(np_dtype))
     weights["final_norm"] = jnp.asarray(fetch("model.norm.weight", shapes["final_norm"]).astype(np_dtype))
     if not cfg.tie_word_embeddings:
         head = fetch("lm_head.weight", shapes["lm_head"][::-1])
         weights["lm_head"] = jnp.asarray(np.ascontiguousarray(head.T).astype(np_dtype))
 
-    for name, sources in _hf_layer_sources(cfg, 0).items():
-        shape = shapes[f"layers.{name}"]
-        stacked = np.empty(shape, np_dtype)
-        for i in range(cfg.num_layers):
-            hf_names = _hf_layer_sources(cfg, i)[name]
+    stacks = ({name: jnp.zeros((cfg.num_layers, *shape), np_dtype) for name, shape in layer_shapes.items()}
+              if scan_layers else {})
+    layers = []
+    for i in range(cfg.num_layers):
+        layer = {}
+        for name, hf_names in _hf_layer_sources(cfg, i).items():
+            shape = layer_shapes[name]
             parts = [fetch(n, linear_shape(name, shape, len(hf_names), j)) for j, n in enumerate(hf_names)]
-            if len(shape) == 3:   # linear: [out, in] -> [in, out]
-                stacked[i] = np.concatenate([p.T for p in parts], axis=1)
+            if len(shape) == 2:   # linear: [out, in] -> [in, out]
+                value = np.concatenate([p.T for p in parts], axis=1).astype(np_dtype)
             else:
-                stacked[i] = np.concatenate(parts, axis=0)
-        weights[f"layers.{name}"] = stacked   # host memory: the model moves it to the device layer by layer
-        del stacked
+                value = np.concatenate(parts, axis=0).astype(np_dtype)
+            if scan_layers:
+                stacks[name] = _set_layer(stacks[name], value, i)
+            else:
+                layer[name] = jnp.asarray(value)
+        layers.append(layer)
+    weights["layers"] = stacks if scan_layers else layers
     return weights
 
 
@@ -133,14 +158,19 @@ def _local_folder(model: str, revision: str | None = None) -> str:
 
 
 def load_model(model: str, dtype: str = "auto", revision: str | None = None,
-               attention_backend: str = "reference") -> LoadedModel:
-    """Load weights and config; `model` is a .gguf path, a local folder or a hub id."""
+               attention_backend: str = "reference", scan_layers: bool | None = None) -> LoadedModel:
+    """Load weights and config; `model` is a .gguf path, a local folder or a hub id.
+
+    `scan_layers`: stack the layer weights and scan over them (True), keep one set of arrays
+    per layer and unroll (False), or None: by platform (`resolve_scan_layers`).
+    """
+    scan_layers = resolve_scan_layers(scan_layers)
     if model.endswith(".gguf"):
         from jaxpaged.models.gguf_loader import load_gguf
         hf_config, tensors = load_gguf(model)
         cfg = model_config_from_hf(hf_config)
         dtype = resolve_dtype(dtype, "float32")
-        weights = convert_hf_weights(tensors.__getitem__, tensors.__contains__, cfg, dtype)
+        weights = convert_hf_weights(tensors.__getitem__, tensors.__contains__, cfg, dtype, scan_layers)
         del tensors
         source = model
     else:
@@ -154,7 +184,7 @@ def load_model(model: str, dtype: str = "auto", revision: str | None = None,
         cfg = model_config_from_hf(hf_config)
         checkpoint = Checkpoint(folder)
         dtype = resolve_dtype(dtype, _CHECKPOINT_DTYPES[checkpoint.dtype_name()])
-        weights = convert_hf_weights(checkpoint.get, checkpoint.__contains__, cfg, dtype)
+        weights = convert_hf_weights(checkpoint.get, checkpoint.__contains__, cfg, dtype, scan_layers)
         source = folder
     model_cls = model_class_for(cfg.architecture)
     return LoadedModel(model_cls(cfg, weights, attention_backend), cfg, hf_config, dtype, source)

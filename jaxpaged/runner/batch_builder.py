@@ -16,13 +16,14 @@ from jaxpaged.models.batch import ForwardBatch
 from pallas_kernels import AttentionMetadata
 
 PREFILL_Q_TILE = 16
+MIXED_SEQ_GROWTH = 4   # sequence buckets of steps with a prompt chunk: 4, 16, 64, ...
 
 
-def next_bucket(n: int, floor: int, cap: int | None = None) -> int:
-    """Smallest power-of-two multiple of `floor` that is >= n (capped at `cap` when given)."""
+def next_bucket(n: int, floor: int, cap: int | None = None, growth: int = 2) -> int:
+    """Smallest `floor * growth**k` that is >= n (capped at `cap` when given)."""
     size = floor
     while size < n:
-        size *= 2
+        size *= growth
     if cap is not None:
         size = min(size, max(cap, n))
     return size
@@ -42,7 +43,7 @@ class SeqChunk:
 class BatchShape:
     num_tokens: int
     num_seqs: int
-    num_logits: int
+    num_logits: int   # logits rows: one per sample row, = num_seqs
     q_tile: int
 
 
@@ -51,16 +52,17 @@ def choose_shape(chunks: list[SeqChunk], token_floor: int = 8, seq_floor: int = 
                  num_sample_rows: int = 0) -> BatchShape:
     """Bucketed shape for `chunks`; `num_sample_rows` > len(chunks) when n > 1 forks sample extra rows."""
     total = sum(len(c.token_ids) for c in chunks)
-    num_logits = sum(len(c.logits_positions) for c in chunks)
     decode_only = all(len(c.token_ids) == 1 for c in chunks)
-    num_seqs = next_bucket(len(chunks), seq_floor, max_seqs)
-    if num_sample_rows > num_seqs:   # forks may exceed max_num_seqs' bucket by their pending seats
-        num_seqs = next_bucket(num_sample_rows, seq_floor)
+    # n > 1: forks sample beside their parent; the scheduler counts their seats in max_num_seqs
+    rows = max(len(chunks), num_sample_rows)
     if decode_only:
+        num_seqs = next_bucket(rows, seq_floor, max_seqs)
         return BatchShape(num_seqs, num_seqs, num_seqs, 1)
+    # Steps with a prompt chunk take every (tokens, sequences) pair: sequences grow 4x per bucket
+    # there (padding rows cost only their logits) to keep the compiled set small.
     num_tokens = next_bucket(total, token_floor, max_tokens)
-    logits = num_seqs if num_logits <= num_seqs else next_bucket(num_logits, num_seqs, num_tokens)
-    return BatchShape(num_tokens, num_seqs, logits, PREFILL_Q_TILE)
+    num_seqs = min(next_bucket(rows, seq_floor, max_seqs, growth=MIXED_SEQ_GROWTH), num_tokens)
+    return BatchShape(num_tokens, num_seqs, num_seqs, PREFILL_Q_TILE)
 
 
 def build_forward_batch(chunks: list[SeqChunk], block_size: int, max_blocks_per_seq: int,

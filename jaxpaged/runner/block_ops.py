@@ -3,25 +3,35 @@
 A block id names the same block in every layer, so each move is one gather and one
 scatter over axis 2 of the pool ([layers, 2, blocks, kv_heads, block_size, head_dim]).
 The number of blocks moved is padded to a power of two so each op compiles once per
-bucket; padded entries scatter out of bounds and are dropped.
+bucket; padded entries gather block 0 and scatter out of bounds, where they are dropped.
 
-The host pool lives in `pinned_host` memory and is allocated once. Swap-out gathers on the
-device and scatters into the (donated) host pool; swap-in gathers on the host (its indices
-live in host memory too, as XLA requires) and scatters into the donated device pool.
+Every gather and scatter runs on the device, on device arrays: inside a jit, XLA on a GPU
+either cannot index arrays in host memory or does it across PCIe element by element. Host
+memory only receives and gives back whole arrays through `jax.device_put`, one DMA each:
+
+    swap-out  pool --gather--> blocks [L, 2, bucket, ...] --device_put--> batch in pinned_host
+    swap-in   batch in pinned_host --device_put--> device copy --scatter--> pool (donated)
+
+So there is no host pool array and nothing is allocated up front: a host block is a slot of
+the batch written by the swap-out that filled it, and the KV cache manager keeps the number of
+held host blocks within `num_host_blocks`. A slot is let go when swapped in, or when the manager
+hands its host id to a later swap-out (how an aborted request's blocks go); a batch is freed with
+its last slot. Host memory is therefore the live batches: each padded to its bucket (under twice
+its blocks), and one partly swapped in stays whole until the rest of it is.
 """
 
 import functools
+from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import SingleDeviceSharding
 
 from jaxpaged.runner.batch_builder import next_bucket
 
 
-def _padded(pairs: list[tuple[int, int]], src_pad: int, dst_pad: int) -> tuple[np.ndarray, np.ndarray]:
-    size = next_bucket(len(pairs), 4)
+def _padded(pairs: list[tuple[int, int]], src_pad: int, dst_pad: int,
+            size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    size = size or next_bucket(len(pairs), 4)
     src = np.full(size, src_pad, np.int32)
     dst = np.full(size, dst_pad, np.int32)
     if pairs:
@@ -40,38 +50,77 @@ def copy_blocks(kv_pool: jax.Array, pairs: list[tuple[int, int]]) -> jax.Array:
     return _copy(kv_pool, src, dst)
 
 
+@jax.jit
+def _gather_blocks(kv_pool, block_ids):
+    return kv_pool[:, :, block_ids]                # [layers, 2, bucket, kv_heads, block_size, head_dim]
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _scatter_blocks(kv_pool, blocks, src, dst):
+    # blocks: [layers, 2, bucket, kv_heads, block_size, head_dim]; src, dst: i32[bucket]
+    return kv_pool.at[:, :, dst].set(blocks[:, :, src], mode="drop")
+
+
+def warm_up_block_moves(kv_pool: jax.Array, sizes: list[int], swap_space: "HostSwapSpace | None") -> jax.Array:
+    """Compile the copy (and swap) ops for each bucket size by running them, through the same
+    transfers as a real swap, on nothing: every destination is out of bounds. Returns the pool (donated)."""
+    nowhere = kv_pool.shape[2]
+    kv_pool = committed(kv_pool)
+    for size in sizes:
+        src, dst = np.zeros(size, np.int32), np.full(size, nowhere, np.int32)
+        kv_pool = _copy(kv_pool, src, dst)
+        if swap_space is not None:
+            batch = jax.device_put(_gather_blocks(kv_pool, src), swap_space.host_sharding)
+            kv_pool = _scatter_blocks(kv_pool, jax.device_put(batch, swap_space.device_sharding), src, dst)
+    return kv_pool
+
+
+def committed(kv_pool: jax.Array) -> jax.Array:
+    """The pool committed to its device (no copy). jit keys its cache on committedness: a compiled
+    step returns the pool uncommitted, a swap-in's scatter commits it; the block moves always
+    take it committed, so each of their buckets compiles once."""
+    return jax.device_put(kv_pool, kv_pool.sharding)
+
+
+class HostBlock(NamedTuple):
+    """Where a swapped-out block lives: slot `index` of one swap-out's batch in pinned host memory."""
+    batch: jax.Array   # [layers, 2, bucket, kv_heads, block_size, head_dim], memory kind pinned_host
+    index: int
+
+
 class HostSwapSpace:
-    """The pinned host pool and the two transfers between it and the device pool."""
+    """Host blocks in pinned host memory and the two transfers between them and the device pool."""
 
     def __init__(self, kv_pool: jax.Array, num_host_blocks: int):
-        device = next(iter(kv_pool.devices()))
-        self.host_sharding = SingleDeviceSharding(device, memory_kind="pinned_host")
-        shape = kv_pool.shape[:2] + (num_host_blocks + 1,) + kv_pool.shape[3:]
         self.num_host_blocks = num_host_blocks
-        # placed with device_put inside the jit (not out_shardings) so the array's type carries the
-        # host memory space, which later jits need to trace host-side gathers
-        with jax.default_device(device):
-            self.host_pool = jax.jit(lambda: jax.device_put(jnp.zeros(shape, kv_pool.dtype),
-                                                            jax.memory.Space.Host))()
-        self._swap_out = jax.jit(_swap_out, donate_argnums=(1,))
-        self._swap_in = jax.jit(_swap_in, donate_argnums=(0,))
+        self.device_sharding = kv_pool.sharding.with_memory_kind("device")
+        self.host_sharding = kv_pool.sharding.with_memory_kind("pinned_host")
+        self.host_pool: dict[int, HostBlock] = {}     # host block id (from the KV cache manager) -> its slot
 
     def swap_out(self, kv_pool: jax.Array, pairs: list[tuple[int, int]]) -> None:
-        """Copy device blocks to host blocks ((device, host) pairs)."""
-        src, dst = _padded(pairs, 0, self.host_pool.shape[2])
-        self.host_pool = self._swap_out(kv_pool, self.host_pool, src, jax.device_put(dst, self.host_sharding))
+        """Copy device blocks to host blocks ((device, host) pairs). Changes state: a host id
+        swapped out to again forgets what it held."""
+        device_ids, _ = _padded(pairs, 0, 0)
+        batch = jax.device_put(_gather_blocks(kv_pool, device_ids), self.host_sharding)
+        for index, (_, host_id) in enumerate(pairs):
+            self.host_pool[host_id] = HostBlock(batch, index)
 
     def swap_in(self, kv_pool: jax.Array, pairs: list[tuple[int, int]]) -> jax.Array:
-        """Copy host blocks back into device blocks ((host, device) pairs); returns the new pool."""
-        src, dst = _padded(pairs, 0, kv_pool.shape[2])
-        return self._swap_in(kv_pool, self.host_pool, jax.device_put(src, self.host_sharding), dst)
-
-
-def _swap_out(kv_pool, host_pool, device_ids, host_ids):
-    blocks = jax.device_put(kv_pool[:, :, device_ids], jax.memory.Space.Host)
-    return host_pool.at[:, :, host_ids].set(blocks, mode="drop")
-
-
-def _swap_in(kv_pool, host_pool, host_ids, device_ids):
-    blocks = jax.device_put(host_pool[:, :, host_ids], jax.memory.Space.Device)
-    return kv_pool.at[:, :, device_ids].set(blocks, mode="drop")
+        """Copy host blocks back into device blocks ((host, device) pairs, in any order, from any
+        earlier swap-outs); returns the new pool (the old one is donated). Changes state: the host
+        blocks are let go."""
+        missing = [host_id for host_id, _ in pairs if host_id not in self.host_pool]
+        if missing:
+            raise ValueError(f"swap_in: host blocks {missing} hold nothing (never swapped out, or already "
+                             "swapped in)")
+        # usually one batch: a request swapped out alone comes back whole. A batch that also holds
+        # other requests' blocks still travels whole: a DMA of it beats gathering it through the CPU.
+        moves: dict[int, tuple[jax.Array, list[tuple[int, int]]]] = {}   # id(batch) -> (batch, (slot, device))
+        for host_id, device_id in pairs:
+            batch, index = self.host_pool.pop(host_id)
+            moves.setdefault(id(batch), (batch, []))[1].append((index, device_id))
+        batches = [batch for batch, _ in moves.values()]
+        for blocks, (_, slots) in zip(jax.device_put(batches, self.device_sharding), moves.values()):
+            src, dst = _padded(slots, 0, kv_pool.shape[2], size=blocks.shape[2])
+            kv_pool = _scatter_blocks(kv_pool, blocks, src, dst)
+        return kv_pool

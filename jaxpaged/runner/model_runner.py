@@ -9,7 +9,10 @@ queued (JAX dispatch is asynchronous) so the engine can do host work while it ru
 
 Async scheduling: a step may be dispatched before the previous one is fetched. A request
 whose last token is still on the device (a placeholder, see Request.num_placeholders)
-takes it from the previous step's `packed` output, on the device (`_take_prev_tokens`).
+takes it from the previous step's sampled tokens, inside the step.
+
+The compiled step is a closed set: one executable per shape bucket (`warmup_shapes`),
+compiled at start-up; every sampling feature changes input values, never the executable.
 """
 
 import dataclasses
@@ -24,15 +27,19 @@ from flax import nnx
 from jaxpaged.core.kv_cache_manager import cdiv
 from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.models.batch import ForwardBatch
-from jaxpaged.runner.batch_builder import BatchShape, SeqChunk, build_forward_batch, choose_shape
-from jaxpaged.runner.block_ops import HostSwapSpace, copy_blocks
+from jaxpaged.runner.batch_builder import (MIXED_SEQ_GROWTH, PREFILL_Q_TILE, BatchShape, SeqChunk,
+                                           build_forward_batch, choose_shape, next_bucket)
+from jaxpaged.runner.block_ops import HostSwapSpace, committed, copy_blocks, warm_up_block_moves
 from jaxpaged.runner.sampler import (SamplingMetadata, build_sampling_metadata, greedy_from_transposed,
                                      is_plain_greedy, sample, token_logprobs)
+from jaxpaged.sampling_params import MAX_LOGPROBS
 from pallas_kernels import kv_pool_shape
 
 logger = logging.getLogger(__name__)
 
 KV_CHUNK_BLOCKS = 8   # attention walks the context 8 blocks at a time
+TOKEN_FLOOR = 16      # the smallest token bucket of a step with a prompt chunk
+SEQ_FLOOR = 4         # the smallest sequence bucket
 
 
 @dataclasses.dataclass
@@ -62,13 +69,13 @@ class StepResult:
 
 @dataclasses.dataclass
 class _Pending:
-    packed: jax.Array
+    packed: jax.Array                                 # f32[S * (3 + 2K)]: one row per sample row
+    prompt_packed: jax.Array | None                   # f32[T * (2 + 2K)]; None: no prompt logprobs asked
+    tokens: jax.Array                                 # i32[MAX_ROWS]: sampled tokens, for the next step
     rows: list[tuple[str, int]]                       # (request_id, sample row)
-    lp_rows: list[tuple[str, int, int, int]]          # (request_id, first logits row, count, start position)
+    lp_rows: list[tuple[str, int, int, int]]          # (request_id, first flat token, count, start position)
     num_seqs: int
-    num_logits: int
     num_logprobs: int
-    prompt_k: int
 
 
 def _pack(*arrays: jax.Array) -> jax.Array:
@@ -83,7 +90,8 @@ def _pack(*arrays: jax.Array) -> jax.Array:
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, kv_dtype=None, num_host_blocks: int = 0):
+                 max_num_batched_tokens: int, kv_dtype=None, num_host_blocks: int = 0,
+                 max_logprobs: int = MAX_LOGPROBS):
         self.model_config = model.config
         self.graphdef, self.state = nnx.split(model)
         self.block_size = block_size
@@ -96,7 +104,12 @@ class ModelRunner:
         dtype = kv_dtype or model.embed[...].dtype
         self.kv_pool = jnp.zeros(kv_pool_shape(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
                                                cfg.head_dim), dtype)
-        self._step = functools.partial(_step, self.graphdef)
+        self.max_logprobs = max_logprobs   # K: every step returns this many top logprobs per row
+        self.max_moved_blocks = next_bucket(self.max_blocks_per_seq, 4)   # per swap or copy call
+        self._compiled = {}                 # BatchShape -> the step compiled for it
+        self._zero_rows = {}                # num_seqs -> device zeros standing in for unused [S, V] inputs
+        max_rows = max(_buckets(SEQ_FLOOR, max_num_seqs))
+        self._no_prev_tokens = jnp.zeros(max_rows, jnp.int32)
         self.swap_space = HostSwapSpace(self.kv_pool, num_host_blocks) if num_host_blocks else None
 
     # ---- sizes -----------------------------------------------------------------------------
@@ -106,13 +119,19 @@ class ModelRunner:
         return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * jnp.dtype(dtype).itemsize
 
     def move_blocks(self, plan: SchedulerOutput) -> None:
-        """Swap-outs, swap-ins, then copy-on-write copies: all before the step reads the pool."""
-        if plan.swap_out:
-            self.swap_space.swap_out(self.kv_pool, plan.swap_out)
-        if plan.swap_in:
-            self.kv_pool = self.swap_space.swap_in(self.kv_pool, plan.swap_in)
-        if plan.copies:
-            self.kv_pool = copy_blocks(self.kv_pool, plan.copies)
+        """Swap-outs, swap-ins, then copy-on-write copies: all before the step reads the pool.
+
+        Each runs in pieces of at most `max_moved_blocks`, so its compiled buckets are few
+        (compiled at start-up) and its temporaries stay small."""
+        n = self.max_moved_blocks
+        if plan.swap_out or plan.swap_in or plan.copies:
+            self.kv_pool = committed(self.kv_pool)
+        for i in range(0, len(plan.swap_out), n):
+            self.swap_space.swap_out(self.kv_pool, plan.swap_out[i:i + n])
+        for i in range(0, len(plan.swap_in), n):
+            self.kv_pool = self.swap_space.swap_in(self.kv_pool, plan.swap_in[i:i + n])
+        for i in range(0, len(plan.copies), n):
+            self.kv_pool = copy_blocks(self.kv_pool, plan.copies[i:i + n])
 
     # ---- one step ----------------------------------------------------------------------------
     def dispatch(self, plan: SchedulerOutput, extra_bias: dict[str, dict[int, float]],
@@ -120,22 +139,19 @@ class ModelRunner:
         """Build the inputs and queue the step on the device; returns without waiting.
 
         `prev` is the step still in flight, if any: a request whose last token it is sampling
-        (a placeholder) reads that token from prev's device output.
+        (a placeholder) reads that token from prev's device output, inside this step.
         """
         self.move_blocks(plan)
         prev_rows = dict(prev.rows) if prev is not None else {}
         from_prev = []      # (flat token index, sample row of prev)
         flat = 0
         chunks, rows, lp_rows = [], [], []
-        sample_rows = []
+        sample_tokens = []  # per sample row: the flat index of the token whose logits it samples from
         row_requests = []   # the request whose params/seed drive each sample row
-        lp_targets = []     # (first logits row, the prompt tokens those rows predict)
-        prompt_k = -1
-        row = 0
+        lp_targets = []     # (first flat token, the prompt tokens those tokens predict)
         for chunk in plan.chunks:
             request = chunk.request
             params = request.sampling_params
-            wants_lp = params.prompt_logprobs is not None and chunk.start < request.num_prompt_tokens - 1
             n = chunk.num_new_tokens
             tokens = request.all_token_ids[chunk.start:chunk.start + n]
             if len(tokens) < n:   # the last token is a placeholder: the step in flight samples it
@@ -143,58 +159,88 @@ class ModelRunner:
                     raise RuntimeError(f"{request}: {n - len(tokens)} input tokens are not known yet")
                 from_prev.append((flat + n - 1, prev_rows[request.request_id]))
                 tokens = tokens + [0]
-            flat += n
-            if wants_lp:
-                positions = list(range(n))
+            if params.prompt_logprobs is not None and chunk.start < request.num_prompt_tokens - 1:
                 count = min(n, request.num_prompt_tokens - 1 - chunk.start)
-                lp_rows.append((request.request_id, row, count, chunk.start))
-                lp_targets.append((row, request.all_token_ids[chunk.start + 1:chunk.start + 1 + count]))
-                prompt_k = max(prompt_k, params.prompt_logprobs)
-            else:
-                positions = [n - 1] if chunk.samples else []
+                lp_rows.append((request.request_id, flat, count, chunk.start))
+                lp_targets.append((flat, request.all_token_ids[chunk.start + 1:chunk.start + 1 + count]))
             if chunk.samples:
-                rows.append((request.request_id, len(sample_rows)))
-            sample_rows.append(row + len(positions) - 1 if positions else 0)
+                rows.append((request.request_id, len(sample_tokens)))
+            sample_tokens.append(flat + n - 1)
             row_requests.append(request)
-            row += len(positions)
-            chunks.append(SeqChunk(tokens, chunk.start, chunk.block_ids, positions))
+            flat += n
+            chunks.append(SeqChunk(tokens, chunk.start, chunk.block_ids, [n - 1]))
         for i, chunk in enumerate(plan.chunks):   # n > 1: siblings sample their first token from the same logits
             if chunk.samples:
                 for child in chunk.request.pending_forks:
-                    rows.append((child.request_id, len(sample_rows)))
-                    sample_rows.append(sample_rows[i])
+                    rows.append((child.request_id, len(sample_tokens)))
+                    sample_tokens.append(sample_tokens[i])
                     row_requests.append(child)
-        shape = choose_shape(chunks, token_floor=16, seq_floor=4, max_tokens=self.max_num_batched_tokens,
-                             max_seqs=self.max_num_seqs, num_sample_rows=len(sample_rows))
+        shape = choose_shape(chunks, token_floor=TOKEN_FLOOR, seq_floor=SEQ_FLOOR, max_tokens=self.max_num_batched_tokens,
+                             max_seqs=self.max_num_seqs, num_sample_rows=len(sample_tokens))
         batch = build_forward_batch(chunks, self.block_size, self.max_blocks_per_seq, shape)
-        sample_rows_arr = np.zeros(shape.num_seqs, np.int32)
-        sample_rows_arr[:len(sample_rows)] = sample_rows
+        logits_indices = np.zeros(shape.num_seqs, np.int32)
+        logits_indices[:len(sample_tokens)] = sample_tokens
+        batch = dataclasses.replace(batch, logits_indices=jnp.asarray(logits_indices))
         smd = build_sampling_metadata(
             [r.sampling_params for r in row_requests], [r.seed for r in row_requests],
             [r.num_sampled_tokens for r in row_requests], [r.output_token_ids for r in row_requests],
             [r.prompt_token_ids for r in row_requests], [extra_bias.get(r.request_id) for r in row_requests],
             self.model_config.vocab_size, shape.num_seqs)
-        targets = np.zeros(shape.num_logits, np.int32)
+        targets = np.full(shape.num_tokens, -1, np.int32)   # -1: no prompt logprob at this token
         for first, tokens in lp_targets:
             targets[first:first + len(tokens)] = tokens
+        index = np.full(shape.num_seqs, shape.num_tokens, np.int32)   # padding: out of bounds, dropped
+        source = np.zeros(shape.num_seqs, np.int32)
         if from_prev:
-            index = np.full(shape.num_seqs, shape.num_tokens, np.int32)   # padding: out of bounds, dropped
-            source = np.zeros(shape.num_seqs, np.int32)
             index[:len(from_prev)], source[:len(from_prev)] = zip(*from_prev)
-            batch = dataclasses.replace(batch, input_ids=_take_prev_tokens(
-                batch.input_ids, prev.packed, jnp.asarray(index), jnp.asarray(source),
-                num_seqs=prev.num_seqs, width=3 + 2 * prev.num_logprobs))
-        self.kv_pool, packed = self._step(self.state, self.kv_pool, batch, jnp.asarray(sample_rows_arr), smd,
-                                          jnp.asarray(targets), prompt_k=prompt_k)
-        return _Pending(packed, rows, lp_rows, shape.num_seqs, shape.num_logits, smd.num_logprobs,
-                        max(prompt_k, 0))
+        prev_tokens = prev.tokens if prev is not None else self._no_prev_tokens
+        self.kv_pool, packed, prompt_packed, tokens_out = self._step(
+            shape, self.state, self.kv_pool, batch, self._fixed_form(smd, shape), jnp.asarray(targets),
+            prev_tokens, jnp.asarray(index), jnp.asarray(source))
+        return _Pending(packed, prompt_packed if lp_rows else None, tokens_out, rows, lp_rows, shape.num_seqs,
+                        self.max_logprobs)
+
+    def _fixed_form(self, smd: SamplingMetadata, shape: BatchShape) -> SamplingMetadata:
+        """The metadata with every input present (unused [S, V] arrays as this bucket's device
+        zeros) and the static fields fixed, so every request mix runs the same compiled step."""
+        zeros = self._zero_rows.get(shape.num_seqs)
+        if zeros is None:
+            V = self.model_config.vocab_size
+            zeros = (jnp.zeros((shape.num_seqs, V), jnp.int32), jnp.zeros((shape.num_seqs, V), bool),
+                     jnp.zeros((shape.num_seqs, V), jnp.float32))
+            self._zero_rows[shape.num_seqs] = zeros
+        counts, mask, bias = zeros
+        return dataclasses.replace(
+            smd, output_counts=counts if smd.output_counts is None else smd.output_counts,
+            prompt_mask=mask if smd.prompt_mask is None else smd.prompt_mask,
+            logit_bias=bias if smd.logit_bias is None else smd.logit_bias,
+            all_greedy=False, num_logprobs=self.max_logprobs)
+
+    def _step(self, shape: BatchShape, *args):
+        """Run the step compiled for `shape` (compiling it first if start-up did not)."""
+        compiled = self._compiled.get(shape)
+        if compiled is None:
+            logger.warning("compiling a step variant not compiled at start-up: %s", shape)
+            compiled = self.compile_step(shape)
+        return compiled(*args)
+
+    def compile_step(self, shape: BatchShape):
+        """Compile (and keep) the step for `shape`; returns the jax.stages.Compiled."""
+        batch = build_forward_batch([], self.block_size, self.max_blocks_per_seq, shape)
+        smd = build_sampling_metadata([], [], [], [], [], [], self.model_config.vocab_size, shape.num_seqs)
+        compiled = _step.lower(
+            self.graphdef, self.state, self.kv_pool, batch, self._fixed_form(smd, shape),
+            jnp.full(shape.num_tokens, -1, jnp.int32), self._no_prev_tokens,
+            jnp.full(shape.num_seqs, shape.num_tokens, jnp.int32), jnp.zeros(shape.num_seqs, jnp.int32)).compile()
+        self._compiled[shape] = compiled
+        return compiled
 
     def fetch(self, pending: _Pending) -> StepResult:
-        """Block on the step's single device->host copy and unpack it."""
+        """Block on the step's device->host copy (two with prompt logprobs) and unpack it."""
         flat = np.asarray(jax.device_get(pending.packed))
         S, K = pending.num_seqs, pending.num_logprobs
         width = 3 + 2 * K
-        main = flat[:S * width].reshape(S, width)
+        main = flat.reshape(S, width)
         as_int = lambda a: a.view(np.int32)  # noqa: E731
         sampled = {}
         for request_id, r in pending.rows:
@@ -203,71 +249,84 @@ class ModelRunner:
                 as_int(main[r, 3:3 + K]).tolist(), main[r, 3 + K:3 + 2 * K].tolist())
         prompt = {}
         if pending.lp_rows:
-            Kp = pending.prompt_k
-            pwidth = 2 + 2 * Kp
-            lp = flat[S * width:].reshape(pending.num_logits, pwidth)
+            lp = np.asarray(jax.device_get(pending.prompt_packed)).reshape(-1, 2 + 2 * K)
             for request_id, first, count, start in pending.lp_rows:
                 block = lp[first:first + count]
                 prompt[request_id] = PromptLogprobs(
                     start, block[:, 0].tolist(), as_int(np.ascontiguousarray(block[:, 1])).tolist(),
-                    as_int(np.ascontiguousarray(block[:, 2:2 + Kp])).tolist(), block[:, 2 + Kp:].tolist())
+                    as_int(np.ascontiguousarray(block[:, 2:2 + K])).tolist(), block[:, 2 + K:].tolist())
         return StepResult(sampled, prompt)
 
     # ---- start-up compilation ---------------------------------------------------------------
     def warmup_shapes(self) -> list[BatchShape]:
-        """Decode shapes for every sequence bucket and prefill shapes for every token bucket."""
-        shapes = []
-        s = 4
-        while True:
-            shapes.append(BatchShape(s, s, s, 1))
-            if s >= self.max_num_seqs:
-                break
-            s = min(s * 2, self.max_num_seqs)
-        t = 16
-        while True:
-            shapes.append(BatchShape(t, 4, 4, 16))
-            if t >= self.max_num_batched_tokens:
-                break
-            t = min(t * 2, self.max_num_batched_tokens)
+        """Every bucket a step can take: decode-only steps for each sequence bucket, and steps
+        with a prompt chunk for each (token bucket, sequence bucket) pair that can occur."""
+        shapes = [BatchShape(s, s, s, 1) for s in _buckets(SEQ_FLOOR, self.max_num_seqs)]
+        mixed_seqs = _buckets(SEQ_FLOOR, self.max_num_seqs, MIXED_SEQ_GROWTH)
+        for t in _buckets(TOKEN_FLOOR, self.max_num_batched_tokens):
+            shapes += [BatchShape(t, s, s, PREFILL_Q_TILE) for s in sorted({min(s, t) for s in mixed_seqs})]
         return shapes
 
     def warmup(self, shapes: list[BatchShape], progress=None) -> None:
-        """Compile the step for `shapes` (greedy sampling) by running it on an all-padding batch."""
-        from types import SimpleNamespace
-        greedy = SimpleNamespace(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, presence_penalty=0.0,
-                                 frequency_penalty=0.0, repetition_penalty=1.0, logit_bias=None, logprobs=None)
+        """Compile the step for every shape in `shapes` (nothing runs), and the block moves for
+        every bucket (each runs once, moving nothing)."""
         for shape in shapes:
-            batch = build_forward_batch([], self.block_size, self.max_blocks_per_seq, shape)
-            smd = build_sampling_metadata([greedy], [0], [0], [[]], [[]], [None],
-                                          self.model_config.vocab_size, shape.num_seqs)
-            self.kv_pool, packed = self._step(self.state, self.kv_pool, batch,
-                                              jnp.zeros(shape.num_seqs, jnp.int32), smd,
-                                              jnp.zeros(shape.num_logits, jnp.int32), prompt_k=-1)
-            packed.block_until_ready()
+            if shape not in self._compiled:
+                self.compile_step(shape)
             if progress is not None:
                 progress.update(1)
+        self.kv_pool = warm_up_block_moves(self.kv_pool, _buckets(4, self.max_moved_blocks),
+                                           self.swap_space)
 
 
-@functools.partial(jax.jit, static_argnames=("num_seqs", "width"))
-def _take_prev_tokens(input_ids, prev_packed, index, source, *, num_seqs: int, width: int):
-    """input_ids with input_ids[index[i]] = the token sampled in row source[i] of the previous step."""
-    prev_tokens = jax.lax.bitcast_convert_type(prev_packed[:num_seqs * width].reshape(num_seqs, width)[:, 0],
-                                               jnp.int32)
-    return input_ids.at[index].set(prev_tokens[source], mode="drop")
+def _buckets(floor: int, cap: int, growth: int = 2) -> list[int]:
+    """next_bucket's values from `floor` up to `cap`: floor, growth floor, ..., cap."""
+    out = [min(floor, cap)]
+    while out[-1] < cap:
+        out.append(min(out[-1] * growth, cap))
+    return out
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("prompt_k",), donate_argnums=(2,))
-def _step(graphdef, state, kv_pool, batch: ForwardBatch, sample_rows, smd: SamplingMetadata,
-               prompt_targets, *, prompt_k: int):
+PROMPT_LOGPROB_CHUNK = 128   # prompt logprobs walk the step's tokens this many at a time
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def _step(graphdef, state, kv_pool, batch: ForwardBatch, smd: SamplingMetadata, prompt_targets,
+          prev_tokens, prev_index, prev_source):
+    """One engine step. prompt_targets: i32[T], the next prompt token per token (-1: no prompt
+    logprob there); prev_tokens: i32[MAX_ROWS], the previous step's sampled tokens, of which row
+    prev_source[i] becomes input token prev_index[i] (out-of-bounds indices are dropped).
+
+    Returns (kv_pool, packed f32[S * (3 + 2K)], prompt_packed f32[T * (2 + 2K)], tokens i32[MAX_ROWS]).
+    """
+    batch = dataclasses.replace(batch, input_ids=batch.input_ids.at[prev_index].set(prev_tokens[prev_source],
+                                                                                    mode="drop"))
     model = nnx.merge(graphdef, state)
     kv_pool, hidden = model.hidden_states(kv_pool, batch)
-    if is_plain_greedy(smd) and prompt_k < 0:   # the common decode case, in the CPU-friendly layout
-        out = greedy_from_transposed(model.compute_logits_transposed(hidden[batch.logits_indices][sample_rows]))
-        return kv_pool, _pack(out.token_ids, out.logprobs, out.ranks, out.topk_ids, out.topk_logprobs)
-    logits = model.compute_logits(hidden[batch.logits_indices])       # f32[num_logits, vocab]
-    out = sample(logits[sample_rows], smd)
-    packed = [_pack(out.token_ids, out.logprobs, out.ranks, out.topk_ids, out.topk_logprobs)]
-    if prompt_k >= 0:
-        lp, rank, top_ids, top_lps = token_logprobs(logits, prompt_targets, prompt_k)
-        packed.append(_pack(lp, rank, top_ids, top_lps))
-    return kv_pool, jnp.concatenate(packed)
+    K = smd.num_logprobs
+    rows = hidden[batch.logits_indices]                                # [S, hidden]
+    out = jax.lax.cond(
+        is_plain_greedy(smd),   # the common decode case, in the CPU-friendly layout
+        lambda h: greedy_from_transposed(model.compute_logits_transposed(h), K),
+        lambda h: sample(model.compute_logits(h), smd),
+        rows)
+    packed = _pack(out.token_ids, out.logprobs, out.ranks, out.topk_ids, out.topk_logprobs)
+    prompt_packed = jax.lax.cond(jnp.any(prompt_targets >= 0), lambda: _prompt_logprobs(model, hidden, prompt_targets, K),
+                                 lambda: jnp.zeros(hidden.shape[0] * (2 + 2 * K), jnp.float32))
+    tokens = jnp.zeros(prev_tokens.shape, jnp.int32).at[:out.token_ids.shape[0]].set(out.token_ids)
+    return kv_pool, packed, prompt_packed, tokens
+
+
+def _prompt_logprobs(model, hidden, targets, K):
+    """Logprob, rank and top-K of each token's next prompt token, PROMPT_LOGPROB_CHUNK tokens at a
+    time (the [chunk, vocab] logits are the largest temporary)."""
+    T = hidden.shape[0]
+    chunk = min(T, PROMPT_LOGPROB_CHUNK)
+
+    def one(args):
+        h, t = args
+        lp, rank, top_ids, top_lps = token_logprobs(model.compute_logits(h), jnp.maximum(t, 0), K)
+        return _pack(lp, rank, top_ids, top_lps).reshape(chunk, -1)
+
+    out = jax.lax.map(one, (hidden.reshape(T // chunk, chunk, -1), targets.reshape(T // chunk, chunk)))
+    return out.reshape(-1)

@@ -1,8 +1,12 @@
 """On-device sampler: logits of the sequences that need a token -> tokens (+ logprobs).
 
 Runs inside the engine's jitted step. Every per-request knob is an array, so a batch that
-mixes greedy, top-k, top-p and penalised requests compiles once; only `all_greedy`,
-`num_logprobs` and which [S, V] arrays are present (None or not) change the compiled code.
+mixes greedy, top-k, top-p and penalised requests compiles once. The engine always passes
+every input (the [S, V] arrays as device zeros when no row uses them) with `all_greedy`
+False and `num_logprobs` at its max_logprobs, so one compiled step serves every request
+mix; the work a batch does not need is skipped at run time (`lax.cond` on the row flags).
+Called with `all_greedy` True or an [S, V] array None (tests, small tools), that part is
+left out of the compiled code instead.
 Semantics and order follow vLLM V1: raw logprobs, then logit bias, penalties, greedy argmax,
 and for random rows temperature, min_p, top_k, top_p and a draw with a per-request key.
 """
@@ -32,11 +36,13 @@ class SamplingMetadata:
     repetition_penalty: jax.Array  # f32[S]; 1.0 = off
     seeds: jax.Array  # u32[S]
     steps: jax.Array  # i32[S]; tokens sampled so far by the request
+    requested_logprobs: jax.Array  # i32[S]; top logprobs the row asked for (<= num_logprobs)
+    has_logit_bias: jax.Array  # bool[S]; the row's logit_bias row is not all zeros
     output_counts: jax.Array | None  # i32[S, V]; None unless some row has penalties
     prompt_mask: jax.Array | None  # bool[S, V]; None unless some row has penalties
     logit_bias: jax.Array | None  # f32[S, V]; None unless some row has a bias
     all_greedy: bool = field(metadata=dict(static=True))
-    num_logprobs: int = field(metadata=dict(static=True))  # K
+    num_logprobs: int = field(metadata=dict(static=True))  # K: width of the top-logprobs output
 
 
 @jax.tree_util.register_dataclass
@@ -49,11 +55,12 @@ class SamplerOutput:
     topk_logprobs: jax.Array  # f32[S, K]
 
 
-def token_logprobs(logits: jax.Array, target_ids: jax.Array, num_logprobs: int
+def token_logprobs(logits: jax.Array, target_ids: jax.Array, num_logprobs: int, wants_top: jax.Array | None = None
                    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Logprob and 1-based rank of target_ids[p] under log_softmax(logits[p]), plus the top-K.
 
     logits: f32[P, V], target_ids: i32[P]. Returns (f32[P], i32[P], i32[P, K], f32[P, K]).
+    `wants_top` (a traced bool): when False the top-K is skipped at run time (zeros).
     """
     logits = logits.astype(jnp.float32)
     # log_softmax is a shift by the row's logsumexp, so ranks and the top-K are taken on the
@@ -62,7 +69,12 @@ def token_logprobs(logits: jax.Array, target_ids: jax.Array, num_logprobs: int
     target_logit = jnp.take_along_axis(logits, target_ids.astype(jnp.int32)[:, None], axis=-1)
     # Ties count in the target's favour, as in vLLM (strictly greater only).
     ranks = jnp.sum(logits > target_logit, axis=-1, dtype=jnp.int32) + 1
-    if num_logprobs > 0:
+    if num_logprobs > 0 and wants_top is not None:
+        topk_logits, topk_ids = jax.lax.cond(
+            wants_top, lambda x: tuple(jax.lax.top_k(x, num_logprobs)),
+            lambda x: (jnp.zeros((x.shape[0], num_logprobs), x.dtype), jnp.zeros((x.shape[0], num_logprobs),
+                                                                                   jnp.int32)), logits)
+    elif num_logprobs > 0:
         topk_logits, topk_ids = jax.lax.top_k(logits, num_logprobs)
     else:
         topk_logits = jnp.zeros((logits.shape[0], 0), jnp.float32)
@@ -70,11 +82,20 @@ def token_logprobs(logits: jax.Array, target_ids: jax.Array, num_logprobs: int
     return (target_logit - lse)[:, 0], ranks, topk_ids.astype(jnp.int32), topk_logits - lse
 
 
+def penalised_rows(md) -> jax.Array:
+    """bool[S]: rows whose penalties change their logits."""
+    return (md.presence_penalty != 0) | (md.frequency_penalty != 0) | (md.repetition_penalty != 1.0)
+
+
 def _apply_bias_and_penalties(logits, md):
     if md.logit_bias is not None:
-        logits = logits + md.logit_bias
+        logits = jax.lax.cond(jnp.any(md.has_logit_bias), lambda x: x + md.logit_bias, lambda x: x, logits)
     if md.output_counts is None:
         return logits
+    return jax.lax.cond(jnp.any(penalised_rows(md)), lambda x: _apply_penalties(x, md), lambda x: x, logits)
+
+
+def _apply_penalties(logits, md):
     output_mask = md.output_counts > 0
     seen = output_mask if md.prompt_mask is None else output_mask | md.prompt_mask
     rep = jnp.where(seen, md.repetition_penalty[:, None], 1.0)
@@ -166,13 +187,14 @@ def uses_output_tokens(params) -> bool:
     return bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0)
 
 
-def is_plain_greedy(md: SamplingMetadata) -> bool:
-    """Every row greedy with no bias, penalties or top logprobs (static: decides the compiled path)."""
-    return md.all_greedy and md.logit_bias is None and md.output_counts is None and md.num_logprobs == 0
+def is_plain_greedy(md: SamplingMetadata) -> jax.Array:
+    """bool: every row greedy with no bias, penalties or top logprobs (traced: picks the fast path)."""
+    return (jnp.all(md.temperature < GREEDY_EPS) & ~jnp.any(md.has_logit_bias) & ~jnp.any(penalised_rows(md))
+            & ~jnp.any(md.requested_logprobs > 0))
 
 
-def greedy_from_transposed(logits_t: jax.Array) -> SamplerOutput:
-    """The plain-greedy sampler on f32[V, S] logits (one column per row).
+def greedy_from_transposed(logits_t: jax.Array, num_logprobs: int = 0) -> SamplerOutput:
+    """The plain-greedy sampler on f32[V, S] logits (one column per row); top-K left as zeros.
 
     On CPU a [V, S] matmul and column reductions run about a third faster than the [S, V] layout
     for decode-sized S. The argmax has rank 1; its logprob is max - logsumexp.
@@ -180,7 +202,7 @@ def greedy_from_transposed(logits_t: jax.Array) -> SamplerOutput:
     col_max = jnp.max(logits_t, axis=0)
     lse = col_max + jnp.log(jnp.sum(jnp.exp(logits_t - col_max[None, :]), axis=0))
     tokens = jnp.argmax(logits_t, axis=0).astype(jnp.int32)
-    empty = jnp.zeros((logits_t.shape[1], 0), jnp.int32)
+    empty = jnp.zeros((logits_t.shape[1], num_logprobs), jnp.int32)
     return SamplerOutput(tokens, col_max - lse, jnp.ones_like(tokens), empty, empty.astype(jnp.float32))
 
 
@@ -190,9 +212,11 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
     processed = _apply_bias_and_penalties(logits, md)
     tokens = jnp.argmax(processed, axis=-1).astype(jnp.int32)
     if not md.all_greedy:
-        random_tokens = _random_sample(processed, md)
-        tokens = jnp.where(md.temperature < GREEDY_EPS, tokens, random_tokens)
-    lp, ranks, topk_ids, topk_lp = token_logprobs(logits, tokens, md.num_logprobs)
+        is_random = md.temperature >= GREEDY_EPS
+        random_tokens = jax.lax.cond(jnp.any(is_random), lambda: _random_sample(processed, md), lambda: tokens)
+        tokens = jnp.where(is_random, random_tokens, tokens)
+    lp, ranks, topk_ids, topk_lp = token_logprobs(logits, tokens, md.num_logprobs,
+                                                  jnp.any(md.requested_logprobs > 0))
     return SamplerOutput(tokens, lp, ranks, topk_ids, topk_lp)
 
 
@@ -270,6 +294,7 @@ def build_sampling_metadata(params: list, seeds: list[int], steps: list[int],
                     logit_bias[i, int(token)] += np.float32(value)
 
     requested = [vocab_size if p.logprobs == -1 else (p.logprobs or 0) for p in params]
+    has_bias = column([bool(p.logit_bias) or bool(extra_bias[i]) for i, p in enumerate(params)], False, bool)
     return SamplingMetadata(
         temperature=temperature,
         top_k=top_k,
@@ -280,6 +305,8 @@ def build_sampling_metadata(params: list, seeds: list[int], steps: list[int],
         repetition_penalty=repetition,
         seeds=seeds_u32,
         steps=column(steps, 0, np.int32),
+        requested_logprobs=column(requested, 0, np.int32),
+        has_logit_bias=has_bias,
         output_counts=output_counts,
         prompt_mask=prompt_mask,
         logit_bias=logit_bias,

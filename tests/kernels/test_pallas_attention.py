@@ -1,5 +1,6 @@
 """The Pallas kernel (interpret mode on CPU) against the jnp reference, and its CUDA lowering."""
 
+import dataclasses
 import functools
 import os
 import re
@@ -12,7 +13,7 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
-from pallas_kernels.pallas_attention import ragged_paged_attention_pallas
+from pallas_kernels.pallas_attention import ragged_paged_attention_pallas, split_pages, visible_pages
 from pallas_kernels.reference import ragged_paged_attention_reference
 from tests.kernels.cases import live_tokens, random_case
 
@@ -84,6 +85,112 @@ def test_big_prompt_tile_and_traced_soft_cap():
     ref = ragged_paged_attention_reference(q, kv_pool, layer, md, **kwargs)
     out = ragged_paged_attention_pallas(q, kv_pool, layer, md, **kwargs, interpret=True)
     assert_matches_reference(out, ref, md, jnp.float32)
+
+
+def _wide_table(md, width):
+    """The same batch with a block table `width` columns wide, as a long max_model_len gives it."""
+    tables = md.block_tables
+    return dataclasses.replace(md, block_tables=jnp.pad(tables, ((0, 0), (0, width - tables.shape[1]))))
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 4, 16])
+def test_split_pages_share_the_visible_pages_evenly(num_splits):
+    first = 5
+    for pages in range(0, 41):
+        begin, stop = (np.asarray(x) for x in split_pages(first, first + pages, np.arange(num_splits), num_splits))
+        assert begin[0] == first and stop[-1] == first + pages
+        np.testing.assert_array_equal(begin[1:], stop[:-1])        # contiguous, no page walked twice
+        counts = stop - begin
+        assert counts.max() - counts.min() <= 1
+        assert (counts > 0).sum() == min(pages, num_splits)         # a short context still uses every split
+
+
+def test_visible_pages_follow_the_tile_not_the_table():
+    page_range = functools.partial(visible_pages, block_size=8, max_blocks=512)
+    # decode at kv_len 33: pages 0..4 of 512
+    assert tuple(map(int, page_range(33, 32, 1, 0))) == (0, 5)
+    # a window of 10 keys: positions 23..32, pages 2..4
+    assert tuple(map(int, page_range(33, 32, 1, 10))) == (2, 5)
+    # the first tile of a prompt chunk sees up to its last query, not the whole context
+    assert tuple(map(int, page_range(40, 20, 4, 0))) == (0, 3)
+    # padding tile, and a kv_len past the table (clamped)
+    first, end = page_range(0, -3, 0, 0)
+    assert int(first) == int(end)
+    assert int(page_range(5000, 4999, 1, 0)[1]) == 512
+
+
+# Contexts of 1-39 tokens (block_size 8, <= 4 blocks) in a table 512 blocks wide.
+# (group, window, soft_cap, dtype, num_kv_splits, seed)
+SHORT_CONTEXT_CASES = [
+    (1, 0, 0.0, jnp.float32, 4, 20),
+    (4, 0, 0.0, jnp.float32, None, 21),
+    (2, 6, 0.0, jnp.float32, 3, 22),
+    (8, 0, 25.0, jnp.float32, 4, 23),
+    (4, 11, 10.0, jnp.bfloat16, 2, 24),
+]
+
+
+@pytest.mark.parametrize("group,window,soft_cap,dtype,splits,seed", SHORT_CONTEXT_CASES)
+def test_short_contexts_in_a_wide_table_match_reference(group, window, soft_cap, dtype, splits, seed):
+    rng = np.random.default_rng(seed)
+    q, kv_pool, layer, md, kwargs = random_case(rng, head_dim=64, group=group, block_size=8, num_seqs=3,
+                                                dtype=dtype, sliding_window=window, soft_cap=soft_cap,
+                                                max_blocks_per_seq=4)
+    md = _wide_table(md, 512)
+    ref = ragged_paged_attention_reference(q, kv_pool, layer, md, **kwargs)
+    out = ragged_paged_attention_pallas(q, kv_pool, layer, md, **kwargs, num_kv_splits=splits, interpret=True)
+    assert_matches_reference(out, ref, md, dtype)
+
+
+# (group, window, kv_chunk_blocks, num_kv_splits, seed): contexts up to ~650 tokens, block_size 16.
+@pytest.mark.parametrize("group,window,chunk,splits,seed", [(4, 0, 4, 3, 25), (2, 100, 2, 5, 26)])
+def test_long_contexts_match_reference(group, window, chunk, splits, seed):
+    rng = np.random.default_rng(seed)
+    q, kv_pool, layer, md, kwargs = random_case(rng, head_dim=64, group=group, block_size=16, num_seqs=2,
+                                                dtype=jnp.float32, sliding_window=window, max_blocks_per_seq=40)
+    ref = ragged_paged_attention_reference(q, kv_pool, layer, md, **kwargs)
+    out = ragged_paged_attention_pallas(q, kv_pool, layer, md, **kwargs, kv_chunk_blocks=chunk,
+                                        num_kv_splits=splits, interpret=True)
+    assert_matches_reference(out, ref, md, jnp.float32)
+
+
+def test_a_short_context_is_spread_over_every_split(monkeypatch):
+    """Split-K follows the context, not the table: in a 512-page table, a context of P pages gives
+    min(P, 4) of 4 splits keys (a nonzero softmax sum); a split fixed by the table width gave all to one."""
+    real_pallas_call = pl.pallas_call
+    partial_sums = []
+
+    def record_partial_sums(kernel, **params):
+        call = real_pallas_call(kernel, **params)
+
+        def run(*args):
+            acc, m, l = call(*args)
+            jax.debug.callback(lambda l: partial_sums.append(np.asarray(l)), l)
+            return acc, m, l
+        return run
+
+    rng = np.random.default_rng(27)
+    num_splits, group, block_size = 4, 2, 8
+    q, kv_pool, layer, md, kwargs = random_case(rng, head_dim=64, group=group, block_size=block_size, num_seqs=5,
+                                                dtype=jnp.float32, decode_only=True, max_blocks_per_seq=4)
+    md = _wide_table(md, 512)
+    ref = ragged_paged_attention_reference(q, kv_pool, layer, md, **kwargs)
+    monkeypatch.setattr(pl, "pallas_call", record_partial_sums)
+    jax.clear_caches()
+    try:
+        out = ragged_paged_attention_pallas(q, kv_pool, layer, md, **kwargs, num_kv_splits=num_splits,
+                                            interpret=True)
+        jax.effects_barrier()
+    finally:
+        jax.clear_caches()
+    assert_matches_reference(out, ref, md, jnp.float32)
+
+    (l,) = partial_sums                                   # [splits, tiles, kv_heads, rows]
+    kv_lens = np.asarray(md.kv_lens)[:live_tokens(md)]    # q_tile 1, one query each: tile i is sequence i
+    pages = -(-kv_lens // block_size)
+    assert pages.max() >= num_splits and pages.min() < num_splits, pages
+    splits_with_keys = (l[:, :len(kv_lens), :, :group] > 0).all(axis=(2, 3)).sum(axis=0)
+    np.testing.assert_array_equal(splits_with_keys, np.minimum(pages, num_splits))
 
 
 def test_a_kernel_that_skips_a_tile_is_caught(monkeypatch):

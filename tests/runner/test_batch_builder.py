@@ -1,5 +1,8 @@
 """Batch building: the decode-only flag that sends a step down the reference's flat page walk."""
 
+import numpy as np
+import pytest
+
 from jaxpaged.runner.batch_builder import BatchShape, SeqChunk, build_forward_batch, choose_shape
 
 
@@ -21,3 +24,24 @@ def test_decode_steps_are_flagged_and_steps_with_a_prompt_chunk_are_not():
 def test_warm_up_batches_take_the_flag_from_their_shape():
     assert build_forward_batch([], 8, 8, BatchShape(4, 4, 4, 1)).attn.decode_only
     assert not build_forward_batch([], 8, 8, BatchShape(16, 4, 4, 16)).attn.decode_only
+
+
+@pytest.mark.parametrize("max_seqs, max_tokens", [(256, 2048), (16, 512), (10, 100), (8, 64)])
+def test_every_step_shape_is_one_compiled_at_startup(max_seqs, max_tokens):
+    import types
+
+    from jaxpaged.runner.model_runner import SEQ_FLOOR, TOKEN_FLOOR, ModelRunner
+
+    compiled = set(ModelRunner.warmup_shapes(types.SimpleNamespace(max_num_seqs=max_seqs,
+                                                                   max_num_batched_tokens=max_tokens)))
+    rng = np.random.default_rng(max_seqs)
+    for _ in range(3000):
+        num_seqs = int(rng.integers(1, max_seqs + 1))
+        decode = rng.random() < 0.3
+        lengths = [1] * num_seqs if decode else rng.integers(1, 40, num_seqs).tolist()
+        if sum(lengths) > max_tokens:
+            continue
+        chunks = [SeqChunk([0] * n, 0, [1], [n - 1]) for n in lengths]
+        forks = int(rng.integers(0, max_seqs - num_seqs + 1))   # seats the scheduler kept for n > 1
+        shape = choose_shape(chunks, TOKEN_FLOOR, SEQ_FLOOR, max_tokens, max_seqs, num_seqs + forks)
+        assert shape in compiled, (lengths, forks, shape)

@@ -1,0 +1,162 @@
+"""What every part of the GPU check shares: the result row, the sizes, the context, timing.
+
+Only the standard library at import time: the driver process imports this module and must
+not touch a device (each part runs in its own child process, which owns the GPU while it runs).
+"""
+
+import dataclasses
+import json
+import statistics
+import time
+import traceback
+from typing import Any, Callable
+
+STATUSES = ("ok", "fail", "error", "skip", "timeout")
+
+
+@dataclasses.dataclass
+class Row:
+    """One line of the result table.
+
+    status: ok (ran, and passed where there is a pass criterion), fail (ran, missed the
+    criterion), error (raised), skip (cannot run here, `note` says why), timeout (killed).
+    """
+
+    part: str
+    case: str
+    status: str
+    metrics: dict[str, Any] = dataclasses.field(default_factory=dict)   # shown in the table
+    note: str = ""
+    data: dict[str, Any] = dataclasses.field(default_factory=dict)      # JSON only (tokens, raw numbers)
+
+    def __post_init__(self):
+        if self.status not in STATUSES:
+            raise ValueError(f"status must be one of {', '.join(STATUSES)}, got {self.status!r}")
+
+
+def error_row(part: str, case: str, exc: BaseException) -> Row:
+    """An `error` row naming the exception and where it was raised (the last frame in our code)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/jaxpaged/" in f.filename
+              or "/pallas_kernels/" in f.filename]
+    where = f" at {frames[-1].filename.rsplit('/', 2)[-1]}:{frames[-1].lineno}" if frames else ""
+    message = " ".join(str(exc).split())
+    return Row(part, case, "error", note=f"{type(exc).__name__}{where}: {message[:400]}",
+               data={"traceback": traceback.format_exception(exc)[-20:]})
+
+
+def guarded(part: str, case: str, run: Callable[[], Row]) -> Row:
+    """run() or, if it raises, an error row: one case's failure never hides the next case."""
+    try:
+        return run()
+    except Exception as exc:  # noqa: BLE001 -- every failure becomes a table row
+        return error_row(part, case, exc)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """Every size the parts use: GPU (the real check) and DRY (the CPU dry run)."""
+
+    copy_bytes: int                       # bytes of the array copied device to device
+    timing_rounds: int                    # median over this many rounds
+    timing_round_s: float                 # each round repeats the call for at least this long
+    correctness_context: int              # longest KV context in the correctness batches
+    correctness_seqs: tuple[int, int, int]  # decodes and prompt chunks of a mixed batch; decodes of a decode batch
+    correctness_heads: tuple[tuple[int, int, int], ...]   # (q heads, kv heads, head_dim) per batch family
+    correctness_dtypes: tuple[str, ...]
+    attention_seqs: tuple[int, ...]       # decode timing: sequences per batch
+    attention_contexts: tuple[int, ...]   # decode timing: tokens of context per sequence
+    attention_heads: tuple[int, int, int]  # (q heads, kv heads, head_dim)
+    swap_shape: tuple[int, int, int, int]  # pool (layers, kv heads, block_size, head_dim)
+    swap_blocks: int                      # blocks moved each way (a power of two: no padding)
+    model: dict[str, Any]                 # Qwen2Config arguments of the engine's random model
+    engine_prompts: int
+    engine_prompt_len: tuple[int, int]    # prompt lengths drawn from [lo, hi]
+    engine_max_tokens: int
+    engine_agree_tokens: int              # greedy tokens compared across backends
+    engine_max_model_len: int
+    engine_batched_tokens: int
+    block_size: int = 16
+
+
+_QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                   num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+                   max_position_embeddings=32768, rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645,
+                   rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+
+GPU = Sizes(
+    copy_bytes=2 << 30, timing_rounds=5, timing_round_s=0.05,
+    correctness_context=3000, correctness_seqs=(8, 4, 24), correctness_heads=((32, 8, 128), (14, 2, 64)),
+    correctness_dtypes=("bfloat16", "float32"),
+    attention_seqs=(64, 256), attention_contexts=(1024, 4096, 8192), attention_heads=(32, 8, 128),
+    swap_shape=(24, 2, 16, 64), swap_blocks=8192,
+    model=_QWEN25_05B, engine_prompts=64, engine_prompt_len=(16, 64), engine_max_tokens=128,
+    engine_agree_tokens=16, engine_max_model_len=512, engine_batched_tokens=4096,
+)
+
+DRY = Sizes(
+    copy_bytes=8 << 20, timing_rounds=3, timing_round_s=0.005,
+    correctness_context=40, correctness_seqs=(3, 2, 4), correctness_heads=((6, 1, 16),),
+    correctness_dtypes=("bfloat16",),
+    attention_seqs=(3,), attention_contexts=(40,), attention_heads=(4, 2, 16),
+    swap_shape=(2, 2, 16, 16), swap_blocks=16,
+    model=dict(_QWEN25_05B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=512, max_position_embeddings=256, bos_token_id=1, eos_token_id=2),
+    engine_prompts=3, engine_prompt_len=(4, 12), engine_max_tokens=5, engine_agree_tokens=4,
+    engine_max_model_len=64, engine_batched_tokens=64,
+)
+
+
+@dataclasses.dataclass
+class Context:
+    """What the driver hands each part (as JSON to its child process)."""
+
+    dry_run: bool
+    workdir: str                          # scratch folder shared by the parts (the random model lives here)
+    previous: list[Row] = dataclasses.field(default_factory=list)   # rows of the parts already run
+    jax_triton_path: str = ""             # folder put first on PYTHONPATH for jax-triton ('' = the environment's)
+
+    @property
+    def sizes(self) -> Sizes:
+        return DRY if self.dry_run else GPU
+
+    def rows_of(self, part: str) -> list[Row]:
+        return [r for r in self.previous if r.part == part]
+
+    def platform(self) -> str | None:
+        """The platform the env part saw ('gpu', 'cpu'), None before it ran."""
+        for row in self.rows_of("env"):
+            if "platform" in row.data:
+                return row.data["platform"]
+        return None
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Context":
+        d = json.loads(text)
+        d["previous"] = [Row(**r) for r in d["previous"]]
+        return cls(**d)
+
+
+def time_call(fn: Callable, *args, rounds: int, round_s: float) -> float:
+    """Median seconds per call of fn(*args), after one compiling call.
+
+    Calls are queued back to back and waited for once per round (JAX dispatch is
+    asynchronous), so launch overhead overlaps the device work as it does in the engine.
+    """
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    once = time.perf_counter() - start
+    repeats = max(1, min(500, int(round_s / max(once, 1e-6))))
+    per_call = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        per_call.append((time.perf_counter() - start) / repeats)
+    return statistics.median(per_call)

@@ -1,0 +1,137 @@
+"""Engine parts: a random model of a real shape, the engine end to end per backend, greedy agreement.
+
+The model is Qwen2.5-0.5B's shape with random weights (no hub on the GPU machine), built and
+saved by transformers in its own child process (torch stays out of the engine's processes).
+Weights are drawn so that greedy decoding is not a coin toss: linear layers N(0, 1/fan_in)
+keep activations O(1) through the layers, and a tied embedding of std 0.5 gives logits of
+std ~15, far apart compared with bf16 rounding, yet not dominated by the current token.
+"""
+
+import os
+import statistics
+import time
+from typing import Iterator
+
+import numpy as np
+
+from jaxpaged.bench.gpu_check.common import Context, Row, Sizes
+
+MODEL_FOLDER = "model"
+_EMBED_STD = 0.5
+
+
+def random_checkpoint(ctx: Context) -> Iterator[Row]:
+    import torch
+    import transformers
+
+    start = time.perf_counter()
+    config = transformers.Qwen2Config(**ctx.sizes.model)
+    torch.manual_seed(0)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)   # half the memory and time of an fp32 model, saved as bf16
+    try:
+        model = transformers.Qwen2ForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(default_dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("embed_tokens.weight"):
+                p.normal_(0.0, _EMBED_STD)
+            elif p.ndim == 2:
+                p.normal_(0.0, p.shape[1] ** -0.5)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+            else:   # norm scales
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    path = os.path.join(ctx.workdir, MODEL_FOLDER)
+    model.save_pretrained(path, safe_serialization=True)
+    params = sum(p.numel() for p in model.parameters())
+    size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+    yield Row("checkpoint", f"Qwen2 random {config.num_hidden_layers} layers", "ok",
+              {"params M": params / 1e6, "MB": size / 1e6, "s": time.perf_counter() - start}, note=path)
+
+
+def engine_prompts(sizes: Sizes, vocab_size: int) -> tuple[list[dict], list[dict]]:
+    """(timed prompts, warm-up prompts): same lengths, other tokens (no prefix-cache hits between them)."""
+    rng = np.random.default_rng(0)
+    lo, hi = sizes.engine_prompt_len
+    prompts = [rng.integers(10, vocab_size - 10, int(rng.integers(lo, hi + 1))).tolist()
+               for _ in range(sizes.engine_prompts)]
+    warm = [[(t + 1) % vocab_size for t in p] for p in prompts]
+    return [{"prompt_token_ids": p} for p in prompts], [{"prompt_token_ids": p} for p in warm]
+
+
+def engine_run(ctx: Context, backend: str) -> Iterator[Row]:
+    """LLM start-up, an untimed warm-up generate (it compiles the step shapes), then the timed batch."""
+    import jax
+
+    from jaxpaged import LLM, SamplingParams
+    from jaxpaged.bench.gpu_check.system import adapt_jax_triton
+    from pallas_kernels.backends import resolve_backend
+
+    platform = jax.devices()[0].platform
+    try:
+        resolve_backend(backend, platform)
+    except ValueError as exc:
+        yield Row("engine", backend, "error" if platform == "gpu" else "skip", note=str(exc))
+        return
+    if backend == "triton":
+        adapt_jax_triton()
+    path = os.path.join(ctx.workdir, MODEL_FOLDER)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        yield Row("engine", backend, "error", note=f"no model in {path}: see the checkpoint part")
+        return
+    sizes = ctx.sizes
+    prompts, warm = engine_prompts(sizes, sizes.model["vocab_size"])
+    per_seq = -(-(sizes.engine_prompt_len[1] + sizes.engine_max_tokens) // sizes.block_size)
+    start = time.perf_counter()
+    llm = LLM(path, dtype="bfloat16", attention_backend=backend, block_size=sizes.block_size,
+              max_num_seqs=sizes.engine_prompts, max_model_len=sizes.engine_max_model_len,
+              max_num_batched_tokens=sizes.engine_batched_tokens,
+              num_gpu_blocks_override=2 * sizes.engine_prompts * per_seq + 1, compile_on_startup=False,
+              use_tqdm=False)
+    startup = time.perf_counter() - start
+    greedy = dict(temperature=0.0, ignore_eos=True, detokenize=False)
+    start = time.perf_counter()
+    llm.generate(warm, SamplingParams(max_tokens=3, **greedy), use_tqdm=False)
+    warmup = time.perf_counter() - start
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=sizes.engine_max_tokens, **greedy), use_tqdm=False)
+    seconds = time.perf_counter() - start
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    generated = sum(len(t) for t in tokens)
+    yield Row("engine", backend, "ok",
+              {"start-up s": startup, "warm-up s": warmup, "generate s": seconds, "out tok/s": generated / seconds,
+               "seqs x tokens": f"{len(tokens)} x {sizes.engine_max_tokens}"},
+              note="start-up without step compilation; warm-up = first generate (compiles)",
+              data={"tokens": [t[:sizes.engine_agree_tokens] for t in tokens]})
+
+
+def engine_agreement(ctx: Context) -> list[Row]:
+    """Greedy tokens of each backend against the reference's (or the first backend that ran)."""
+    runs = {r.case: r.data["tokens"] for r in ctx.rows_of("engine") if r.status == "ok" and "tokens" in r.data}
+    if len(runs) < 2:
+        return [Row("engine", "agreement", "skip", note=f"{len(runs)} backend(s) ran: nothing to compare")]
+    base = "reference" if "reference" in runs else next(iter(runs))
+    rows = []
+    for name, tokens in runs.items():
+        if name == base:
+            continue
+        pairs = list(zip(tokens, runs[base]))
+        first = sum(a[:1] == b[:1] for a, b in pairs)
+        whole = sum(a == b for a, b in pairs)
+        prefix = statistics.mean(_common_prefix(a, b) for a, b in pairs)
+        # bf16 on random weights: a near-tie may flip a late token; a wrong kernel flips most first tokens.
+        ok = first >= 0.9 * len(pairs) and whole >= 0.5 * len(pairs)
+        n = len(pairs[0][1]) if pairs else 0
+        rows.append(Row("engine", f"agreement {name} vs {base}", "ok" if ok else "fail",
+                        {"first token": f"{first}/{len(pairs)}", f"all {n}": f"{whole}/{len(pairs)}",
+                         "mean common prefix": prefix}))
+    return rows
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n

@@ -1,0 +1,227 @@
+"""Attention parts: each backend against the jnp reference on mixed batches, and decode timing vs bandwidth.
+
+Correctness batches are what the engine hands a kernel in one step, made hostile in the way
+tests/kernels/cases.py is (pages scattered through a shuffled pool, garbage in every slot that
+is not live KV, in the other layer and past kv_len; NaN in padded query tokens) but at
+realistic sizes, built on the device. The ground truth is the reference at 'highest' matmul
+precision: on a GPU, XLA's default fp32 dots (the reference as a backend) use TF32.
+"""
+
+import dataclasses
+import functools
+from typing import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpaged.bench.gpu_check.common import Context, Row, error_row, guarded, time_call
+from jaxpaged.bench.gpu_check.system import adapt_jax_triton
+from jaxpaged.runner.batch_builder import PREFILL_Q_TILE
+from pallas_kernels import AttentionMetadata, kv_pool_shape
+from pallas_kernels.backends import get_attention, resolve_backend
+from pallas_kernels.reference import ragged_paged_attention_reference
+
+BACKENDS = ("reference", "pallas", "triton")
+# ||out - truth|| / ||truth|| (METHOD.md): fp32 lands far under 1e-3 even with TF32 dots (~3e-4),
+# bf16 operands between 1e-3 and 1e-2; a wrong page or mask is off by O(1).
+REL_TOLERANCE = {"float32": 1e-3, "bfloat16": 1e-2}
+_IEEE_FP32 = 1e-5   # above this an fp32 result is TF32-level, not IEEE: said in the row's note
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """One step's attention work: live sequences (q_len, kv_len), then padded ones (0, 0)."""
+
+    name: str
+    heads: tuple[int, int, int]   # (q heads, kv heads, head_dim)
+    q_lens: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+    q_tile: int
+    decode_only: bool = False
+    sliding_window: int = 0
+    soft_cap: float = 0.0
+
+
+def correctness_batches(ctx: Context) -> list[Batch]:
+    sizes = ctx.sizes
+    longest, bs = sizes.correctness_context, sizes.block_size
+    num_decodes, num_chunks, decode_batch = sizes.correctness_seqs
+    rng = np.random.default_rng(0)
+
+    def decodes(n):   # block boundaries and one past them, then anywhere up to `longest`
+        fixed = [bs, bs + 1, longest, 1]
+        return fixed[:n] + rng.integers(1, longest + 1, max(0, n - len(fixed))).tolist()
+
+    def mixed(name, heads, **kw):
+        chunk_q = rng.integers(2, max(3, min(300, longest // 2)), num_chunks).tolist()
+        prefixes = [0] + rng.integers(0, longest // 2, num_chunks - 1).tolist()   # a fresh prompt, then later chunks
+        q_lens = [1] * num_decodes + chunk_q + [0, 0]
+        kv_lens = decodes(num_decodes) + [q + p for q, p in zip(chunk_q, prefixes)] + [0, 0]
+        return Batch(name, heads, tuple(q_lens), tuple(kv_lens), PREFILL_Q_TILE, **kw)
+
+    first = sizes.correctness_heads[0]
+    batches = [mixed(f"mixed {h}/{k} d{d}", (h, k, d)) for h, k, d in sizes.correctness_heads]
+    batches.append(Batch(f"decode {first[0]}/{first[1]} d{first[2]}", first, (1,) * decode_batch + (0,) * 3,
+                         tuple(decodes(decode_batch)) + (0,) * 3, 1, decode_only=True))
+    batches.append(mixed(f"mixed {first[0]}/{first[1]} d{first[2]} window+cap", first,
+                         sliding_window=max(2, longest // 6), soft_cap=30.0))
+    return batches
+
+
+def build_inputs(batch: Batch, dtype, block_size: int, seed: int, num_layers: int = 2, pad_tokens: int = 3):
+    """(q, kv_pool, layer, md, kwargs) for kernel(q, kv_pool, layer, md, **kwargs); the last layer is read."""
+    num_heads, kv_heads, head_dim = batch.heads
+    rng = np.random.default_rng(seed)
+    kv_lens = np.asarray(batch.kv_lens)
+    blocks_per_seq = -(-kv_lens // block_size)
+    num_blocks = 1 + int(blocks_per_seq.sum()) + 3          # block 0 is the null block; 3 free blocks
+    tables = np.zeros((len(kv_lens), int(blocks_per_seq.max()) + 1), np.int32)   # + a padding column
+    free = rng.permutation(np.arange(1, num_blocks))
+    for i, n in enumerate(blocks_per_seq):
+        tables[i, :n], free = free[:n], free[n:]
+    owner = np.repeat(np.arange(len(kv_lens)), kv_lens)
+    position = np.concatenate([np.arange(n) for n in kv_lens])
+    layer = num_layers - 1
+    q, pool = _random_q_and_pool(seed, layer, tables[owner, position // block_size],
+                                 (position % block_size).astype(np.int32), num_tokens=sum(batch.q_lens),
+                                 pad_tokens=pad_tokens, q_heads=num_heads, dtype=dtype,
+                                 pool_shape=kv_pool_shape(num_layers, num_blocks, block_size, kv_heads, head_dim))
+    # numpy arrays of the final dtype: on CPU every eager jnp conversion is a ~1 s compile
+    md = AttentionMetadata(kv_lens=jnp.asarray(kv_lens.astype(np.int32)), block_tables=jnp.asarray(tables),
+                           cu_q_lens=jnp.asarray(np.cumsum([0, *batch.q_lens], dtype=np.int32)),
+                           q_tile=batch.q_tile, decode_only=batch.decode_only)
+    kwargs = dict(sliding_window=np.int32(batch.sliding_window), soft_cap=batch.soft_cap,
+                  sm_scale=head_dim ** -0.5)
+    return q, pool, np.int32(layer), md, kwargs
+
+
+@functools.partial(jax.jit, static_argnames=("num_tokens", "pad_tokens", "q_heads", "dtype", "pool_shape"))
+def _random_q_and_pool(seed, layer, live_blocks, live_offsets, *, num_tokens, pad_tokens, q_heads, dtype,
+                       pool_shape):
+    """Garbage everywhere in the pool but at the live slots (N(0, 1) K and V); q N(0, 1), NaN past num_tokens."""
+    head_dim = pool_shape[-1]
+    keys = jax.random.split(jax.random.key(seed, impl="rbg"), 3)   # threefry compiles for seconds on CPU
+    pool = jax.random.uniform(keys[0], pool_shape, jnp.float32, -1e3, 1e3)
+    live = jax.random.normal(keys[1], (live_blocks.shape[0], 2, pool_shape[3], head_dim), jnp.float32)
+    pool = pool.at[layer, :, live_blocks, :, live_offsets].set(live)
+    q = jax.random.normal(keys[2], (num_tokens + pad_tokens, q_heads, head_dim), jnp.float32)
+    q = q.at[num_tokens:].set(jnp.nan)   # padded tokens: a kernel that lets them leak fails every row
+    return q.astype(dtype), pool.astype(dtype)
+
+
+def backend_kernel(name: str, platform: str) -> Callable | str:
+    """The backend's attention function, or why it cannot run here."""
+    try:
+        resolved = resolve_backend(name, platform)
+    except ValueError as exc:
+        return str(exc)
+    if resolved == "triton":
+        adapt_jax_triton()
+    return get_attention(resolved, platform)
+
+
+def _unavailable(part: str, case: str, reason: str, platform: str) -> Row:
+    # On CPU a GPU-only backend is expected to be missing; on the GPU it is the thing to fix.
+    return Row(part, case, "error" if platform == "gpu" else "skip", note=reason)
+
+
+def kernel_correctness(ctx: Context) -> Iterator[Row]:
+    platform = jax.devices()[0].platform
+    kernels = {name: backend_kernel(name, platform) for name in BACKENDS}
+    for b, batch in enumerate(correctness_batches(ctx)):
+        for dtype in ctx.sizes.correctness_dtypes:
+            try:
+                q, pool, layer, md, kwargs = build_inputs(batch, dtype, ctx.sizes.block_size, seed=b)
+                with jax.default_matmul_precision("highest"):
+                    truth = ragged_paged_attention_reference(q, pool, layer, md, **kwargs)
+                truth = np.asarray(truth, np.float64)[:sum(batch.q_lens)]
+            except Exception as exc:  # noqa: BLE001 -- this batch is lost, not the next ones
+                yield error_row("kernels", f"inputs {batch.name} {dtype}", exc)
+                continue
+            for name, kernel in kernels.items():
+                case = f"{name} {batch.name} {dtype}"
+                if isinstance(kernel, str):
+                    yield _unavailable("kernels", case, kernel, platform)
+                    continue
+                yield guarded("kernels", case, functools.partial(
+                    _compare, case, kernel, (q, pool, layer, md), kwargs, truth, dtype, platform))
+
+
+def _compare(case, kernel, args, kwargs, truth, dtype, platform) -> Row:
+    out = np.asarray(kernel(*args, **kwargs), np.float64)[:len(truth)]
+    metrics = {"tokens": len(truth)}
+    if not np.isfinite(out).all():
+        bad = np.unique(np.nonzero(~np.isfinite(out))[0])
+        return Row("kernels", case, "fail", metrics, note=f"non-finite output rows {bad[:8].tolist()}")
+    max_abs = float(np.abs(out - truth).max())
+    rel = float(np.linalg.norm(out - truth) / np.linalg.norm(truth))
+    tol = REL_TOLERANCE[dtype]
+    note = "interpret mode" if platform != "gpu" and "pallas" in case else ""
+    if dtype == "float32" and rel > _IEEE_FP32:
+        note = "fp32 at TF32 level, not IEEE"
+    return Row("kernels", case, "ok" if rel <= tol else "fail",
+               {**metrics, "max abs err": max_abs, "rel err": rel, "rel tol": tol}, note=note)
+
+
+def decode_batch(num_seqs: int, context: int, heads: tuple[int, int, int], block_size: int, seed: int = 0):
+    """A decode step of num_seqs sequences of `context` tokens over one layer, pages shuffled."""
+    num_heads, kv_heads, head_dim = heads
+    per_seq = -(-context // block_size)
+    num_blocks = 1 + num_seqs * per_seq
+    q, pool = _random_decode(seed, q_shape=(num_seqs, num_heads, head_dim),
+                             pool_shape=kv_pool_shape(1, num_blocks, block_size, kv_heads, head_dim))
+    tables = np.random.default_rng(seed).permutation(np.arange(1, num_blocks, dtype=np.int32))
+    md = AttentionMetadata(kv_lens=jnp.asarray(np.full(num_seqs, context, np.int32)),
+                           block_tables=jnp.asarray(tables.reshape(num_seqs, per_seq)),
+                           cu_q_lens=jnp.asarray(np.arange(num_seqs + 1, dtype=np.int32)), q_tile=1, decode_only=True)
+    kv_bytes = num_seqs * context * kv_heads * head_dim * 2 * pool.dtype.itemsize   # K and V of every context
+    return (q, pool, np.int32(0), md), kv_bytes
+
+
+@functools.partial(jax.jit, static_argnames=("q_shape", "pool_shape"))
+def _random_decode(seed, *, q_shape, pool_shape):
+    keys = jax.random.split(jax.random.key(seed, impl="rbg"), 2)
+    return (jax.random.normal(keys[0], q_shape, jnp.bfloat16), jax.random.normal(keys[1], pool_shape, jnp.bfloat16))
+
+
+def attention_timing(ctx: Context) -> Iterator[Row]:
+    """Median time of one layer's decode attention per backend, against the KV bytes it must read."""
+    sizes = ctx.sizes
+    platform = jax.devices()[0].platform
+    copy = [r.data["gbps"] for r in ctx.rows_of("copy") if "gbps" in r.data]
+    copy_gbps = copy[0] if copy else None
+    kernels = {name: backend_kernel(name, platform) for name in BACKENDS}
+    head_dim = sizes.attention_heads[2]
+    for num_seqs in sizes.attention_seqs:
+        for context in sizes.attention_contexts:
+            try:
+                args, kv_bytes = decode_batch(num_seqs, context, sizes.attention_heads, sizes.block_size)
+            except Exception as exc:  # noqa: BLE001 -- e.g. out of memory: the smaller cases still ran
+                yield error_row("attention", f"inputs {num_seqs} seqs x {context}", exc)
+                continue
+            reference_out = None
+            for name, kernel in kernels.items():
+                case = f"{name} {num_seqs} seqs x {context}"
+                if isinstance(kernel, str):
+                    yield _unavailable("attention", case, kernel, platform)
+                    continue
+                fn = jax.jit(functools.partial(kernel, sm_scale=head_dim ** -0.5))
+
+                def run(case=case, fn=fn, name=name):
+                    nonlocal reference_out
+                    seconds = time_call(fn, *args, rounds=sizes.timing_rounds, round_s=sizes.timing_round_s)
+                    out = np.asarray(fn(*args), np.float32)
+                    metrics = {"ms": seconds * 1e3, "KV MB": kv_bytes / 1e6, "GB/s": kv_bytes / seconds / 1e9}
+                    if copy_gbps:
+                        metrics["of copy"] = kv_bytes / seconds / 1e9 / copy_gbps
+                    if name == "reference":
+                        reference_out = out
+                    elif reference_out is not None:
+                        metrics["max diff vs ref"] = float(np.abs(out - reference_out).max())
+                    note = "interpret mode" if platform != "gpu" and name == "pallas" else ""
+                    return Row("attention", case, "ok", metrics, note=note,
+                               data={"seconds": seconds, "kv_bytes": kv_bytes})
+
+                yield guarded("attention", case, run)
+            del args

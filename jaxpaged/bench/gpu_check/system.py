@@ -1,0 +1,194 @@
+"""Parts about the machine: environment, jax-triton probe, device copy bandwidth, KV swap to pinned host."""
+
+import functools
+import importlib
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import time
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpaged.bench.gpu_check.common import Context, Row, guarded, time_call
+from jaxpaged.runner.block_ops import HostSwapSpace
+from pallas_kernels import kv_pool_shape
+
+# Modules the engine, the kernels and the server need; on the GPU image some come as carried wheels.
+IMPORTS = ("pallas_kernels.pallas_attention", "pallas_kernels.triton_attention", "jax_triton", "starlette",
+           "uvicorn", "gguf", "server.app")
+_VERSIONS = ("jax", "jaxlib", "flax", "numpy", "transformers", "triton", "jax_triton", "torch")
+
+
+def adapt_jax_triton() -> str:
+    """Let pallas_kernels' `triton_call(out_type=...)` run on jax-triton 0.3, whose keyword is `out_shape`.
+
+    The GPU image has triton 3.6, which only jax-triton 0.3.x accepts (0.4 needs triton >= 3.7);
+    0.3 and 0.4 differ in that keyword alone for our call. Changes jax_triton.triton_call in this
+    process (a child of the check); returns what it found or did, for the table.
+    """
+    try:
+        import jax_triton
+    except Exception as exc:  # noqa: BLE001 -- not importable is an answer, reported by the env part
+        return f"not importable ({type(exc).__name__})"
+    from jaxpaged.bench.gpu_check.triton_probe import output_keyword
+
+    original = jax_triton.triton_call
+    if getattr(original, "gpu_check_adapted", False):
+        return "adapted: out_type= passed as out_shape= (jax-triton 0.3)"
+    if output_keyword(jax_triton) == "out_type":
+        return "native: triton_call takes out_type="
+
+    @functools.wraps(original)
+    def triton_call(*args, out_type=None, **kwargs):
+        return original(*args, out_shape=out_type, **kwargs)
+
+    triton_call.gpu_check_adapted = True
+    jax_triton.triton_call = triton_call
+    return "adapted: out_type= passed as out_shape= (jax-triton 0.3)"
+
+
+def _version(module: str) -> str:
+    try:
+        return str(getattr(importlib.import_module(module), "__version__", "?"))
+    except Exception as exc:  # noqa: BLE001
+        return f"missing ({type(exc).__name__})"
+
+
+def environment(ctx: Context) -> Iterator[Row]:
+    yield Row("env", "versions", "ok", {"python": platform.python_version(),
+                                         **{m: _version(m) for m in _VERSIONS}})
+    devices = jax.devices()
+    stats = devices[0].memory_stats() or {}
+    gib = lambda key: round(stats[key] / 2**30, 2) if key in stats else "n/a"  # noqa: E731
+    yield Row("env", "device", "ok", {"platform": devices[0].platform, "count": len(devices),
+                                       "kind": devices[0].device_kind, "limit GiB": gib("bytes_limit"),
+                                       "in use GiB": gib("bytes_in_use")},
+              data={"platform": devices[0].platform, "memory_stats": stats})
+    yield guarded("env", "nvidia-smi", _nvidia_smi)
+    on_gpu = devices[0].platform == "gpu"
+    for module in IMPORTS:
+        yield guarded("env", f"import {module}", functools.partial(_import_row, module))
+    yield Row("env", "jax-triton call", "ok", {"triton_call": adapt_jax_triton()},
+              note=f"PYTHONPATH first: {ctx.jax_triton_path}" if ctx.jax_triton_path else "")
+    from pallas_kernels.backends import resolve_backend
+    for name in ("reference", "pallas", "triton"):
+        try:
+            yield Row("env", f"backend {name}", "ok", {"resolves to": resolve_backend(name)})
+        except ValueError as exc:
+            yield Row("env", f"backend {name}", "error" if on_gpu else "skip", note=str(exc))
+
+
+def _import_row(module: str) -> Row:
+    loaded = importlib.import_module(module)
+    where = os.path.dirname(getattr(loaded, "__file__", "") or "")
+    return Row("env", f"import {module}", "ok", {"version": getattr(loaded, "__version__", "-")}, note=where)
+
+
+def _nvidia_smi() -> Row:
+    if shutil.which("nvidia-smi") is None:
+        return Row("env", "nvidia-smi", "skip", note="nvidia-smi not on PATH")
+    fields = "name,driver_version,memory.total,memory.used,clocks.sm,clocks.mem,temperature.gpu"
+    out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"], capture_output=True,
+                         text=True, timeout=30)
+    if out.returncode != 0:
+        return Row("env", "nvidia-smi", "error", note=(out.stderr or out.stdout).strip()[:300])
+    values = [v.strip() for v in out.stdout.strip().splitlines()[0].split(",")]
+    return Row("env", "nvidia-smi", "ok", dict(zip(fields.split(","), values)))
+
+
+def jax_triton_probe(ctx: Context) -> Iterator[Row]:
+    """Run by the driver once per candidate jax-triton folder (first on PYTHONPATH): an import row, then
+    on a GPU a kernel row (a Triton add through triton_call)."""
+    on_gpu = jax.devices()[0].platform == "gpu"
+    try:
+        import jax_triton
+    except ImportError as exc:   # e.g. jax-triton 0.3 refuses a jaxlib without the CUDA plugin
+        yield Row("jax-triton", "import", "error" if on_gpu else "skip", note=f"import failed: {exc}")
+        return
+    from jaxpaged.bench.gpu_check.triton_probe import output_keyword, run_add
+    yield Row("jax-triton", "import", "ok", {"version": getattr(jax_triton, "__version__", "?"),
+                                              "keyword": output_keyword(jax_triton)},
+              note=os.path.dirname(jax_triton.__file__))
+    if not on_gpu:
+        yield Row("jax-triton", "kernel", "skip", note="no GPU: import only")
+        return
+    err = run_add()
+    yield Row("jax-triton", "kernel", "ok" if err < 1e-6 else "fail", {"add max err": err})
+
+
+def copy_bandwidth(ctx: Context) -> Iterator[Row]:
+    """Device-to-device bandwidth of an elementwise op, counting bytes read plus bytes written."""
+    sizes = ctx.sizes
+    x = random_normal(0, (sizes.copy_bytes // 2,), jnp.bfloat16)
+    double = jax.jit(lambda a: a * 2)   # exact in bf16, and not an identity XLA could drop
+    seconds = time_call(double, x, rounds=sizes.timing_rounds, round_s=sizes.timing_round_s)
+    gbps = 2 * x.nbytes / seconds / 1e9
+    yield Row("copy", f"x*2 bf16 {x.nbytes / 2**30:.3g} GiB", "ok", {"ms": seconds * 1e3, "GB/s (r+w)": gbps},
+              data={"gbps": gbps, "bytes": x.nbytes, "seconds": seconds})
+
+
+def swap_round_trip(ctx: Context) -> Iterator[Row]:
+    """The engine's HostSwapSpace: N blocks device -> pinned host -> other device blocks, bit-exact, GB/s."""
+    sizes = ctx.sizes
+    layers, kv_heads, block_size, head_dim = sizes.swap_shape
+    n = sizes.swap_blocks
+    shape = kv_pool_shape(layers, 2 * n + 1, block_size, kv_heads, head_dim)
+    pool = random_normal(0, shape, jnp.bfloat16)
+    space = HostSwapSpace(pool, n)
+    rng = np.random.default_rng(0)
+    blocks = rng.permutation(np.arange(1, 2 * n + 1))
+    out_ids, in_ids = blocks[:n], blocks[n:]              # swapped out from, swapped back in to (disjoint)
+    host_ids = rng.permutation(np.arange(1, n + 1))
+    expected = _take_blocks(pool, out_ids)                # a device copy, compared after the round trip
+    block_bytes = pool.nbytes // shape[2]
+    moved = n * block_bytes
+
+    _wait_for_everything()
+    out_times, in_times, host_kinds = [], [], set()
+    for _ in range(sizes.timing_rounds):
+        start = time.perf_counter()
+        space.swap_out(pool, list(zip(out_ids.tolist(), host_ids.tolist())))
+        _wait_for_everything()
+        out_times.append(time.perf_counter() - start)
+        host_kinds |= {a.sharding.memory_kind for a in jax.live_arrays()} - {"device", None}
+        start = time.perf_counter()
+        pool = space.swap_in(pool, list(zip(host_ids.tolist(), in_ids.tolist())))
+        pool.block_until_ready()
+        in_times.append(time.perf_counter() - start)
+    exact = bool(_bit_equal(_take_blocks(pool, in_ids), expected))
+    for direction, times in (("out", out_times), ("in", in_times)):
+        seconds = statistics.median(times)
+        yield Row("swap", f"swap-{direction} {n} blocks", "ok" if exact else "fail",
+                  {"MiB": moved / 2**20, "ms": seconds * 1e3, "GB/s": moved / seconds / 1e9, "bit-exact": exact},
+                  note=f"host arrays in {', '.join(sorted(host_kinds)) or 'no host memory'}; block {block_bytes} B "
+                       f"({layers} layers)", data={"seconds": times, "bytes": moved})
+
+
+def _wait_for_everything() -> None:
+    """Block until all queued device work is done: swap-out returns nothing of its own to wait on."""
+    for array in jax.live_arrays():
+        array.block_until_ready()
+
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def random_normal(seed: int, shape: tuple[int, ...], dtype) -> jax.Array:
+    # rbg: threefry's generator compiles for seconds on CPU, which the dry run pays for every shape
+    return jax.random.normal(jax.random.key(seed, impl="rbg"), shape, dtype)
+
+
+@jax.jit
+def _take_blocks(pool: jax.Array, block_ids) -> jax.Array:
+    return pool[:, :, block_ids]
+
+
+@jax.jit
+def _bit_equal(a: jax.Array, b: jax.Array) -> jax.Array:
+    """Bit-for-bit equality (NaN payloads included), not value equality."""
+    bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint16)  # noqa: E731
+    return jnp.array_equal(bits(a), bits(b))

@@ -1,0 +1,144 @@
+"""scripts/gpu_check.sh and its driver (jaxpaged/bench/gpu_check), on CPU.
+
+The dry run goes through the script's device path (carried wheels installed offline, jax-triton
+candidates probed, no editable install) and takes every part's code with tiny sizes, so a bug in
+the check shows up here and not in the one GPU call a task may get.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from jaxpaged.bench.gpu_check import driver
+from jaxpaged.bench.gpu_check.common import Context, Row
+from jaxpaged.bench.gpu_check.engine import engine_agreement
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "gpu_check.sh"
+FAKE = "gpucheckfake"
+
+
+def write_fake_wheel(folder: pathlib.Path) -> None:
+    """A minimal pure-Python wheel, standing in for a carried one (no network here)."""
+    folder.mkdir(parents=True)
+    info = f"{FAKE}-1.0.dist-info"
+    files = {f"{FAKE}/__init__.py": "VALUE = 1\n",
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {FAKE}\nVersion: 1.0\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{info}/RECORD"] = "".join(f"{name},,\n" for name in [*files, f"{info}/RECORD"])
+    with zipfile.ZipFile(folder / f"{FAKE}-1.0-py3-none-any.whl", "w") as wheel:
+        for name, text in files.items():
+            wheel.writestr(name, text)
+
+
+def run_script(*args, env_extra: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHON=sys.executable, **(env_extra or {}))
+    return subprocess.run(["bash", str(SCRIPT), *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpu_check")
+    write_fake_wheel(root / "wheels" / "common")
+    candidate = root / "jax-triton-here"   # empty: the environment's jax-triton is found behind it
+    candidate.mkdir()
+    run = run_script("--dry-run", timeout=400, env_extra=dict(
+        GPU_CHECK_WHEELS=str(root / "wheels"), GPU_CHECK_SITE=str(root / "site"), GPU_CHECK_EDITABLE="0",
+        GPU_CHECK_JAX_TRITON=str(candidate), JAX_PLATFORMS="cpu", OUT=str(root / "out")))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads((root / "out" / "gpu_check.json").read_text())
+    rows = [Row(**r) for r in result["rows"]]
+    return run, root, rows
+
+
+def test_every_part_runs_and_only_gpu_only_backends_are_skipped(dry_run):
+    _, _, rows = dry_run
+    families = {p.name.partition(":")[0] for p in driver.PARTS}
+    assert families <= {r.part for r in rows}
+    for name in ("engine:pallas", "engine:reference"):
+        assert any(r.part == "engine" and r.case == name.partition(":")[2] and r.status == "ok" for r in rows)
+    assert any(r.case.startswith("agreement") and r.status == "ok" for r in rows)
+    for row in rows:
+        if row.status == "skip":
+            assert "GPU" in row.note or row.case == "nvidia-smi", row   # GPU-only work, said so
+        else:
+            assert row.status == "ok", row
+
+
+def test_kernel_rows_pass_and_timings_are_measured(dry_run):
+    _, _, rows = dry_run
+    checked = [r for r in rows if r.part == "kernels" and r.status == "ok"]
+    assert {r.case.split()[0] for r in checked} == {"reference", "pallas"}
+    assert {r.case.split()[1] for r in checked} >= {"mixed", "decode"}
+    assert all(r.metrics["rel err"] <= r.metrics["rel tol"] for r in checked)
+    timed = [r for r in rows if r.part == "attention" and r.status == "ok"]
+    assert timed and all(r.metrics["ms"] > 0 and r.metrics["of copy"] > 0 for r in timed)
+    swaps = [r for r in rows if r.part == "swap"]
+    assert len(swaps) == 2 and all(r.metrics["bit-exact"] is True for r in swaps)
+
+
+def test_table_json_and_log_are_written_and_the_table_is_printed_last(dry_run):
+    run, root, rows = dry_run
+    out = root / "out"
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "gpu_check.log", "gpu_check.md"]
+    table = (out / "gpu_check.md").read_text()
+    assert table.count("\n| ") == len(rows) + 2   # header, separator, one line per row
+    assert run.stdout.endswith(table)
+    assert json.loads((out / "gpu_check.json").read_text())["meta"]["dry_run"] is True
+
+
+def test_carried_wheels_install_offline_and_jax_triton_candidates_are_probed(dry_run):
+    _, root, rows = dry_run
+    assert (root / "site" / "site" / FAKE / "__init__.py").exists()
+    chosen = [r for r in rows if r.part == "jax-triton" and r.case == "select"]
+    assert chosen and chosen[0].metrics["chosen"] == str(root / "jax-triton-here")
+
+
+def test_print_carry_names_the_git_ignored_wheel_folder():
+    run = run_script("--print-carry")
+    call = json.loads(run.stdout)
+    assert call == {"carry": [".gpu_wheels"], "command": "bash scripts/gpu_check.sh", "timeout_s": 600}
+    ignored = subprocess.run(["git", "check-ignore", "-q", ".gpu_wheels"], cwd=REPO)
+    assert ignored.returncode == 0
+
+
+def test_prepare_downloads_only_small_pinned_wheels_each_jax_triton_apart():
+    run = run_script("--prepare", "--dry")
+    assert run.returncode == 0, run.stderr
+    downloads = [line for line in run.stdout.splitlines() if " -m pip download " in line]
+    specs = {line.split()[-1]: line.split(" -d ")[1].split()[0] for line in downloads}
+    assert specs == {"starlette==1.10.0": ".gpu_wheels/common", "uvicorn==0.54.0": ".gpu_wheels/common",
+                     "gguf==0.19.0": ".gpu_wheels/common", "jax-triton==0.3.1": ".gpu_wheels/jax-triton-0.3.1",
+                     "jax-triton==0.4.1": ".gpu_wheels/jax-triton-0.4.1"}
+    assert all("--no-deps" in line and "--only-binary=:all:" in line for line in downloads)
+    assert json.loads(run.stdout.strip().splitlines()[-1])["carry"] == [".gpu_wheels"]
+
+
+def test_a_part_past_its_limit_is_killed_and_reported(tmp_path):
+    ctx = Context(dry_run=True, workdir=str(tmp_path))
+    rows = driver.run_in_child(driver._CHILD_PARTS["env"], ctx, limit_s=0.5)
+    assert rows[-1].status == "timeout" and "killed after" in rows[-1].note
+
+
+def test_parts_left_without_budget_are_skipped(tmp_path):
+    rows, meta = driver.run_check(dry_run=True, budget_s=0, workdir=str(tmp_path), progress=lambda _: None)
+    assert [r.status for r in rows] == ["skip"] * len(driver.PARTS)
+    assert "no time left" in rows[0].note and meta["seconds"] < 5
+
+
+def test_agreement_compares_greedy_tokens_with_the_reference():
+    def run(name, tokens):
+        return Row("engine", name, "ok", data={"tokens": tokens})
+    same = [[1, 2, 3], [4, 5, 6]]
+    ctx = Context(dry_run=True, workdir="", previous=[run("pallas", same), run("reference", same),
+                                                      run("triton", [[9, 2, 3], [8, 5, 6]])])
+    rows = {r.case: r for r in engine_agreement(ctx)}
+    assert rows["agreement pallas vs reference"].status == "ok"
+    assert rows["agreement triton vs reference"].status == "fail"
+    assert rows["agreement triton vs reference"].metrics["first token"] == "0/2"
