@@ -25,7 +25,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", default=d.attention_backend)
     parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=d.scan_layers,
                         help="lax.scan over stacked layer weights (compile time flat in depth) or an unrolled "
-                             "layer loop (faster steps on XLA CPU); default: scan on GPU/TPU, unrolled on CPU")
+                             "layer loop (faster steps on XLA CPU, 5x slower compiles); default: scan")
     parser.add_argument("--generation-config", default=d.generation_config,
                         help="auto: sampling defaults and EOS ids from the model's generation_config.json; "
                              "vllm: ignore it; or a folder holding one")

@@ -19,6 +19,7 @@ compiling it for sm_80 and sm_90.
 
 import dataclasses
 import functools
+import inspect
 import math
 import numbers
 
@@ -226,8 +227,10 @@ def ragged_paged_attention_triton(
 
     launch, operands, out_type, meta, tokens = kernel_call_args(q, kv_pool, layer, md, sliding_window, soft_cap,
                                                               sm_scale=sm_scale, kv_chunk_blocks=kv_chunk_blocks)
+    # jax-triton 0.4 names the outputs `out_type`; 0.3 (the one that pairs with triton 3.6) `out_shape`
+    out_keyword = "out_type" if "out_type" in inspect.signature(jax_triton.triton_call).parameters else "out_shape"
     acc, m, l = jax_triton.triton_call(
-        *operands, kernel=_paged_attention_kernel, out_type=out_type, grid=launch.grid,
+        *operands, kernel=_paged_attention_kernel, **{out_keyword: out_type}, grid=launch.grid,
         name="ragged_paged_attention", num_warps=8 if launch.rows >= 128 else 4, num_stages=2,
         compute_capability=_target_compute_capability(), **meta)
     return combine_splits(acc, m, l, launch, tokens, q.dtype)

@@ -22,7 +22,7 @@ class EngineArgs:
     swap_space: float = 4.0                   # GiB of pinned host memory for swapped-out blocks
     seed: int = 0
     attention_backend: str = "auto"
-    scan_layers: bool | None = None           # lax.scan over stacked layers; None: on GPU/TPU, unrolled on CPU
+    scan_layers: bool | None = None           # lax.scan over stacked layers (None: yes); False: unrolled loop
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"        # "recompute" | "swap"

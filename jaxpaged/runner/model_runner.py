@@ -15,9 +15,11 @@ The compiled step is a closed set: one executable per shape bucket (`warmup_shap
 compiled at start-up; every sampling feature changes input values, never the executable.
 """
 
+import concurrent.futures
 import dataclasses
 import functools
 import logging
+import os
 
 import jax
 import jax.numpy as jnp
@@ -270,11 +272,18 @@ class ModelRunner:
     def warmup(self, shapes: list[BatchShape], progress=None) -> None:
         """Compile the step for every shape in `shapes` (nothing runs), and the block moves for
         every bucket (each runs once, moving nothing)."""
-        for shape in shapes:
-            if shape not in self._compiled:
-                self.compile_step(shape)
-            if progress is not None:
-                progress.update(1)
+        # XLA compiles outside the GIL: a few threads use the host's cores (each variant alone is
+        # mostly single-threaded). Zero-row inputs are made here first, on this thread.
+        todo = [shape for shape in shapes if shape not in self._compiled]
+        for shape in todo:
+            self._fixed_form(build_sampling_metadata([], [], [], [], [], [], self.model_config.vocab_size,
+                                                     shape.num_seqs), shape)
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(len(todo), os.cpu_count() or 1))) as pool:
+            for _ in pool.map(self.compile_step, todo):
+                if progress is not None:
+                    progress.update(1)
+        if progress is not None:
+            progress.update(len(shapes) - len(todo))
         self.kv_pool = warm_up_block_moves(self.kv_pool, _buckets(4, self.max_moved_blocks),
                                            self.swap_space)
 

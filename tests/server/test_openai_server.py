@@ -289,6 +289,25 @@ def test_an_internal_failure_is_a_500_for_that_request_only(client, urls, engine
     assert httpx.get(urls[0] + "/health").status_code == 200
 
 
+def test_a_step_failing_in_the_runner_is_a_500_and_poisons_no_prefix(urls, engine, monkeypatch):
+    runner = engine.engine.runner
+    prompt = list(range(3, 43))   # five full blocks of 8: the failed prefill registers four of them
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "cache_salt": "failure-test"}
+    expected = httpx.post(urls[0] + "/v1/completions", json={**body, "cache_salt": "reference"}).json()
+    step = runner._step
+
+    def fail_once(*args, **kwargs):
+        monkeypatch.setattr(runner, "_step", step)
+        raise RuntimeError("injected failure in the runner")
+    monkeypatch.setattr(runner, "_step", fail_once)
+    response = httpx.post(urls[0] + "/v1/completions", json=body)
+    assert response.status_code == 500 and "injected failure" in response.json()["error"]["message"]
+    wait_idle(urls[0])
+    again = httpx.post(urls[0] + "/v1/completions", json=body).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0   # nothing kept from the failed step
+    assert again["choices"][0]["text"] == expected["choices"][0]["text"]
+
+
 def test_64_streams_where_a_quarter_walk_away(urls):
     """Completers finish; walkers disconnect after their first chunk and are aborted."""
     url = urls[0]
