@@ -109,6 +109,7 @@ class ModelRunner:
         self.max_logprobs = max_logprobs   # K: every step returns this many top logprobs per row
         self.max_moved_blocks = next_bucket(self.max_blocks_per_seq, 4)   # per swap or copy call
         self._compiled = {}                 # BatchShape -> the step compiled for it
+        self._warmed_up = False             # warmup() ran: a later compile is a missing bucket
         self._zero_rows = {}                # num_seqs -> device zeros standing in for unused [S, V] inputs
         max_rows = max(_buckets(SEQ_FLOOR, max_num_seqs))
         self._no_prev_tokens = jnp.zeros(max_rows, jnp.int32)
@@ -221,8 +222,9 @@ class ModelRunner:
     def _step(self, shape: BatchShape, *args):
         """Run the step compiled for `shape` (compiling it first if start-up did not)."""
         compiled = self._compiled.get(shape)
-        if compiled is None:
-            logger.warning("compiling a step variant not compiled at start-up: %s", shape)
+        if compiled is None:   # expected only without compile_on_startup
+            log = logger.warning if self._warmed_up else logger.debug
+            log("compiling a step variant not compiled at start-up: %s", shape)
             compiled = self.compile_step(shape)
         return compiled(*args)
 
@@ -284,6 +286,7 @@ class ModelRunner:
                     progress.update(1)
         if progress is not None:
             progress.update(len(shapes) - len(todo))
+        self._warmed_up = True
         self.kv_pool = warm_up_block_moves(self.kv_pool, _buckets(4, self.max_moved_blocks),
                                            self.swap_space)
 
@@ -331,11 +334,14 @@ def _prompt_logprobs(model, hidden, targets, K):
     time (the [chunk, vocab] logits are the largest temporary)."""
     T = hidden.shape[0]
     chunk = min(T, PROMPT_LOGPROB_CHUNK)
+    padded = cdiv(T, chunk) * chunk   # a token bucket capped at max_num_batched_tokens may not divide
+    hidden = jnp.pad(hidden, ((0, padded - T), (0, 0)))
+    targets = jnp.pad(targets, (0, padded - T))
 
     def one(args):
         h, t = args
         lp, rank, top_ids, top_lps = token_logprobs(model.compute_logits(h), jnp.maximum(t, 0), K)
         return _pack(lp, rank, top_ids, top_lps).reshape(chunk, -1)
 
-    out = jax.lax.map(one, (hidden.reshape(T // chunk, chunk, -1), targets.reshape(T // chunk, chunk)))
-    return out.reshape(-1)
+    out = jax.lax.map(one, (hidden.reshape(-1, chunk, hidden.shape[1]), targets.reshape(-1, chunk)))
+    return out.reshape(padded, -1)[:T].reshape(-1)

@@ -49,3 +49,16 @@ def test_request_ids_cannot_clash_with_sequence_ids_of_n_samples():
     while engine.has_unfinished_requests():
         engine.step()
     assert tiny_llm().get_metrics()["jaxpaged:kv_cache_usage_perc"] == 0.0
+
+
+def test_prompt_logprobs_with_a_token_budget_that_is_not_a_power_of_two():
+    # the largest token bucket is the budget itself (200), which the 128-token logprob chunks do not divide
+    prompt = {"prompt_token_ids": list(range(3, 193))}
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
+    odd = make_llm(max_num_batched_tokens=200, max_model_len=256, enable_prefix_caching=False)
+    even = make_llm(max_num_batched_tokens=256, max_model_len=256, enable_prefix_caching=False)
+    a, b = (llm.generate(prompt, params, use_tqdm=False)[0].prompt_logprobs for llm in (odd, even))
+    assert len(a) == len(b) == 190 and a[0] is None
+    for x, y in zip(a[1:], b[1:]):
+        assert sorted(x) == sorted(y)
+        assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
