@@ -111,8 +111,8 @@ class ModelRunner:
         self._compiled = {}                 # BatchShape -> the step compiled for it
         self._warmed_up = False             # warmup() ran: a later compile is a missing bucket
         self._zero_rows = {}                # num_seqs -> device zeros standing in for unused [S, V] inputs
-        max_rows = max(_buckets(SEQ_FLOOR, max_num_seqs))
-        self._no_prev_tokens = jnp.zeros(max_rows, jnp.int32)
+        # every step returns its sampled tokens padded to max_num_seqs rows (its largest bucket)
+        self._no_prev_tokens = jnp.zeros(max_num_seqs, jnp.int32)
         self.swap_space = HostSwapSpace(self.kv_pool, num_host_blocks) if num_host_blocks else None
 
     # ---- sizes -----------------------------------------------------------------------------
