@@ -66,8 +66,11 @@ def choose_shape(chunks: list[SeqChunk], token_floor: int = 8, seq_floor: int = 
 
 
 def build_forward_batch(chunks: list[SeqChunk], block_size: int, max_blocks_per_seq: int,
-                        shape: BatchShape) -> ForwardBatch:
-    """Padded arrays for `chunks`; logits rows come out in chunk order (padding rows point at token 0)."""
+                        shape: BatchShape, logits_indices: list[int] | None = None) -> ForwardBatch:
+    """Padded arrays for `chunks`; logits rows come out in chunk order (padding rows point at token 0).
+
+    `logits_indices` (flat token indices, e.g. one per sample row with n > 1 forks repeating
+    their parent's) replaces the rows the chunks' `logits_positions` would give."""
     T, S = shape.num_tokens, shape.num_seqs
     input_ids = np.zeros(T, np.int32)
     positions = np.zeros(T, np.int32)
@@ -75,7 +78,10 @@ def build_forward_batch(chunks: list[SeqChunk], block_size: int, max_blocks_per_
     kv_lens = np.zeros(S, np.int32)
     cu_q_lens = np.zeros(S + 1, np.int32)
     block_tables = np.zeros((S, max_blocks_per_seq), np.int32)
+    wanted = logits_indices
     logits_indices = np.zeros(shape.num_logits, np.int32)
+    if wanted is not None:
+        logits_indices[:len(wanted)] = wanted
     t = 0
     n_logits = 0
     for i, chunk in enumerate(chunks):
@@ -90,7 +96,7 @@ def build_forward_batch(chunks: list[SeqChunk], block_size: int, max_blocks_per_
         slot_mapping[t:t + n] = blocks[pos // block_size] * block_size + pos % block_size
         kv_lens[i] = end
         block_tables[i, :len(blocks)] = blocks
-        for p in chunk.logits_positions:
+        for p in chunk.logits_positions if wanted is None else ():
             logits_indices[n_logits] = t + p
             n_logits += 1
         t += n

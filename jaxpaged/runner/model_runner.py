@@ -171,7 +171,7 @@ class ModelRunner:
             sample_tokens.append(flat + n - 1)
             row_requests.append(request)
             flat += n
-            chunks.append(SeqChunk(tokens, chunk.start, chunk.block_ids, [n - 1]))
+            chunks.append(SeqChunk(tokens, chunk.start, chunk.block_ids))
         for i, chunk in enumerate(plan.chunks):   # n > 1: siblings sample their first token from the same logits
             if chunk.samples:
                 for child in chunk.request.pending_forks:
@@ -180,10 +180,7 @@ class ModelRunner:
                     row_requests.append(child)
         shape = choose_shape(chunks, token_floor=TOKEN_FLOOR, seq_floor=SEQ_FLOOR, max_tokens=self.max_num_batched_tokens,
                              max_seqs=self.max_num_seqs, num_sample_rows=len(sample_tokens))
-        batch = build_forward_batch(chunks, self.block_size, self.max_blocks_per_seq, shape)
-        logits_indices = np.zeros(shape.num_seqs, np.int32)
-        logits_indices[:len(sample_tokens)] = sample_tokens
-        batch = dataclasses.replace(batch, logits_indices=jnp.asarray(logits_indices))
+        batch = build_forward_batch(chunks, self.block_size, self.max_blocks_per_seq, shape, sample_tokens)
         smd = build_sampling_metadata(
             [r.sampling_params for r in row_requests], [r.seed for r in row_requests],
             [r.num_sampled_tokens for r in row_requests], [r.output_token_ids for r in row_requests],
