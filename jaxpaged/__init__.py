@@ -4,8 +4,8 @@ from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.async_llm import AsyncLLM
 from jaxpaged.llm import LLM
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
-from jaxpaged.sampling_params import BeamSearchParams, SamplingParams
+from jaxpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 __all__ = ["LLM", "AsyncLLM", "BeamSearchParams", "CompletionOutput", "EngineArgs", "Logprob", "RequestOutput",
-           "SamplingParams"]
+           "RequestOutputKind", "SamplingParams"]
 __version__ = "0.1.0"

@@ -6,7 +6,7 @@ from typing import Any, Sequence
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine
 from jaxpaged.outputs import RequestOutput
-from jaxpaged.sampling_params import BeamSearchParams, SamplingParams
+from jaxpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 PromptType = str | list[int] | dict
 
@@ -16,6 +16,19 @@ def _as_prompt_list(prompts) -> list:
     if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
         return [prompts]
     return list(prompts)
+
+
+def _final_only(params: SamplingParams | None):
+    """A copy of `params` asking the engine for the finished output only: `generate` returns
+    nothing else, and per-step outputs would copy every token list every step. The caller's
+    object is unchanged."""
+    if params is None:
+        params = SamplingParams()
+    if not isinstance(params, SamplingParams):
+        return params   # add_request refuses it with a ValueError naming sampling_params
+    params = params.clone()   # not dataclasses.replace: that would mark every field as set by the caller
+    params.output_kind = RequestOutputKind.FINAL_ONLY
+    return params
 
 
 class LLM:
@@ -57,15 +70,16 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
-        A bad prompt or parameter raises ValueError before anything is queued.
+        A bad prompt or parameter raises ValueError before anything is queued. Each prompt's
+        output is its final (cumulative) one, whatever `output_kind` the params ask for.
         """
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
+            params_list = [_final_only(sampling_params)] * len(prompts)
         else:
-            params_list = list(sampling_params)
+            params_list = [_final_only(params) for params in sampling_params]
             if len(params_list) != len(prompts):
                 raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts; "
                                  "pass one SamplingParams or one per prompt")

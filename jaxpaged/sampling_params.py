@@ -26,6 +26,14 @@ class SamplingType(enum.IntEnum):
     RANDOM_SEED = 2
 
 
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request holds (vLLM's names and values)."""
+
+    CUMULATIVE = 0   # everything so far, every step the request progressed
+    DELTA = 1        # only what is new since the request's previous output
+    FINAL_ONLY = 2   # one output, when the request finished
+
+
 def _require_int(name: str, value: object, allowed: str) -> None:
     # bool is an int subclass, but `n=True` is a client bug, not a count.
     if not isinstance(value, int) or isinstance(value, bool):
@@ -92,6 +100,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -161,6 +170,9 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must be >= 0 in every entry, got {self.stop_token_ids!r}")
         if self.seed is not None:
             _require_int("seed", self.seed, "or None")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            allowed = ", ".join(f"RequestOutputKind.{kind.name}" for kind in RequestOutputKind)
+            raise ValueError(f"output_kind must be one of {allowed}, got {self.output_kind!r}")
 
     @property
     def sampling_type(self) -> SamplingType:

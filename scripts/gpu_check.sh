@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU check (jaxpaged/bench/gpu_check): kernels, bandwidth, swap and the engine end to end,
-# in one call of the device tool. See pallas_kernels/RESULTS.md.
+# The GPU check (jaxpaged/bench/gpu_check): kernels, bandwidth, swap, the engine's start-up and step
+# (issue #12: compilations after start-up, decode step time against the bytes floor) and the engine end
+# to end per backend, in one call of the device tool. See pallas_kernels/RESULTS.md.
 #
 #   bash scripts/gpu_check.sh --prepare [--dry]  here, with PyPI access: download the small wheels the GPU
 #                                                image lacks into .gpu_wheels/ (--dry: print the commands

@@ -44,9 +44,13 @@ class ScheduledChunk:
     # whether this step reaches the end of the request's tokens (so a token is sampled);
     # fixed when scheduled, before commit() adds the placeholder
     samples: bool = dataclasses.field(init=False)
+    # n > 1: the sibling sequences that sample their first token beside the request in this
+    # step, from the same logits (commit() forks them off the request)
+    forks: list[Request] = dataclasses.field(init=False)
 
     def __post_init__(self):
         self.samples = self.start + self.num_new_tokens == self.request.num_tokens_with_placeholders
+        self.forks = list(self.request.pending_forks) if self.samples else []
 
 
 @dataclasses.dataclass
@@ -268,14 +272,21 @@ class Scheduler:
     def commit(self, output: SchedulerOutput) -> None:
         """The plan is on the device: advance num_computed_tokens, and give every request that
         samples a placeholder for its coming token, so the next plan can be made before this
-        step's tokens are fetched (async scheduling)."""
+        step's tokens are fetched (async scheduling). n > 1: the forks sampling beside their
+        parent start running now, on its blocks, each with its own placeholder."""
         if output.committed:
             return
         output.committed = True
         for chunk in output.chunks:
-            chunk.request.num_computed_tokens = chunk.start + chunk.num_new_tokens
+            request = chunk.request
+            request.num_computed_tokens = chunk.start + chunk.num_new_tokens
             if chunk.samples:
-                chunk.request.num_placeholders += 1
+                request.num_placeholders += 1
+            if chunk.forks and not request.is_finished:
+                for child in chunk.forks:
+                    self.fork(request, child)
+                    child.num_placeholders = 1
+                request.pending_forks = []
 
     def update_after_step(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """The step's tokens arrived: each replaces its placeholder (commit() first if the caller
@@ -284,14 +295,16 @@ class Scheduler:
         self.commit(output)
         got_token = []
         for chunk in output.chunks:
-            request = chunk.request
-            if not chunk.samples or request.is_finished:
+            if not chunk.samples:
                 continue
-            request.num_placeholders -= 1
-            token = sampled.get(request.request_id)
-            if token is not None:
-                request.append_output_token(token)
-                got_token.append(request)
+            for request in (chunk.request, *chunk.forks):
+                if request.is_finished or request.num_placeholders == 0:
+                    continue
+                request.num_placeholders -= 1
+                token = sampled.get(request.request_id)
+                if token is not None:
+                    request.append_output_token(token)
+                    got_token.append(request)
         return got_token
 
     def check_invariants(self) -> None:

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine, StepFailedError
 from jaxpaged.outputs import RequestOutput
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -71,16 +71,21 @@ def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, error: Bas
         pass
 
 
-def _delta(out: RequestOutput, seen: dict[int, tuple[int, int, int]]) -> RequestOutput:
-    """The part of a cumulative output not yet sent (updates `seen`)."""
-    completions = []
-    for c in out.outputs:
-        chars, tokens, lps = seen.get(c.index, (0, 0, 0))
-        completions.append(dataclasses.replace(
-            c, text=c.text[chars:], token_ids=c.token_ids[tokens:],
-            logprobs=None if c.logprobs is None else c.logprobs[lps:]))
-        seen[c.index] = (len(c.text), len(c.token_ids), len(c.logprobs or ()))
-    return dataclasses.replace(out, outputs=completions)
+def _merge(older: RequestOutput | None, newer: RequestOutput) -> RequestOutput:
+    """`newer`, a DELTA output, appended to `older` (a DELTA output or a running total): per
+    completion index the text, token ids and logprobs joined, the rest from `newer`. Builds
+    new lists and changes neither input, so outputs already handed out stay as they were."""
+    if older is None:
+        return newer
+    merged = {c.index: c for c in older.outputs}
+    for c in newer.outputs:
+        prev = merged.get(c.index)
+        if prev is not None:
+            c = dataclasses.replace(c, text=prev.text + c.text, token_ids=prev.token_ids + c.token_ids,
+                                    logprobs=None if c.logprobs is None else (prev.logprobs or []) + c.logprobs)
+        merged[c.index] = c
+    prompt_logprobs = older.prompt_logprobs if older.prompt_logprobs is not None else newer.prompt_logprobs
+    return dataclasses.replace(newer, outputs=[merged[i] for i in sorted(merged)], prompt_logprobs=prompt_logprobs)
 
 
 class AsyncLLM:
@@ -114,8 +119,12 @@ class AsyncLLM:
         """Yield RequestOutputs of one request as tokens arrive, until it finishes.
 
         output_kind="delta" (default): each output's completions hold only the text, token ids
-        and logprobs that are new since the previous one (the last carries finish_reason);
-        "cumulative": everything so far, as vLLM's CUMULATIVE kind.
+        and logprobs that are new since the previous one (the last carries finish_reason; with
+        n > 1, only the completions that progressed, by `index`); "cumulative": everything so
+        far, as vLLM's CUMULATIVE kind. This argument decides: `sampling_params.output_kind` is
+        ignored. Either way the engine sends deltas (nothing is copied per step on its thread)
+        and this stream joins them. While a stop string may still complete, its possible start
+        is held back from the text until the next output.
 
         Bad input raises ValueError before any output. An internal failure raises
         EngineRequestError in this request only. Closing or cancelling the consumer aborts
@@ -128,8 +137,9 @@ class AsyncLLM:
         if output_kind not in ("delta", "cumulative"):
             raise ValueError(f"output_kind must be 'delta' or 'cumulative', got {output_kind!r}")
         request_id = uuid.uuid4().hex if request_id is None else str(request_id)
-        seen: dict[int, tuple[int, int, int]] = {}   # completion index -> (chars, tokens, logprobs) sent
         params = (sampling_params or SamplingParams()).clone()   # the engine thread owns this copy
+        params.output_kind = RequestOutputKind.DELTA
+        total: RequestOutput | None = None   # "cumulative": the deltas joined so far
         stream = _Stream(asyncio.get_running_loop())
         if not self._send(("add", stream, request_id, prompt, params)):
             raise RuntimeError("AsyncLLM is shut down")
@@ -138,9 +148,10 @@ class AsyncLLM:
             await stream.added
             while not finished:
                 item = await stream.queue.get()
-                # A slow consumer only needs the newest cumulative output.
+                # A slow consumer gets the deltas queued meanwhile as one (an abort or error wins).
                 while isinstance(item, RequestOutput) and not stream.queue.empty():
-                    item = stream.queue.get_nowait()
+                    newer = stream.queue.get_nowait()
+                    item = _merge(item, newer) if isinstance(newer, RequestOutput) else newer
                 if item is _CLOSED:
                     finished = True
                     return
@@ -148,7 +159,9 @@ class AsyncLLM:
                     finished = True
                     raise item
                 finished = item.finished
-                yield item if output_kind == "cumulative" else _delta(item, seen)
+                if output_kind == "cumulative":
+                    item = total = _merge(total, item)
+                yield item
         finally:
             if not finished:
                 self._send(("abort", request_id, stream, None))
@@ -275,9 +288,6 @@ class AsyncLLM:
             if out.finished:
                 stream.metrics.finished_time = now
                 del self._streams[out.request_id]
-            for completion in out.outputs:   # the engine keeps appending to its own list
-                if completion.logprobs is not None:
-                    completion.logprobs = list(completion.logprobs)
             out.metrics = dataclasses.replace(stream.metrics)
             if not self._deliver(stream, out) and not out.finished:
                 self._streams.pop(out.request_id, None)

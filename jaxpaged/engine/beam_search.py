@@ -112,7 +112,7 @@ def _run_wave(engine, prompts: list[list[int]], params: BeamSearchParams) -> lis
                 runner.move_blocks(plan)
                 raise RuntimeError("beam search is stuck: the KV cache cannot hold all beams of a prompt at once; "
                                    "give the engine more blocks or lower beam_width")
-            result = runner.fetch(runner.dispatch(plan, {}))
+            result = runner.fetch(runner.dispatch(plan))
             for request in scheduler.update_after_step(plan, {k: v.token_id for k, v in result.sampled.items()}):
                 fresh[request.request_id] = result.sampled[request.request_id]
                 scheduler.pause(request)

@@ -7,9 +7,10 @@ With async scheduling (the default) the host works one step ahead of the device:
 Step t+1 is planned and its inputs built while the device still computes step t: each
 request sampling in step t holds a placeholder, and step t+1 reads that token from step
 t's output on the device. A request that stops at step t wastes its slot in step t+1
-(that token is dropped). Steps run one at a time instead (schedule, dispatch, fetch) when
-async scheduling is off, or while a request needs its tokens on the host before the next
-step: penalties (token counts), n > 1 before its forks.
+(that token is dropped). Nothing the next step needs waits for the host: penalty counts,
+min_tokens masks and step counters live on the device (the runner's persistent batch), and
+n > 1 forks start when their first token is dispatched. Steps run one at a time instead
+(schedule, dispatch, fetch) only when async scheduling is off.
 """
 
 import collections
@@ -29,7 +30,6 @@ from jaxpaged.engine.output_processor import (RequestState, SequenceState, detok
                                               record_prompt_logprobs, token_stop)
 from jaxpaged.engine.startup import build_runner, load_model_and_tokenizer
 from jaxpaged.outputs import RequestOutput
-from jaxpaged.runner.sampler import uses_output_tokens
 from jaxpaged.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -187,7 +187,7 @@ class LLMEngine:
         With async scheduling the outputs are those of the previous device step, whose
         tokens are fetched while this call's step runs.
         """
-        overlap = self.args.async_scheduling and self._can_overlap()
+        overlap = self.args.async_scheduling
         outputs = []
         while len(self._in_flight) > (1 if overlap else 0):   # plan with at most one step unfetched
             outputs += self._complete()
@@ -198,7 +198,7 @@ class LLMEngine:
         if not plan.is_empty:
             prev = self._in_flight[-1][1] if self._in_flight else None
             try:
-                pending = self.runner.dispatch(plan, self._extra_bias(plan), prev)
+                pending = self.runner.dispatch(plan, prev)
             except Exception as exc:
                 raise self._fail_steps([plan], exc) from exc
             self.scheduler.commit(plan)
@@ -242,7 +242,7 @@ class LLMEngine:
         for plan in plans:
             for chunk in plan.chunks:
                 touched += chunk.block_ids
-                for request in (chunk.request, *chunk.request.pending_forks):
+                for request in (chunk.request, *chunk.forks):
                     failed[request.request_id] = None
             for request in plan.preempted:
                 if request.status == RequestStatus.SWAPPED:
@@ -256,36 +256,9 @@ class LLMEngine:
                      len(request_ids), request_ids)
         return StepFailedError(f"engine step failed: {type(cause).__name__}: {cause}", request_ids)
 
-    def _can_overlap(self) -> bool:
-        """Whether every request can be planned before its last token reaches the host."""
-        return not any(request.pending_forks or uses_output_tokens(request.sampling_params)
-                       for request in self.scheduler.requests.values())
-
-    def _extra_bias(self, plan) -> dict[str, dict[int, float]]:
-        """Mask EOS and stop tokens until min_tokens is reached."""
-        bias = {}
-        for chunk in plan.chunks:
-            if not chunk.samples:
-                continue
-            for request in [chunk.request, *chunk.request.pending_forks]:   # forks sample their first token too
-                params = request.sampling_params
-                if request.num_sampled_tokens < params.min_tokens:
-                    banned = list(params.stop_token_ids or [])
-                    if not params.ignore_eos:
-                        banned += list(request.eos_token_ids)
-                    if banned:
-                        bias[request.request_id] = {t: float("-inf") for t in banned}
-        return bias
-
     def _apply(self, plan, result) -> None:
         sampled = {rid: s.token_id for rid, s in result.sampled.items()}
         got_token = self.scheduler.update_after_step(plan, sampled)
-        for request in list(got_token):
-            for child in request.pending_forks:
-                child.append_output_token(sampled[child.request_id])
-                self.scheduler.fork(request, child)
-                got_token.append(child)
-            request.pending_forks = []
         planned = {c.request.request_id: c.request for c in plan.chunks} if result.prompt_logprobs else {}
         for rid, lps in result.prompt_logprobs.items():
             seq = self._seqs.get(rid)
@@ -304,8 +277,9 @@ class LLMEngine:
             self._to_detokenize.append(seq)
 
     def _process_text(self) -> list[RequestOutput]:
-        """Detokenize the last step's tokens, apply stop strings, build outputs."""
-        touched: dict[str, RequestState] = {}
+        """Detokenize the last step's tokens, apply stop strings, build the outputs each request's
+        output_kind asks for (DELTA: only the sequences that progressed, only what is new)."""
+        progressed: dict[str, list[SequenceState]] = {}   # request id -> its sequences that got tokens
         for seq in self._to_detokenize:
             if seq.request.request_id not in self._seqs:
                 continue
@@ -317,12 +291,14 @@ class LLMEngine:
                 self.scheduler.finish_request(seq.request.request_id, RequestStatus.FINISHED_STOPPED)
             elif matched is not None:
                 seq.text = seq.text[:matched[1]]
-            parent = seq.parent_id
-            touched[parent] = self._states[parent]
+            progressed.setdefault(seq.parent_id, []).append(seq)
         self._to_detokenize = []
         outputs = []
-        for request_id, state in touched.items():
-            outputs.append(state.output())
+        for request_id, seqs in progressed.items():
+            state = self._states[request_id]
+            output = state.output(seqs)
+            if output is not None:
+                outputs.append(output)
             if state.finished:
                 del self._states[request_id]
                 for seq in state.sequences:

@@ -136,8 +136,9 @@ def read_memory_report(device, allocator: AllocatorConfig) -> MemoryReport:
 @dataclasses.dataclass(frozen=True)
 class StepMemory:
     temp_bytes: int      # the compiled step's temporaries
-    input_bytes: int     # its inputs besides the weights and the pool (batch, sampling arrays)
-    output_bytes: int    # its outputs besides the pool (aliased to the donated input)
+    input_bytes: int     # its inputs besides the weights, the pool and the persistent batch
+    output_bytes: int    # its outputs besides the pool and the persistent batch (aliased to donated inputs)
+    state_bytes: int = 0  # the persistent batch (block tables, sampling and penalty state), held once
 
     @property
     def reserve_bytes(self) -> int:
@@ -145,7 +146,7 @@ class StepMemory:
         step's outputs are held while the next runs (async scheduling), and the runner may
         keep each bucket's inputs resident; buckets double, so all smaller buckets together
         hold less than the largest."""
-        return self.temp_bytes + 2 * self.input_bytes + 2 * self.output_bytes
+        return self.temp_bytes + 2 * self.input_bytes + 2 * self.output_bytes + self.state_bytes
 
 
 def largest_buckets(shapes) -> list:
@@ -163,9 +164,10 @@ def step_memory(runner, shape) -> StepMemory:
         raise ValueError("this backend gives no memory analysis of the compiled step: pass "
                          "kv_cache_memory_bytes or num_gpu_blocks_override")
     weights = sum(x.nbytes for x in jax.tree.leaves(runner.state) if hasattr(x, "nbytes"))
-    inputs = analysis.argument_size_in_bytes - weights - runner.kv_pool.nbytes
+    state = runner.slot_state.nbytes
+    inputs = analysis.argument_size_in_bytes - weights - runner.kv_pool.nbytes - state
     outputs = analysis.output_size_in_bytes - analysis.alias_size_in_bytes
-    return StepMemory(analysis.temp_size_in_bytes, max(inputs, 0), max(outputs, 0))
+    return StepMemory(analysis.temp_size_in_bytes, max(inputs, 0), max(outputs, 0), state)
 
 
 def step_reserve_bytes(runner) -> int:

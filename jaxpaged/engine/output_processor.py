@@ -4,13 +4,19 @@ Token-level stops (EOS, stop_token_ids, max_tokens, max_model_len) are decided a
 a token arrives, before the next step is scheduled. Text-level work (detokenization, stop
 strings) runs while the device computes the next step; a stop string found there
 finishes the request one step late and the extra token is dropped.
+
+Each request gets the outputs its `SamplingParams.output_kind` asks for: CUMULATIVE copies
+everything so far every step; DELTA slices off only what earlier outputs did not carry
+(per-sequence "sent" offsets), so a long generation costs O(new tokens) per step;
+FINAL_ONLY builds one cumulative output, at the end.
 """
 
 from jaxpaged.core.request import Request, RequestStatus
 from jaxpaged.engine.detokenizer import IncrementalDetokenizer, decode_token
-from jaxpaged.engine.stop_checker import check_stop_strings
+from jaxpaged.engine.stop_checker import check_stop_strings, stop_hold_back
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxpaged.runner.model_runner import PromptLogprobs, SampledToken
+from jaxpaged.sampling_params import RequestOutputKind
 
 
 class SequenceState:
@@ -31,11 +37,38 @@ class SequenceState:
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        # DELTA: how much earlier outputs carried. The text's last `text_hold_back` characters
+        # wait until the request ends: they may be the start of a stop string, which the final
+        # text drops, and a sent delta can't be taken back.
+        self.num_sent_tokens = 0
+        self.num_sent_chars = 0
+        self.num_sent_logprobs = 0
+        self.text_hold_back = stop_hold_back(params.stop, params.include_stop_str_in_output)
 
     def completion(self) -> CompletionOutput:
+        """Everything so far (copies the token list); changes nothing."""
         return CompletionOutput(index=self.index, text=self.text,
                                 token_ids=list(self.request.output_token_ids),
                                 cumulative_logprob=self.cumulative_logprob, logprobs=self.logprobs,
+                                finish_reason=self.finish_reason, stop_reason=self.stop_reason)
+
+    def delta_completion(self) -> CompletionOutput:
+        """What no earlier delta carried; advances the sent offsets. cumulative_logprob stays the
+        running total (as in vLLM)."""
+        output_token_ids = self.request.output_token_ids
+        token_ids = output_token_ids[self.num_sent_tokens:]
+        self.num_sent_tokens = len(output_token_ids)
+        text_end = len(self.text)
+        if self.finish_reason is None:
+            text_end = max(self.num_sent_chars, text_end - self.text_hold_back)
+        text = self.text[self.num_sent_chars:text_end]
+        self.num_sent_chars = text_end
+        logprobs = None
+        if self.logprobs is not None:
+            logprobs = self.logprobs[self.num_sent_logprobs:]
+            self.num_sent_logprobs = len(self.logprobs)
+        return CompletionOutput(index=self.index, text=text, token_ids=token_ids,
+                                cumulative_logprob=self.cumulative_logprob, logprobs=logprobs,
                                 finish_reason=self.finish_reason, stop_reason=self.stop_reason)
 
 
@@ -49,21 +82,44 @@ class RequestState:
         self.prompt_token_ids = prompt_token_ids
         self.sequences = sequences
         self.prompt_logprobs: list | None = None
-        self.wants_prompt_logprobs = sequences[0].request.sampling_params.prompt_logprobs is not None
+        params = sequences[0].request.sampling_params
+        self.wants_prompt_logprobs = params.prompt_logprobs is not None
+        self.output_kind = params.output_kind
+        self.num_sent_prompt_logprobs: int | None = None   # DELTA: None until an output carried them
 
     @property
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.sequences)
 
-    def output(self) -> RequestOutput:
+    def output(self, progressed: list[SequenceState]) -> RequestOutput | None:
+        """The output of a step in which the `progressed` sequences got tokens, as `output_kind`
+        asks; None when it asks for none now (FINAL_ONLY before the end). DELTA advances the
+        sent offsets."""
+        if self.output_kind == RequestOutputKind.DELTA:
+            # n > 1: only the sequences that progressed, in index order (as vLLM)
+            completions = [s.delta_completion() for s in sorted(progressed, key=lambda s: s.index)]
+            prompt_lps = self._new_prompt_logprobs()
+        elif self.output_kind == RequestOutputKind.FINAL_ONLY and not self.finished:
+            return None
+        else:
+            completions = [s.completion() for s in self.sequences]
+            prompt_lps = [None] + list(self.prompt_logprobs or []) if self.wants_prompt_logprobs else None
         first = self.sequences[0].request
-        prompt_lps = None
-        if self.wants_prompt_logprobs:
-            prompt_lps = [None] + list(self.prompt_logprobs or [])
         return RequestOutput(request_id=self.request_id, prompt=self.prompt,
                              prompt_token_ids=self.prompt_token_ids, prompt_logprobs=prompt_lps,
-                             outputs=[s.completion() for s in self.sequences], finished=self.finished,
+                             outputs=completions, finished=self.finished,
                              num_cached_tokens=max(first.num_cached_tokens, 0))
+
+    def _new_prompt_logprobs(self) -> list | None:
+        """DELTA: the prompt logprobs no earlier output carried (the first output leads with None,
+        for the first prompt token), or None when there are none; advances the sent offset."""
+        if not self.wants_prompt_logprobs or self.prompt_logprobs is None:
+            return None
+        sent = self.num_sent_prompt_logprobs
+        self.num_sent_prompt_logprobs = len(self.prompt_logprobs)
+        if sent is None:
+            return [None] + self.prompt_logprobs
+        return self.prompt_logprobs[sent:] or None
 
 
 def token_stop(request: Request, max_model_len: int) -> tuple[RequestStatus, int | None] | None:

@@ -1,4 +1,9 @@
-"""Host side: pack a step's sequences into padded numpy arrays of bucketed shapes.
+"""Bucketed step shapes, and the host-built batch.
+
+`choose_shape` picks a step's bucket. `build_forward_batch` packs sequences into a padded
+ForwardBatch on the host: model tests and tools use it, and it is the reference the
+engine's device-built batch is tested against (the runner builds positions, slot mapping and
+block tables on the device from its persistent batch: persistent_batch.py).
 
 Buckets keep the number of compiled shapes small: tokens per step and sequences per step
 are rounded up to powers of two (from a floor), block tables always have

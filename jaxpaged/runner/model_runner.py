@@ -1,7 +1,11 @@
 """The model runner: a scheduler plan in, sampled tokens out, through one jitted step.
 
-    step(params, kv_pool, batch, sampling) -> (kv_pool, packed)     kv_pool donated
+    step(weights, kv_pool, slots, buffer, prev_tokens) -> (kv_pool, slots, packed, ...)
+                                                        kv_pool and slots donated
 
+`buffer` is one i32 vector holding every per-step input (StepLayout), so each step costs one
+host->device copy; `slots` is the persistent batch (persistent_batch.py): block tables,
+sampling parameters and penalty state kept on the device and changed by sparse updates.
 `packed` is one f32 vector holding every per-step result (tokens and ranks bit-cast), so
 each step costs exactly one device->host copy. `dispatch` returns as soon as the step is
 queued (JAX dispatch is asynchronous) so the engine can do host work while it runs;
@@ -29,11 +33,13 @@ from flax import nnx
 from jaxpaged.core.kv_cache_manager import cdiv
 from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.models.batch import ForwardBatch
-from jaxpaged.runner.batch_builder import (MIXED_SEQ_GROWTH, PREFILL_Q_TILE, BatchShape, SeqChunk,
-                                           build_forward_batch, choose_shape, next_bucket)
+from jaxpaged.runner.batch_builder import (MIXED_SEQ_GROWTH, PREFILL_Q_TILE, BatchShape, SeqChunk, choose_shape,
+                                           next_bucket)
 from jaxpaged.runner.block_ops import HostSwapSpace, committed, copy_blocks, warm_up_block_moves
-from jaxpaged.runner.sampler import (SamplingMetadata, build_sampling_metadata, greedy_from_transposed,
-                                     is_plain_greedy, sample, token_logprobs)
+from jaxpaged.runner.persistent_batch import (SlotState, SlotTable, StepLayout, apply_step_updates, apply_updates,
+                                              attention_metadata, count_sampled, forward_batch_arrays,
+                                              pack_updates, sampling_metadata, warm_up_updates)
+from jaxpaged.runner.sampler import greedy_from_transposed, is_plain_greedy, sample, token_logprobs
 from jaxpaged.sampling_params import MAX_LOGPROBS
 from pallas_kernels import kv_pool_shape
 
@@ -110,7 +116,9 @@ class ModelRunner:
         self.max_moved_blocks = next_bucket(self.max_blocks_per_seq, 4)   # per swap or copy call
         self._compiled = {}                 # BatchShape -> the step compiled for it
         self._warmed_up = False             # warmup() ran: a later compile is a missing bucket
-        self._zero_rows = {}                # num_seqs -> device zeros standing in for unused [S, V] inputs
+        # the persistent batch: one slot per sequence a step can hold
+        self.slot_table = SlotTable(max_num_seqs, cfg.vocab_size)
+        self.slot_state = SlotState.zeros(max_num_seqs, self.max_blocks_per_seq, cfg.vocab_size)
         # every step returns its sampled tokens padded to max_num_seqs rows (its largest bucket)
         self._no_prev_tokens = jnp.zeros(max_num_seqs, jnp.int32)
         self.swap_space = HostSwapSpace(self.kv_pool, num_host_blocks) if num_host_blocks else None
@@ -137,84 +145,79 @@ class ModelRunner:
             self.kv_pool = copy_blocks(self.kv_pool, plan.copies[i:i + n])
 
     # ---- one step ----------------------------------------------------------------------------
-    def dispatch(self, plan: SchedulerOutput, extra_bias: dict[str, dict[int, float]],
-                 prev: _Pending | None = None) -> _Pending:
-        """Build the inputs and queue the step on the device; returns without waiting.
+    def dispatch(self, plan: SchedulerOutput, prev: _Pending | None = None) -> _Pending:
+        """Queue the plan's step on the device; returns without waiting. Host work is proportional
+        to what changed: new tokens, appended blocks, requests taking a slot.
 
         `prev` is the step still in flight, if any: a request whose last token it is sampling
         (a placeholder) reads that token from prev's device output, inside this step.
         """
         self.move_blocks(plan)
+        slots = self.slot_table
+        slots.begin_step(plan.preempted)
         prev_rows = dict(prev.rows) if prev is not None else {}
         from_prev = []      # (flat token index, sample row of prev)
         flat = 0
-        chunks, rows, lp_rows = [], [], []
+        chunks, rows, lp_rows, lp_targets = [], [], [], []
+        seq_slots, row_slots, count_slots = [], [], []
         sample_tokens = []  # per sample row: the flat index of the token whose logits it samples from
-        row_requests = []   # the request whose params/seed drive each sample row
-        lp_targets = []     # (first flat token, the prompt tokens those tokens predict)
         for chunk in plan.chunks:
             request = chunk.request
-            params = request.sampling_params
             n = chunk.num_new_tokens
+            slot = slots.slot_for(request)
+            slots.sync_blocks(slot, chunk.block_ids, chunk.start // self.block_size)
             tokens = request.all_token_ids[chunk.start:chunk.start + n]
             if len(tokens) < n:   # the last token is a placeholder: the step in flight samples it
                 if len(tokens) != n - 1 or request.request_id not in prev_rows:
                     raise RuntimeError(f"{request}: {n - len(tokens)} input tokens are not known yet")
                 from_prev.append((flat + n - 1, prev_rows[request.request_id]))
                 tokens = tokens + [0]
-            if params.prompt_logprobs is not None and chunk.start < request.num_prompt_tokens - 1:
+            if request.sampling_params.prompt_logprobs is not None and chunk.start < request.num_prompt_tokens - 1:
                 count = min(n, request.num_prompt_tokens - 1 - chunk.start)
                 lp_rows.append((request.request_id, flat, count, chunk.start))
                 lp_targets.append((flat, request.all_token_ids[chunk.start + 1:chunk.start + 1 + count]))
             if chunk.samples:
                 rows.append((request.request_id, len(sample_tokens)))
             sample_tokens.append(flat + n - 1)
-            row_requests.append(request)
+            seq_slots.append(slot)
+            row_slots.append(slot)
+            count_slots.append(slot if chunk.samples else slots.pad_slot + 1)
             flat += n
             chunks.append(SeqChunk(tokens, chunk.start, chunk.block_ids))
         for i, chunk in enumerate(plan.chunks):   # n > 1: siblings sample their first token from the same logits
-            if chunk.samples:
-                for child in chunk.request.pending_forks:
-                    rows.append((child.request_id, len(sample_tokens)))
-                    sample_tokens.append(sample_tokens[i])
-                    row_requests.append(child)
+            for child in chunk.forks:
+                slot = slots.slot_for(child)
+                rows.append((child.request_id, len(sample_tokens)))
+                sample_tokens.append(sample_tokens[i])
+                row_slots.append(slot)
+                count_slots.append(slot)
         shape = choose_shape(chunks, token_floor=TOKEN_FLOOR, seq_floor=SEQ_FLOOR, max_tokens=self.max_num_batched_tokens,
                              max_seqs=self.max_num_seqs, num_sample_rows=len(sample_tokens))
-        batch = build_forward_batch(chunks, self.block_size, self.max_blocks_per_seq, shape, sample_tokens)
-        smd = build_sampling_metadata(
-            [r.sampling_params for r in row_requests], [r.seed for r in row_requests],
-            [r.num_sampled_tokens for r in row_requests], [r.output_token_ids for r in row_requests],
-            [r.prompt_token_ids for r in row_requests], [extra_bias.get(r.request_id) for r in row_requests],
-            self.model_config.vocab_size, shape.num_seqs)
-        targets = np.full(shape.num_tokens, -1, np.int32)   # -1: no prompt logprob at this token
-        for first, tokens in lp_targets:
-            targets[first:first + len(tokens)] = tokens
-        index = np.full(shape.num_seqs, shape.num_tokens, np.int32)   # padding: out of bounds, dropped
-        source = np.zeros(shape.num_seqs, np.int32)
+        layout = StepLayout(shape.num_tokens, shape.num_seqs)
+        before, in_step = slots.take_updates(layout.num_updates)
+        if before:   # requests with penalties, bias or min_tokens joined, or more updates than fit
+            self.slot_state = apply_updates(self.slot_state, before)
+        buffer = layout.empty(slots.pad_slot)
+        v = layout.host_views(buffer)
+        v["input_ids"][:flat] = [t for c in chunks for t in c.token_ids]
+        for first, targets in lp_targets:
+            v["prompt_targets"][first:first + len(targets)] = targets
+        num_seqs, num_rows = len(chunks), len(sample_tokens)
+        v["seq_slots"][:num_seqs] = seq_slots
+        v["start_pos"][:num_seqs] = [c.start_pos for c in chunks]
+        np.cumsum([len(c.token_ids) for c in chunks], out=v["cu_q_lens"][1:num_seqs + 1])
+        v["cu_q_lens"][num_seqs + 1:] = flat
+        v["logits_indices"][:num_rows] = sample_tokens
+        v["row_slots"][:num_rows] = row_slots
+        v["count_slots"][:num_rows] = count_slots
         if from_prev:
-            index[:len(from_prev)], source[:len(from_prev)] = zip(*from_prev)
+            v["prev_index"][:len(from_prev)], v["prev_source"][:len(from_prev)] = zip(*from_prev)
+        pack_updates(in_step, layout.num_updates, v["updates"])
         prev_tokens = prev.tokens if prev is not None else self._no_prev_tokens
-        self.kv_pool, packed, prompt_packed, tokens_out = self._step(
-            shape, self.state, self.kv_pool, batch, self._fixed_form(smd, shape), jnp.asarray(targets),
-            prev_tokens, jnp.asarray(index), jnp.asarray(source))
+        self.kv_pool, self.slot_state, packed, prompt_packed, tokens_out = self._step(
+            shape, self.state, self.kv_pool, self.slot_state, jax.device_put(buffer), prev_tokens)
         return _Pending(packed, prompt_packed if lp_rows else None, tokens_out, rows, lp_rows, shape.num_seqs,
                         self.max_logprobs)
-
-    def _fixed_form(self, smd: SamplingMetadata, shape: BatchShape) -> SamplingMetadata:
-        """The metadata with every input present (unused [S, V] arrays as this bucket's device
-        zeros) and the static fields fixed, so every request mix runs the same compiled step."""
-        zeros = self._zero_rows.get(shape.num_seqs)
-        if zeros is None:
-            V = self.model_config.vocab_size
-            zeros = (jnp.zeros((shape.num_seqs, V), jnp.int32), jnp.zeros((shape.num_seqs, V), bool),
-                     jnp.zeros((shape.num_seqs, V), jnp.float32))
-            self._zero_rows[shape.num_seqs] = zeros
-        counts, mask, bias = zeros
-        return dataclasses.replace(
-            smd, output_counts=counts if smd.output_counts is None else smd.output_counts,
-            prompt_mask=mask if smd.prompt_mask is None else smd.prompt_mask,
-            logit_bias=bias if smd.logit_bias is None else smd.logit_bias,
-            all_greedy=False, num_logprobs=self.max_logprobs)
 
     def _step(self, shape: BatchShape, *args):
         """Run the step compiled for `shape` (compiling it first if start-up did not)."""
@@ -227,12 +230,10 @@ class ModelRunner:
 
     def compile_step(self, shape: BatchShape):
         """Compile (and keep) the step for `shape`; returns the jax.stages.Compiled."""
-        batch = build_forward_batch([], self.block_size, self.max_blocks_per_seq, shape)
-        smd = build_sampling_metadata([], [], [], [], [], [], self.model_config.vocab_size, shape.num_seqs)
-        compiled = _step.lower(
-            self.graphdef, self.state, self.kv_pool, batch, self._fixed_form(smd, shape),
-            jnp.full(shape.num_tokens, -1, jnp.int32), self._no_prev_tokens,
-            jnp.full(shape.num_seqs, shape.num_tokens, jnp.int32), jnp.zeros(shape.num_seqs, jnp.int32)).compile()
+        layout = StepLayout(shape.num_tokens, shape.num_seqs)
+        statics = _StepStatics(self.graphdef, layout, shape.q_tile, self.block_size, self.max_logprobs)
+        compiled = _step.lower(statics, self.state, self.kv_pool, self.slot_state,
+                               jnp.asarray(layout.empty(self.slot_table.pad_slot)), self._no_prev_tokens).compile()
         self._compiled[shape] = compiled
         return compiled
 
@@ -272,11 +273,8 @@ class ModelRunner:
         """Compile the step for every shape in `shapes` (nothing runs), and the block moves for
         every bucket (each runs once, moving nothing)."""
         # XLA compiles outside the GIL: a few threads use the host's cores (each variant alone is
-        # mostly single-threaded). Zero-row inputs are made here first, on this thread.
+        # mostly single-threaded).
         todo = [shape for shape in shapes if shape not in self._compiled]
-        for shape in todo:
-            self._fixed_form(build_sampling_metadata([], [], [], [], [], [], self.model_config.vocab_size,
-                                                     shape.num_seqs), shape)
         with concurrent.futures.ThreadPoolExecutor(max(1, min(len(todo), os.cpu_count() or 1))) as pool:
             for _ in pool.map(self.compile_step, todo):
                 if progress is not None:
@@ -286,6 +284,7 @@ class ModelRunner:
         self._warmed_up = True
         self.kv_pool = warm_up_block_moves(self.kv_pool, _buckets(4, self.max_moved_blocks),
                                            self.swap_space)
+        self.slot_state = warm_up_updates(self.slot_state)
 
 
 def _buckets(floor: int, cap: int, growth: int = 2) -> list[int]:
@@ -299,31 +298,50 @@ def _buckets(floor: int, cap: int, growth: int = 2) -> list[int]:
 PROMPT_LOGPROB_CHUNK = 128   # prompt logprobs walk the step's tokens this many at a time
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
-def _step(graphdef, state, kv_pool, batch: ForwardBatch, smd: SamplingMetadata, prompt_targets,
-          prev_tokens, prev_index, prev_source):
-    """One engine step. prompt_targets: i32[T], the next prompt token per token (-1: no prompt
-    logprob there); prev_tokens: i32[MAX_ROWS], the previous step's sampled tokens, of which row
-    prev_source[i] becomes input token prev_index[i] (out-of-bounds indices are dropped).
+@dataclasses.dataclass(frozen=True)
+class _StepStatics:
+    """What a compiled step is specialised on (besides its input shapes)."""
 
-    Returns (kv_pool, packed f32[S * (3 + 2K)], prompt_packed f32[T * (2 + 2K)], tokens i32[MAX_ROWS]).
+    graphdef: object
+    layout: StepLayout
+    q_tile: int
+    block_size: int
+    num_logprobs: int
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2, 3))
+def _step(statics: _StepStatics, state, kv_pool, slots: SlotState, buffer, prev_tokens):
+    """One engine step. buffer: i32[layout.size], every per-step input (StepLayout); slots: the
+    persistent batch (block tables, sampling parameters and penalty state, donated);
+    prev_tokens: i32[MAX_ROWS], the previous step's sampled tokens, of which row prev_source[i]
+    becomes input token prev_index[i] (out-of-bounds indices are dropped).
+
+    Returns (kv_pool, slots, packed f32[S * (3 + 2K)], prompt_packed f32[T * (2 + 2K)], tokens i32[MAX_ROWS]).
     """
-    batch = dataclasses.replace(batch, input_ids=batch.input_ids.at[prev_index].set(prev_tokens[prev_source],
-                                                                                    mode="drop"))
-    model = nnx.merge(graphdef, state)
+    f = statics.layout.unpack(buffer)
+    slots = apply_step_updates(slots, f["updates"])
+    positions, slot_mapping, kv_lens, tables = forward_batch_arrays(f, slots.block_tables, statics.block_size)
+    input_ids = f["input_ids"].at[f["prev_index"]].set(prev_tokens[f["prev_source"]], mode="drop")
+    batch = ForwardBatch(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
+                         logits_indices=f["logits_indices"],
+                         attn=attention_metadata(kv_lens, tables, f["cu_q_lens"], statics.q_tile))
+    model = nnx.merge(statics.graphdef, state)
     kv_pool, hidden = model.hidden_states(kv_pool, batch)
-    K = smd.num_logprobs
+    K = statics.num_logprobs
+    smd = sampling_metadata(slots, f["row_slots"], K)
     rows = hidden[batch.logits_indices]                                # [S, hidden]
     out = jax.lax.cond(
         is_plain_greedy(smd),   # the common decode case, in the CPU-friendly layout
         lambda h: greedy_from_transposed(model.compute_logits_transposed(h), K),
         lambda h: sample(model.compute_logits(h), smd),
         rows)
+    slots = count_sampled(slots, f["count_slots"], out.token_ids)
     packed = _pack(out.token_ids, out.logprobs, out.ranks, out.topk_ids, out.topk_logprobs)
-    prompt_packed = jax.lax.cond(jnp.any(prompt_targets >= 0), lambda: _prompt_logprobs(model, hidden, prompt_targets, K),
+    targets = f["prompt_targets"]
+    prompt_packed = jax.lax.cond(jnp.any(targets >= 0), lambda: _prompt_logprobs(model, hidden, targets, K),
                                  lambda: jnp.zeros(hidden.shape[0] * (2 + 2 * K), jnp.float32))
     tokens = jnp.zeros(prev_tokens.shape, jnp.int32).at[:out.token_ids.shape[0]].set(out.token_ids)
-    return kv_pool, packed, prompt_packed, tokens
+    return kv_pool, slots, packed, prompt_packed, tokens
 
 
 def _prompt_logprobs(model, hidden, targets, K):

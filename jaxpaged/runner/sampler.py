@@ -2,11 +2,11 @@
 
 Runs inside the engine's jitted step. Every per-request knob is an array, so a batch that
 mixes greedy, top-k, top-p and penalised requests compiles once. The engine always passes
-every input (the [S, V] arrays as device zeros when no row uses them) with `all_greedy`
-False and `num_logprobs` at its max_logprobs, so one compiled step serves every request
-mix; the work a batch does not need is skipped at run time (`lax.cond` on the row flags).
-Called with `all_greedy` True or an [S, V] array None (tests, small tools), that part is
-left out of the compiled code instead.
+every input (its persistent [R + 1, V] state rows, picked per sample row by `rows`) with
+`all_greedy` False and `num_logprobs` at its max_logprobs, so one compiled step serves every
+request mix; the work a batch does not need is skipped at run time (`lax.cond` on the row
+flags). Called with `all_greedy` True or a [.., V] array None (tests, small tools), that part
+is left out of the compiled code instead.
 Semantics and order follow vLLM V1: raw logprobs, then logit bias, penalties, greedy argmax,
 and for random rows temperature, min_p, top_k, top_p and a draw with a per-request key.
 """
@@ -38,11 +38,15 @@ class SamplingMetadata:
     steps: jax.Array  # i32[S]; tokens sampled so far by the request
     requested_logprobs: jax.Array  # i32[S]; top logprobs the row asked for (<= num_logprobs)
     has_logit_bias: jax.Array  # bool[S]; the row's logit_bias row is not all zeros
-    output_counts: jax.Array | None  # i32[S, V]; None unless some row has penalties
-    prompt_mask: jax.Array | None  # bool[S, V]; None unless some row has penalties
-    logit_bias: jax.Array | None  # f32[S, V]; None unless some row has a bias
+    output_counts: jax.Array | None  # i32[R, V]; None unless some row has penalties
+    prompt_mask: jax.Array | None  # bool[R, V]; None unless some row has penalties
+    logit_bias: jax.Array | None  # f32[R, V]; None unless some row has a bias
     all_greedy: bool = field(metadata=dict(static=True))
     num_logprobs: int = field(metadata=dict(static=True))  # K: width of the top-logprobs output
+    # the row of the [R, V] arrays each sample row reads (None: row i reads row i, R = S)
+    rows: jax.Array | None = None  # i32[S]
+    min_tokens_ban: jax.Array | None = None  # bool[R, V]; tokens masked while ban_active
+    ban_active: jax.Array | None = None  # bool[S]; the row has not reached its min_tokens
 
 
 @jax.tree_util.register_dataclass
@@ -87,21 +91,34 @@ def penalised_rows(md) -> jax.Array:
     return (md.presence_penalty != 0) | (md.frequency_penalty != 0) | (md.repetition_penalty != 1.0)
 
 
+def _rows_of(md, array):
+    """The [S, V] rows of a [R, V] array that this batch's sample rows read (inside a branch, so
+    the gather runs only when the branch does)."""
+    return array if md.rows is None else array[md.rows]
+
+
 def _apply_bias_and_penalties(logits, md):
     if md.logit_bias is not None:
-        logits = jax.lax.cond(jnp.any(md.has_logit_bias), lambda x: x + md.logit_bias, lambda x: x, logits)
+        logits = jax.lax.cond(jnp.any(md.has_logit_bias),
+                              lambda x: x + jnp.where(md.has_logit_bias[:, None], _rows_of(md, md.logit_bias), 0.0),
+                              lambda x: x, logits)
+    if md.min_tokens_ban is not None:
+        logits = jax.lax.cond(jnp.any(md.ban_active),
+                              lambda x: jnp.where(md.ban_active[:, None] & _rows_of(md, md.min_tokens_ban), -jnp.inf, x),
+                              lambda x: x, logits)
     if md.output_counts is None:
         return logits
     return jax.lax.cond(jnp.any(penalised_rows(md)), lambda x: _apply_penalties(x, md), lambda x: x, logits)
 
 
 def _apply_penalties(logits, md):
-    output_mask = md.output_counts > 0
-    seen = output_mask if md.prompt_mask is None else output_mask | md.prompt_mask
+    counts = _rows_of(md, md.output_counts)
+    output_mask = counts > 0
+    seen = output_mask if md.prompt_mask is None else output_mask | _rows_of(md, md.prompt_mask)
     rep = jnp.where(seen, md.repetition_penalty[:, None], 1.0)
     # Dividing a negative logit would raise it, so those are multiplied instead.
     logits = jnp.where(logits > 0, logits / rep, logits * rep)
-    logits = logits - md.frequency_penalty[:, None] * md.output_counts.astype(jnp.float32)
+    logits = logits - md.frequency_penalty[:, None] * counts.astype(jnp.float32)
     return logits - md.presence_penalty[:, None] * output_mask.astype(jnp.float32)
 
 
@@ -183,14 +200,15 @@ def _random_sample(logits, md):
 
 
 def uses_output_tokens(params) -> bool:
-    """Whether a request's penalties count its previous tokens (so each step needs them on the host)."""
+    """Whether a request's penalties read its tokens (its slot then keeps their counts and prompt mask)."""
     return bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0)
 
 
 def is_plain_greedy(md: SamplingMetadata) -> jax.Array:
     """bool: every row greedy with no bias, penalties or top logprobs (traced: picks the fast path)."""
-    return (jnp.all(md.temperature < GREEDY_EPS) & ~jnp.any(md.has_logit_bias) & ~jnp.any(penalised_rows(md))
-            & ~jnp.any(md.requested_logprobs > 0))
+    plain = (jnp.all(md.temperature < GREEDY_EPS) & ~jnp.any(md.has_logit_bias) & ~jnp.any(penalised_rows(md))
+             & ~jnp.any(md.requested_logprobs > 0))
+    return plain if md.ban_active is None else plain & ~jnp.any(md.ban_active)
 
 
 def greedy_from_transposed(logits_t: jax.Array, num_logprobs: int = 0) -> SamplerOutput:

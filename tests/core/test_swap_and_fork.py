@@ -77,14 +77,10 @@ class Driver:
             assert len(c.block_ids) * BS >= c.start + c.num_new_tokens and 0 not in c.block_ids
             for pos in range(c.start, c.start + c.num_new_tokens):
                 self.device.setdefault(c.block_ids[pos // BS], {})[pos % BS] = c.request.all_token_ids[pos]
-        sampled = {c.request.request_id: fake_token(c.request) for c in out.chunks if c.samples}
-        for request in list(s.update_after_step(out, sampled)):
+        # n > 1: the forks sample their first token beside their parent (commit forks them)
+        sampled = {r.request_id: fake_token(r) for c in out.chunks if c.samples for r in (c.request, *c.forks)}
+        for request in s.update_after_step(out, sampled):
             self.sequences[request.request_id] = request
-            for child in request.pending_forks:   # the engine's n > 1: fork at the first token
-                child.append_output_token(fake_token(child))
-                s.fork(request, child)
-                self.sequences[child.request_id] = child
-            request.pending_forks = []
         self.check_read_back()
         for request in list(s.running):   # the engine's length stop
             if request.num_output_tokens >= request.max_tokens:

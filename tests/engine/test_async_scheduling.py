@@ -1,6 +1,7 @@
 """Async scheduling: step t+1 is planned and dispatched before step t's tokens are fetched,
 and nothing a user sees changes (tokens, text, stops, seeds, logprobs, freed blocks)."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -105,26 +106,34 @@ def test_stops_mid_flight_drop_the_extra_token(llms):
     assert on.get_metrics()["jaxpaged:kv_cache_usage_perc"] == 0.0
 
 
-def test_requests_needing_host_tokens_fall_back_to_one_step_at_a_time(llms):
-    """Penalties count the previous tokens and n > 1 forks after its first token: such steps run
-    synchronously, with the same results as without async scheduling."""
+def _overlapped(calls) -> bool:
+    """Every step after the first was dispatched before its predecessor was fetched."""
+    num_steps = sum(kind == "dispatch" for kind, _ in calls)
+    return all(calls.index(("dispatch", k + 1)) < calls.index(("fetch", k)) for k in range(num_steps - 1))
+
+
+def test_penalties_min_tokens_and_forks_keep_steps_overlapped(llms):
+    """Penalty counts, min_tokens masks and n > 1 forks live on the device, so such requests
+    never wait for their tokens on the host: steps stay overlapped, with the same results as
+    without async scheduling."""
     on, off = llms
     prompt = {"prompt_token_ids": [5, 17, 230, 41, 9]}
     plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     penalized = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1.5,
-                               frequency_penalty=0.5)
+                               frequency_penalty=0.5, presence_penalty=0.3)
     calls = _record_calls(on)
     a = on.generate(prompt, penalized, use_tqdm=False)
-    assert calls == [(kind, k) for k in range(len(calls) // 2) for kind in ("dispatch", "fetch")]
+    assert len(calls) > 20 and _overlapped(calls)
     assert _summary(a) == _summary(off.generate(prompt, penalized, use_tqdm=False))
     # the penalties matter here: without them the greedy tokens differ
     assert a[0].outputs[0].token_ids != off.generate(prompt, plain, use_tqdm=False)[0].outputs[0].token_ids
 
-    forked = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
+    forked = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True, frequency_penalty=1.0)
     calls = _record_calls(on)
     a = on.generate(prompt, forked, use_tqdm=False)
-    assert calls[:2] == [("dispatch", 0), ("fetch", 0)]   # the parent's prefill, before its forks
+    assert _overlapped(calls)
     assert _summary(a) == _summary(off.generate(prompt, forked, use_tqdm=False))
+    assert len({tuple(o.token_ids) for o in a[0].outputs}) == 3
 
 
 def test_an_interrupted_generate_leaves_the_engine_usable(llms):
@@ -186,3 +195,23 @@ def test_preemption_while_a_step_is_in_flight_keeps_outputs(llms):
             assert metrics["jaxpaged:num_preemptions_total"] > 0
             assert metrics["jaxpaged:kv_cache_usage_perc"] == 0.0
     assert all(r == results[0] for r in results[1:])
+
+
+def test_a_decode_step_sends_its_inputs_in_one_transfer(llms, monkeypatch):
+    """Block tables, sampling parameters and penalty counts stay on the device: once a request
+    runs, each step moves one host buffer to the device and nothing else (no implicit transfers)."""
+    engine = llms[0].llm_engine
+    params = SamplingParams(temperature=0.8, seed=1, max_tokens=40, ignore_eos=True, frequency_penalty=0.5,
+                            logit_bias={7: -1.0}, min_tokens=30)
+    engine.add_request("one-transfer", {"prompt_token_ids": [5, 17, 230]}, params)
+    for _ in range(3):   # the prompt, and the request's slot filled
+        engine.step()
+    puts = []
+    device_put = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda x, *a, **k: (puts.append(type(x)), device_put(x, *a, **k))[1])
+    with jax.transfer_guard_host_to_device("disallow"):
+        for _ in range(20):   # crosses block boundaries: appended blocks ride in the same buffer
+            engine.step()
+    assert puts == [np.ndarray] * 20
+    while engine.has_unfinished_requests():
+        engine.step()

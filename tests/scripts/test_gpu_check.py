@@ -6,6 +6,7 @@ the check shows up here and not in the one GPU call a task may get.
 """
 
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -15,8 +16,9 @@ import zipfile
 import pytest
 
 from jaxpaged.bench.gpu_check import driver
-from jaxpaged.bench.gpu_check.common import Context, Row
+from jaxpaged.bench.gpu_check.common import DRY, Context, Row
 from jaxpaged.bench.gpu_check.engine import engine_agreement
+from jaxpaged.bench.gpu_check.step import compilations
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
@@ -81,6 +83,35 @@ def test_kernel_rows_pass_and_timings_are_measured(dry_run):
     assert timed and all(r.metrics["ms"] > 0 and r.metrics["of copy"] > 0 for r in timed)
     swaps = [r for r in rows if r.part == "swap"]
     assert len(swaps) == 2 and all(r.metrics["bit-exact"] is True for r in swaps)
+
+
+def test_step_rows_report_start_up_no_compiles_after_it_and_decode_time_against_the_floor(dry_run):
+    _, _, rows = dry_run
+    step = {r.case: r for r in rows if r.part == "step"}
+    decode = [f"decode {n} seqs" for n in DRY.step_decode_seqs]
+    assert list(step) == ["start-up", "compiles after start-up", *decode]
+    assert all(r.status == "ok" for r in step.values()), step
+    startup = step["start-up"].metrics
+    assert startup["s"] > 0 and startup["step variants"] > 0 and startup["not compiled"] == 0
+    assert startup["XLA compiles"] >= startup["step variants"]   # the counter saw start-up compile
+    workload = step["compiles after start-up"].metrics
+    assert workload["XLA compiles"] == 0 and workload["requests"] == 2 * len(DRY.step_workload_lens)
+    for case in decode:
+        m = step[case].metrics
+        assert m["XLA compiles"] == 0 and math.isfinite(m["ms/step"]) and m["floor ms"] > 0
+        assert m["x floor"] == pytest.approx(m["ms/step"] / m["floor ms"])
+
+
+def test_the_compile_counter_sees_each_compilation_inside_its_block_only():
+    import jax
+    import numpy as np
+
+    with compilations() as compiled:
+        add = jax.jit(lambda x: x + 3)
+        add(np.float32(1))
+        add(np.float32(2))   # the same executable: no second compilation
+    jax.jit(lambda x: x * 5)(np.float32(1))
+    assert [name for name, _ in compiled] == ["jit(<lambda>)"]
 
 
 def test_table_json_and_log_are_written_and_the_table_is_printed_last(dry_run):

@@ -75,6 +75,12 @@ class Sizes:
     engine_agree_tokens: int              # greedy tokens compared across backends
     engine_max_model_len: int
     engine_batched_tokens: int
+    step_engine_args: dict[str, Any]      # LLM(model, **these) of the step part; {} = the default arguments
+    step_workload_lens: tuple[int, ...]   # prompt lengths of the mixed workload counting compilations
+    step_workload_tokens: int             # max_tokens of each of its requests
+    step_decode_seqs: tuple[int, ...]     # sequences per timed decode batch
+    step_prompt_len: int                  # prompt tokens of each of those sequences
+    step_max_tokens: tuple[int, int]      # (short, long) runs: their difference is (long - short) decode steps
     block_size: int = 16
 
 
@@ -91,6 +97,9 @@ GPU = Sizes(
     swap_shape=(24, 2, 16, 64), swap_blocks=8192,
     model=_QWEN25_05B, engine_prompts=64, engine_prompt_len=(16, 64), engine_max_tokens=128,
     engine_agree_tokens=16, engine_max_model_len=512, engine_batched_tokens=4096,
+    # defaults: 256 sequences, 2048 tokens a step (so 3000 is a chunked prompt), the model's max_model_len
+    step_engine_args={}, step_workload_lens=(1, 7, 33, 100, 250, 700, 1500, 3000), step_workload_tokens=24,
+    step_decode_seqs=(1, 32, 256), step_prompt_len=64, step_max_tokens=(16, 80),
 )
 
 DRY = Sizes(
@@ -103,6 +112,9 @@ DRY = Sizes(
                num_key_value_heads=2, vocab_size=512, max_position_embeddings=256, bos_token_id=1, eos_token_id=2),
     engine_prompts=3, engine_prompt_len=(4, 12), engine_max_tokens=5, engine_agree_tokens=4,
     engine_max_model_len=64, engine_batched_tokens=64,
+    # 2 step variants instead of the defaults' 35: this CPU compiles each for ~10 s
+    step_engine_args=dict(max_num_seqs=4, max_num_batched_tokens=16), step_workload_lens=(1, 5, 17, 40, 70),
+    step_workload_tokens=6, step_decode_seqs=(1, 2, 4), step_prompt_len=8, step_max_tokens=(4, 20),
 )
 
 

@@ -17,6 +17,7 @@ import numpy as np
 from jaxpaged.bench.gpu_check.common import Context, Row, Sizes
 
 MODEL_FOLDER = "model"
+CHECKPOINT_DTYPE = "bfloat16"   # of the saved weights; the engine's default dtype ('auto') keeps it
 _EMBED_STD = 0.5
 
 
@@ -28,7 +29,7 @@ def random_checkpoint(ctx: Context) -> Iterator[Row]:
     config = transformers.Qwen2Config(**ctx.sizes.model)
     torch.manual_seed(0)
     default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)   # half the memory and time of an fp32 model, saved as bf16
+    torch.set_default_dtype(getattr(torch, CHECKPOINT_DTYPE))   # half the memory and time of an fp32 model
     try:
         model = transformers.Qwen2ForCausalLM(config).eval()
     finally:
@@ -85,7 +86,7 @@ def engine_run(ctx: Context, backend: str) -> Iterator[Row]:
     prompts, warm = engine_prompts(sizes, sizes.model["vocab_size"])
     per_seq = -(-(sizes.engine_prompt_len[1] + sizes.engine_max_tokens) // sizes.block_size)
     start = time.perf_counter()
-    llm = LLM(path, dtype="bfloat16", attention_backend=backend, block_size=sizes.block_size,
+    llm = LLM(path, dtype=CHECKPOINT_DTYPE, attention_backend=backend, block_size=sizes.block_size,
               max_num_seqs=sizes.engine_prompts, max_model_len=sizes.engine_max_model_len,
               max_num_batched_tokens=sizes.engine_batched_tokens,
               num_gpu_blocks_override=2 * sizes.engine_prompts * per_seq + 1, compile_on_startup=False,

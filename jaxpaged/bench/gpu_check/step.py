@@ -1,0 +1,191 @@
+"""The step part (issue #12): start-up with the default engine arguments, nothing compiled after
+it, and the decode step's time against the bytes it has to read.
+
+    start-up        LLM(model) with default arguments and a cold compilation cache: seconds,
+                    step variants compiled (every one of warmup_shapes() must be)
+    compiles after  XLA compilations while a mixed workload runs twice (greedy, temperature +
+                    top_p + seed, logprobs, presence penalty, n=2, prompts from 1 token to past
+                    the step's token budget; the second time from the prefix cache): must be 0
+    decode N seqs   ms per decode step of N sequences = (t(long) - t(short)) / (long - short),
+                    which cancels the prefill; floor = (weight bytes + live KV bytes at the mean
+                    context) / the copy part's bandwidth
+
+Only the engine's public face is used (LLM, SamplingParams, llm.llm_engine's runner._compiled
+and warmup_shapes()), so that the check survives changes inside the runner.
+"""
+
+import contextlib
+import functools
+import logging
+import os
+import time
+from typing import Iterator
+
+import numpy as np
+
+from jaxpaged.bench.gpu_check.common import Context, Row, Sizes, guarded
+from jaxpaged.bench.gpu_check.engine import CHECKPOINT_DTYPE, MODEL_FOLDER
+
+# JAX's monitoring event for one XLA compilation (a persistent-cache hit sends it too: it still
+# builds an executable); tests/engine/test_no_compiles_after_startup.py counts the same event.
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_COMPILE_CACHE_FOLDER = "step_compile_cache"   # under the work dir: empty, so the start-up is cold
+
+
+@contextlib.contextmanager
+def compilations():
+    """Yields a list collecting (function name, seconds) of each XLA compilation inside the block."""
+    import jax
+
+    compiled = []
+
+    def listener(event, duration, **kwargs):
+        if event == COMPILE_EVENT:
+            compiled.append((kwargs.get("fun_name", "?"), duration))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield compiled
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def step_check(ctx: Context) -> Iterator[Row]:
+    """Start-up, compilations after it, decode step time vs the bytes floor (rows as each is known).
+
+    Estimated on the H200 (no GPU run yet): imports ~10 s; start-up 90-120 s (the KV sizing
+    compiles the largest bucket, `auto` times pallas against triton, then 35 step variants compile
+    on one thread per core, each with XLA's gemm autotuning; on this 2-core CPU a tiny model's step
+    compiles for ~10 s); the mixed workload twice ~5 s; decode runs ~10 s (three generates per N,
+    the longest 256 x 80 tokens at a few ms per step). About 150 s of the part's 200 s limit.
+    """
+    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("jaxpaged").setLevel(logging.INFO)   # the log: KV size, auto's pick, compile time
+    # Nothing may touch the device before LLM(): the engine sets the allocator's memory fraction
+    # (gpu_memory_utilization) only when JAX has not started, and the compilation cache folder is
+    # read at the first compilation.
+    os.environ["JAXPAGED_COMPILATION_CACHE"] = os.path.join(ctx.workdir, _COMPILE_CACHE_FOLDER)
+    from jaxpaged import LLM
+    from jaxpaged.bench.gpu_check.system import adapt_jax_triton
+
+    adapt_jax_triton()   # `auto` may time the triton backend at start-up; jax-triton 0.3 needs the shim
+    sizes = ctx.sizes
+    path = os.path.join(ctx.workdir, MODEL_FOLDER)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        yield Row("step", "start-up", "error", note=f"no model in {path}: see the checkpoint part")
+        return
+    with compilations() as startup_compiles:
+        start = time.perf_counter()
+        llm = LLM(path, **sizes.step_engine_args)
+        startup = time.perf_counter() - start
+    yield guarded("step", "start-up", functools.partial(_startup_row, llm, startup, startup_compiles,
+                                                        sizes.step_engine_args))
+
+    yield guarded("step", "compiles after start-up", functools.partial(_workload_row, llm, sizes))
+    copy = [r.data["gbps"] for r in ctx.rows_of("copy") if "gbps" in r.data]
+    weight_bytes = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+    for num_seqs in sizes.step_decode_seqs:
+        yield guarded("step", f"decode {num_seqs} seqs", functools.partial(
+            _decode_row, llm, sizes, num_seqs, weight_bytes, copy[0] if copy else None))
+
+
+def _startup_row(llm, seconds: float, compiled: list, engine_args: dict) -> Row:
+    engine = llm.llm_engine
+    shapes = engine.runner.warmup_shapes()
+    missing = [shape for shape in shapes if shape not in engine.runner._compiled]
+    args = engine.args
+    loaded = getattr(engine, "loaded", None)
+    backend = getattr(getattr(loaded, "model", None), "attention_backend", "?")
+    given = ", ".join(f"{k} {v}" for k, v in engine_args.items())
+    return Row("step", "start-up", "fail" if missing else "ok",
+               {"s": seconds, "step variants": len(engine.runner._compiled), "not compiled": len(missing),
+                "XLA compiles": len(compiled), "compile s (sum)": sum(d for _, d in compiled), "backend": backend,
+                "max_num_seqs": args.max_num_seqs, "batched tokens": args.batched_tokens(engine.max_model_len),
+                "max_model_len": engine.max_model_len, "KV blocks": engine.num_blocks},
+               note=f"engine arguments: {given + ' (others default)' if given else 'defaults'}; max_model_len "
+                    "the model's; cold compilation cache" + (f"; not compiled: {missing[:4]}" if missing else ""),
+               data={"compiled": compiled})
+
+
+def _workload_prompts(rng, lengths, vocab_size: int) -> list[dict]:
+    return [{"prompt_token_ids": rng.integers(10, vocab_size - 10, n).tolist()} for n in lengths]
+
+
+def _workload_row(llm, sizes: Sizes) -> Row:
+    """Every sampling feature of issue #12's list over prompts of many lengths, twice (the second
+    time the prompts come from the prefix cache, so the steps take other shapes), counting XLA
+    compilations."""
+    from jaxpaged import SamplingParams
+
+    common = dict(max_tokens=sizes.step_workload_tokens, ignore_eos=True, detokenize=False)
+    kinds = [SamplingParams(temperature=0.0, **common),
+             SamplingParams(temperature=0.8, top_p=0.9, seed=1, **common),
+             SamplingParams(temperature=0.0, logprobs=5, **common),
+             SamplingParams(temperature=0.7, presence_penalty=0.5, **common),
+             SamplingParams(n=2, temperature=0.9, seed=2, **common)]
+    prompts = _workload_prompts(np.random.default_rng(1), sizes.step_workload_lens, sizes.model["vocab_size"])
+    params = [kinds[i % len(kinds)] for i in range(len(prompts))]
+    requests = tokens = 0
+    with compilations() as compiled:
+        start = time.perf_counter()
+        for _ in range(2):
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            requests += len(outputs)
+            tokens += sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        seconds = time.perf_counter() - start
+    if compiled:
+        note = f"compiled: {', '.join(sorted({name for name, _ in compiled}))}"
+    else:
+        note = ("mixed workload twice: greedy, temperature+top_p+seed, logprobs=5, presence_penalty, n=2; "
+                f"prompts of {'/'.join(map(str, sizes.step_workload_lens))} tokens")
+    return Row("step", "compiles after start-up", "fail" if compiled else "ok",
+               {"XLA compiles": len(compiled), "requests": requests, "tokens out": tokens, "s": seconds},
+               note=note, data={"compiled": compiled})
+
+
+def _decode_row(llm, sizes: Sizes, num_seqs: int, weight_bytes: int, copy_gbps: float | None) -> Row:
+    """Time one decode step of num_seqs sequences as the difference of two greedy runs."""
+    import jax.numpy as jnp
+
+    from jaxpaged import SamplingParams
+
+    short, long = sizes.step_max_tokens
+    length = sizes.step_prompt_len
+    rng = np.random.default_rng(num_seqs)
+
+    def run(max_tokens: int) -> float:
+        # fresh random tokens each run: no prefix-cache hits, so every run prefills alike
+        prompts = _workload_prompts(rng, [length] * num_seqs, sizes.model["vocab_size"])
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        got = {len(o.outputs[0].token_ids) for o in outputs}
+        if got != {max_tokens}:
+            raise RuntimeError(f"asked for {max_tokens} tokens with ignore_eos, got {sorted(got)}")
+        return seconds
+
+    with compilations() as compiled:
+        run(short)   # untimed: the first run of each executable may load it
+        t_short, t_long = run(short), run(long)
+    step_s = (t_long - t_short) / (long - short)
+    m = sizes.model
+    head_dim = m.get("head_dim") or m["hidden_size"] // m["num_attention_heads"]
+    itemsize = jnp.dtype(CHECKPOINT_DTYPE).itemsize
+    kv_per_token = 2 * m["num_hidden_layers"] * m["num_key_value_heads"] * head_dim * itemsize   # K and V
+    mean_context = length + (short + long) / 2   # over the steps between the two runs' ends
+    kv_bytes = num_seqs * mean_context * kv_per_token
+    metrics = {"ms/step": step_s * 1e3, "tok/s": num_seqs / step_s if step_s > 0 else 0.0}
+    note = f"prompts of {length} tokens; (t({long}) - t({short})) / {long - short} steps"
+    if copy_gbps:
+        floor_s = (weight_bytes + kv_bytes) / (copy_gbps * 1e9)
+        metrics.update({"floor ms": floor_s * 1e3, "x floor": step_s / floor_s})
+        note += f"; floor = (weights + KV at mean context {mean_context:.0f}) / copy {copy_gbps:.0f} GB/s"
+    else:
+        note += "; no copy row (run the copy part first): no floor"
+    metrics.update({"weights MB": weight_bytes / 1e6, "KV MB": kv_bytes / 1e6, "XLA compiles": len(compiled)})
+    if compiled:
+        note = f"compiled while timed: {', '.join(sorted({n for n, _ in compiled}))}"
+    return Row("step", f"decode {num_seqs} seqs", "fail" if compiled else "ok", metrics, note=note,
+               data={"seconds": {short: t_short, long: t_long}, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
+                     "compiled": compiled})

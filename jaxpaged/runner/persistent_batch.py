@@ -1,0 +1,361 @@
+"""The persistent batch: per-request state kept on the device across steps (vLLM V1's
+InputBatch), changed by sparse updates, and the packed buffer that carries a step's metadata.
+
+Each running request holds a *slot* (a row of every state array) from its first step until it
+finishes, is preempted, or (more live sequences than slots, beam search only) is evicted as
+the least recently used; it then gets a fresh slot, rebuilt from the host, when it runs again.
+
+    block_tables    i32[R + 1, max_blocks_per_seq]   a request's blocks; grows by appended blocks
+    params          i32[R + 1, NUM_PARAMS]           sampling parameters (floats bit-cast), step count
+    output_counts   i32[R + 1, V]                    tokens sampled so far (penalties)
+    prompt_mask     bool[R + 1, V]                   tokens of the prompt (repetition penalty)
+    logit_bias      f32[R + 1, V]                    the request's logit_bias
+    min_tokens_ban  bool[R + 1, V]                   EOS and stop tokens, masked until min_tokens
+
+Row R is padding: a greedy request with no blocks (padding sample rows read it). The host only
+sends what changed, as (kind, slot, index, value) updates: TABLE for each block a sequence
+appends (or a copy-on-write replaces), PARAM for the parameters of a request taking a slot;
+RESET, PROMPT, COUNT, BIAS and BAN fill the [R + 1, V] rows of a request that uses
+penalties, logit_bias or min_tokens when it takes its slot. The step applies TABLE and PARAM
+updates itself (they ride in its packed input); the [.., V] seeding, and updates past the
+step's capacity, go through `apply_updates` before the step. The step counts the tokens it
+samples into output_counts and the step counter.
+"""
+
+import collections
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpaged.runner.sampler import SamplingMetadata, uses_output_tokens
+from pallas_kernels import AttentionMetadata
+
+# params columns
+(P_TEMPERATURE, P_TOP_K, P_TOP_P, P_MIN_P, P_PRESENCE, P_FREQUENCY, P_REPETITION, P_SEED, P_STEPS,
+ P_LOGPROBS, P_HAS_BIAS, P_MIN_TOKENS) = range(12)
+NUM_PARAMS = 12
+FLOAT_PARAMS = (P_TEMPERATURE, P_TOP_P, P_MIN_P, P_PRESENCE, P_FREQUENCY, P_REPETITION)
+
+# update kinds
+TABLE, PARAM, RESET, PROMPT, COUNT, BIAS, BAN = range(7)
+STEP_KINDS = (TABLE, PARAM)           # the step applies these itself
+UPDATE_WIDTH = 4                      # (kind, slot, index, value)
+UPDATES_PER_CALL = 4096               # capacity of one apply_updates call
+RESETS_PER_CALL = 8                   # rows one apply_updates call may clear
+
+
+def _f32_bits(x: float) -> int:
+    return int(np.float32(x).view(np.int32))
+
+
+def default_params() -> np.ndarray:
+    """i32[NUM_PARAMS]: a greedy request with nothing else set (the padding row)."""
+    row = np.zeros(NUM_PARAMS, np.int32)
+    for column, value in ((P_TOP_P, 1.0), (P_REPETITION, 1.0)):
+        row[column] = _f32_bits(value)
+    return row
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SlotState:
+    block_tables: jax.Array     # i32[R + 1, max_blocks_per_seq]
+    params: jax.Array           # i32[R + 1, NUM_PARAMS]
+    output_counts: jax.Array    # i32[R + 1, V]
+    prompt_mask: jax.Array      # bool[R + 1, V]
+    logit_bias: jax.Array       # f32[R + 1, V]
+    min_tokens_ban: jax.Array   # bool[R + 1, V]
+
+    @classmethod
+    def zeros(cls, num_slots: int, max_blocks_per_seq: int, vocab_size: int) -> "SlotState":
+        rows = num_slots + 1
+        return cls(jnp.zeros((rows, max_blocks_per_seq), jnp.int32),
+                   jnp.asarray(np.tile(default_params(), (rows, 1))),
+                   jnp.zeros((rows, vocab_size), jnp.int32), jnp.zeros((rows, vocab_size), bool),
+                   jnp.zeros((rows, vocab_size), jnp.float32), jnp.zeros((rows, vocab_size), bool))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in jax.tree.leaves(self))
+
+
+def _by_kind(updates, kind, num_rows):
+    """The updates' (row, index, value), rows of other kinds out of bounds (dropped by scatters)."""
+    rows = jnp.where(updates[:, 0] == kind, updates[:, 1], num_rows)
+    return rows, updates[:, 2], updates[:, 3]
+
+
+def apply_step_updates(state: SlotState, updates: jax.Array) -> SlotState:
+    """TABLE and PARAM updates (i32[U, 4]; other kinds and padding are ignored). Traced."""
+    R1 = state.params.shape[0]
+    rows, index, value = _by_kind(updates, TABLE, R1)
+    tables = state.block_tables.at[rows, index].set(value, mode="drop")
+    rows, index, value = _by_kind(updates, PARAM, R1)
+    params = state.params.at[rows, index].set(value, mode="drop")
+    return dataclasses.replace(state, block_tables=tables, params=params)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _apply_updates(state: SlotState, updates: jax.Array) -> SlotState:
+    R1 = state.params.shape[0]
+    # at most RESETS_PER_CALL rows are cleared (the host splits calls so), before any other update
+    (reset_at,) = jnp.nonzero(updates[:, 0] == RESET, size=RESETS_PER_CALL, fill_value=updates.shape[0])
+    reset_rows = jnp.concatenate([updates[:, 1], jnp.array([R1], jnp.int32)])[reset_at]
+    state = dataclasses.replace(
+        state, output_counts=state.output_counts.at[reset_rows].set(0, mode="drop"),
+        prompt_mask=state.prompt_mask.at[reset_rows].set(False, mode="drop"),
+        logit_bias=state.logit_bias.at[reset_rows].set(0.0, mode="drop"),
+        min_tokens_ban=state.min_tokens_ban.at[reset_rows].set(False, mode="drop"))
+    state = apply_step_updates(state, updates)
+    rows, index, value = _by_kind(updates, PROMPT, R1)
+    prompt_mask = state.prompt_mask.at[rows, index].set(True, mode="drop")
+    rows, index, value = _by_kind(updates, COUNT, R1)
+    counts = state.output_counts.at[rows, index].add(value, mode="drop")
+    rows, index, value = _by_kind(updates, BIAS, R1)
+    bias = state.logit_bias.at[rows, index].add(jax.lax.bitcast_convert_type(value, jnp.float32), mode="drop")
+    rows, index, value = _by_kind(updates, BAN, R1)
+    ban = state.min_tokens_ban.at[rows, index].set(True, mode="drop")
+    return dataclasses.replace(state, output_counts=counts, prompt_mask=prompt_mask, logit_bias=bias,
+                               min_tokens_ban=ban)
+
+
+def apply_updates(state: SlotState, updates: list[tuple[int, int, int, int]]) -> SlotState:
+    """Every kind of update, in order, in calls of a fixed size (one compiled shape); state donated."""
+    start = 0
+    while start < len(updates):
+        end, resets = start, 0
+        while end < len(updates) and end - start < UPDATES_PER_CALL:
+            if updates[end][0] == RESET:
+                if resets == RESETS_PER_CALL:
+                    break
+                resets += 1
+            end += 1
+        state = _apply_updates(state, pack_updates(updates[start:end], UPDATES_PER_CALL))
+        start = end
+    return state
+
+
+def warm_up_updates(state: SlotState) -> SlotState:
+    """Compile apply_updates by running it once with nothing to do."""
+    return _apply_updates(state, pack_updates([], UPDATES_PER_CALL))
+
+
+def pack_updates(updates: list, capacity: int, out: np.ndarray | None = None) -> np.ndarray:
+    """i32[capacity, 4]; padding entries have kind -1."""
+    out = np.empty((capacity, UPDATE_WIDTH), np.int32) if out is None else out
+    out[:] = -1
+    if updates:
+        out[:len(updates)] = updates
+    return out
+
+
+class SlotTable:
+    """Host side of the persistent batch: which request holds which slot, what its device block
+    table row holds, and the updates the next step must apply."""
+
+    def __init__(self, num_slots: int, vocab_size: int):
+        self.num_slots = num_slots
+        self.pad_slot = num_slots          # the padding row
+        self.vocab_size = vocab_size
+        self._slot_of: dict[object, int] = {}          # Request (by identity) -> slot
+        self._owner: list = [None] * num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._tables: list[list[int]] = [[] for _ in range(num_slots)]   # mirror of block_tables rows
+        self._last_used = [0] * num_slots
+        self._step = 0
+        self.step_updates: list[tuple[int, int, int, int]] = []   # TABLE / PARAM, for the step
+        self.seed_updates: list[tuple[int, int, int, int]] = []   # the rest, for apply_updates
+
+    def begin_step(self, preempted) -> None:
+        """Free the slots of finished and just-preempted requests (changes state)."""
+        self._step += 1
+        for request in preempted:
+            self.release(request)
+        for owner in self._owner:
+            if owner is not None and owner.is_finished:
+                self.release(owner)
+
+    def release(self, request) -> None:
+        slot = self._slot_of.pop(request, None)
+        if slot is not None:
+            self._owner[slot] = None
+            self._free.append(slot)
+
+    def slot_for(self, request) -> int:
+        """The request's slot, taken (and its parameters queued) if it has none."""
+        slot = self._slot_of.get(request)
+        if slot is None:
+            if not self._free:
+                self._evict()
+            slot = self._free.pop()
+            self._owner[slot] = request
+            self._slot_of[request] = slot
+            self._tables[slot] = []
+            self._seed(slot, request)
+        self._last_used[slot] = self._step
+        return slot
+
+    def _evict(self) -> None:
+        idle = [s for s in range(self.num_slots) if self._last_used[s] < self._step]
+        if not idle:
+            raise RuntimeError(f"more than {self.num_slots} sequences (max_num_seqs) in one step")
+        self.release(self._owner[min(idle, key=self._last_used.__getitem__)])
+
+    def sync_blocks(self, slot: int, block_ids: list[int], first_written: int) -> None:
+        """Queue TABLE updates for the blocks that changed: those from the block this step writes
+        first (earlier ones never change while a slot is held), or all of them in a new slot."""
+        mirror = self._tables[slot]
+        del mirror[len(block_ids):]
+        for j in range(min(first_written, len(mirror)), len(block_ids)):
+            block = block_ids[j]
+            if j < len(mirror):
+                if mirror[j] == block:
+                    continue
+                mirror[j] = block
+            else:
+                mirror.append(block)
+            self.step_updates.append((TABLE, slot, j, block))
+
+    def _seed(self, slot: int, request) -> None:
+        p = request.sampling_params
+        banned = []
+        if p.min_tokens > request.num_sampled_tokens:
+            banned = list(p.stop_token_ids or []) + ([] if p.ignore_eos else list(request.eos_token_ids))
+        bias = p.logit_bias or {}
+        row = default_params()
+        row[P_TEMPERATURE] = _f32_bits(p.temperature)
+        row[P_TOP_K] = max(p.top_k, 0)
+        row[P_TOP_P] = _f32_bits(p.top_p)
+        row[P_MIN_P] = _f32_bits(p.min_p)
+        row[P_PRESENCE] = _f32_bits(p.presence_penalty)
+        row[P_FREQUENCY] = _f32_bits(p.frequency_penalty)
+        row[P_REPETITION] = _f32_bits(p.repetition_penalty)
+        row[P_SEED] = np.uint32(int(request.seed) & 0xFFFFFFFF).view(np.int32)
+        row[P_STEPS] = request.num_sampled_tokens
+        row[P_LOGPROBS] = self.vocab_size if p.logprobs == -1 else (p.logprobs or 0)
+        row[P_HAS_BIAS] = int(bool(bias))
+        row[P_MIN_TOKENS] = p.min_tokens if banned else 0
+        self.step_updates += [(PARAM, slot, i, int(v)) for i, v in enumerate(row)]
+        penalised = uses_output_tokens(p)
+        if not (penalised or bias or banned):
+            return   # the step never reads this slot's [.., V] rows
+        seed = self.seed_updates
+        seed.append((RESET, slot, 0, 0))
+        if penalised:
+            seed += [(PROMPT, slot, t, 1) for t in set(request.prompt_token_ids)]
+            seed += [(COUNT, slot, t, n) for t, n in collections.Counter(request.output_token_ids).items()]
+        seed += [(BIAS, slot, int(t), _f32_bits(v)) for t, v in bias.items()]
+        seed += [(BAN, slot, int(t), 1) for t in set(banned)]
+
+    def take_updates(self, capacity: int) -> tuple[list, list]:
+        """(updates for apply_updates, then at most `capacity` TABLE/PARAM updates for the step);
+        clears both queues."""
+        step, seed = self.step_updates, self.seed_updates
+        self.step_updates, self.seed_updates = [], []
+        cut = max(len(step) - capacity, 0)
+        return seed + step[:cut], step[cut:]
+
+
+# ---- the step's packed input ----------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class StepLayout:
+    """Where each field sits in a step's one i32 input buffer (a pure function of the bucket)."""
+
+    num_tokens: int
+    num_seqs: int
+
+    @property
+    def num_updates(self) -> int:
+        """TABLE/PARAM updates the step itself applies (more go through apply_updates)."""
+        return self.num_tokens + 2 * self.num_seqs + 16
+
+    @property
+    def fields(self) -> dict[str, tuple[int, int]]:
+        T, S = self.num_tokens, self.num_seqs
+        sizes = dict(input_ids=T, prompt_targets=T, seq_slots=S, start_pos=S, cu_q_lens=S + 1,
+                     logits_indices=S, row_slots=S, count_slots=S, prev_index=S, prev_source=S,
+                     updates=self.num_updates * UPDATE_WIDTH)
+        out, offset = {}, 0
+        for name, size in sizes.items():
+            out[name] = (offset, size)
+            offset += size
+        return out
+
+    @property
+    def size(self) -> int:
+        offset, size = list(self.fields.values())[-1]
+        return offset + size
+
+    def host_views(self, buffer: np.ndarray) -> dict[str, np.ndarray]:
+        """Writable numpy views of each field in `buffer` (i32[size])."""
+        views = {name: buffer[o:o + n] for name, (o, n) in self.fields.items()}
+        views["updates"] = views["updates"].reshape(-1, UPDATE_WIDTH)
+        return views
+
+    def empty(self, pad_slot: int) -> np.ndarray:
+        """A buffer holding an all-padding step."""
+        buffer = np.zeros(self.size, np.int32)
+        v = self.host_views(buffer)
+        v["prompt_targets"][:] = -1
+        v["seq_slots"][:] = pad_slot
+        v["row_slots"][:] = pad_slot
+        v["count_slots"][:] = pad_slot + 1        # out of bounds: nothing counted
+        v["prev_index"][:] = self.num_tokens      # out of bounds: nothing handed over
+        v["updates"][:] = -1
+        return buffer
+
+    def unpack(self, buffer: jax.Array) -> dict[str, jax.Array]:
+        """Traced: the fields of `buffer` as arrays."""
+        out = {name: buffer[o:o + n] for name, (o, n) in self.fields.items()}
+        out["updates"] = out["updates"].reshape(-1, UPDATE_WIDTH)
+        return out
+
+
+def forward_batch_arrays(fields: dict, block_tables: jax.Array, block_size: int):
+    """Traced: positions, slot mapping and attention metadata from the packed per-sequence
+    fields and the persistent block tables. Returns (positions, slot_mapping, kv_lens, tables)."""
+    cu = fields["cu_q_lens"]
+    start = fields["start_pos"]
+    S = start.shape[0]
+    T = fields["input_ids"].shape[0]
+    kv_lens = start + (cu[1:] - cu[:-1])
+    t = jnp.arange(T, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(cu[1:], t, side="right"), S - 1).astype(jnp.int32)
+    valid = t < cu[S]
+    positions = jnp.where(valid, start[seq] + t - cu[seq], 0)
+    tables = block_tables[fields["seq_slots"]]                                   # [S, max_blocks]
+    in_use = jnp.arange(tables.shape[1])[None, :] * block_size < kv_lens[:, None]
+    tables = jnp.where(in_use, tables, 0)   # a slot's row may still hold a previous owner's tail
+    block = tables[seq, positions // block_size]
+    slot_mapping = jnp.where(valid, block * block_size + positions % block_size, -1)
+    return positions, slot_mapping, kv_lens, tables
+
+
+def attention_metadata(kv_lens, tables, cu_q_lens, q_tile: int) -> AttentionMetadata:
+    return AttentionMetadata(kv_lens=kv_lens, block_tables=tables, cu_q_lens=cu_q_lens, q_tile=q_tile,
+                             decode_only=q_tile == 1)
+
+
+def sampling_metadata(state: SlotState, row_slots: jax.Array, num_logprobs: int) -> SamplingMetadata:
+    """Traced: the sampler's inputs for sample rows reading slots `row_slots` (i32[S])."""
+    p = state.params[row_slots]                                          # [S, NUM_PARAMS]
+    f32 = lambda column: jax.lax.bitcast_convert_type(p[:, column], jnp.float32)  # noqa: E731
+    return SamplingMetadata(
+        temperature=f32(P_TEMPERATURE), top_k=p[:, P_TOP_K], top_p=f32(P_TOP_P), min_p=f32(P_MIN_P),
+        presence_penalty=f32(P_PRESENCE), frequency_penalty=f32(P_FREQUENCY),
+        repetition_penalty=f32(P_REPETITION), seeds=jax.lax.bitcast_convert_type(p[:, P_SEED], jnp.uint32),
+        steps=p[:, P_STEPS], requested_logprobs=p[:, P_LOGPROBS], has_logit_bias=p[:, P_HAS_BIAS] != 0,
+        output_counts=state.output_counts, prompt_mask=state.prompt_mask, logit_bias=state.logit_bias,
+        all_greedy=False, num_logprobs=num_logprobs, rows=row_slots, min_tokens_ban=state.min_tokens_ban,
+        ban_active=p[:, P_STEPS] < p[:, P_MIN_TOKENS])
+
+
+def count_sampled(state: SlotState, count_slots: jax.Array, tokens: jax.Array) -> SlotState:
+    """Traced: add each sampled token to its slot's counts and step counter (slots out of bounds:
+    rows that sampled nothing)."""
+    return dataclasses.replace(
+        state, output_counts=state.output_counts.at[count_slots, tokens].add(1, mode="drop"),
+        params=state.params.at[count_slots, P_STEPS].add(1, mode="drop"))
