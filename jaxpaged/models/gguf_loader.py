@@ -14,9 +14,9 @@ import warnings
 
 import numpy as np
 import transformers
-from gguf import GGUFReader
 from gguf.quants import dequantize
 
+from jaxpaged.models.gguf_file import GGUFFile
 from jaxpaged.models.gguf_tokenizer import build_gguf_tokenizer
 
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -42,10 +42,10 @@ _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
 
 
-def _open(path: str) -> GGUFReader:
+def _open(path: str) -> GGUFFile:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: path={path!r}")
-    reader = GGUFReader(path)
+    reader = GGUFFile(path)
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
@@ -55,19 +55,13 @@ def _open(path: str) -> GGUFReader:
     return reader
 
 
-def _field(reader: GGUFReader, key: str, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    value = field.contents()
-    # Scalars arrive as numpy scalars; .item() widens a float32 exactly (1e-5 stays
-    # 9.999999747378752e-06), which is the value transformers puts in its config too.
-    if isinstance(value, np.generic):
-        value = value.item()
-    return value
+def _field(reader: GGUFFile, key: str, default=None):
+    # float32 values arrive widened exactly (1e-5 is 9.999999747378752e-06), the value
+    # transformers puts in its config too
+    return reader.get(key, default)
 
 
-def _rope_parameters(reader: GGUFReader) -> dict:
+def _rope_parameters(reader: GGUFFile) -> dict:
     rope = {"rope_type": "default", "rope_theta": float(_field(reader, "llama.rope.freq_base", 10000.0))}
     scaling_type = _field(reader, "llama.rope.scaling.type")
     factor = _field(reader, "llama.rope.scaling.factor")
@@ -94,7 +88,7 @@ def _rope_parameters(reader: GGUFReader) -> dict:
     return rope
 
 
-def _rope_freq_factors(reader: GGUFReader, head_dim: int) -> tuple[float, ...] | None:
+def _rope_freq_factors(reader: GGUFFile, head_dim: int) -> tuple[float, ...] | None:
     """The divisors of each rotary frequency [head_dim // 2], or None when the file has none.
 
     llama.cpp's converter writes llama3 rope scaling (Llama 3.1/3.2) as this tensor rather than
@@ -113,12 +107,12 @@ def _rope_freq_factors(reader: GGUFReader, head_dim: int) -> tuple[float, ...] |
     return tuple(factors.tolist())
 
 
-def _config(reader: GGUFReader) -> transformers.LlamaConfig:
+def _config(reader: GGUFFile) -> transformers.LlamaConfig:
     hidden_size = int(_field(reader, "llama.embedding_length"))
     num_heads = int(_field(reader, "llama.attention.head_count"))
     vocab_size = _field(reader, "llama.vocab_size")
     if vocab_size is None:  # some converters only write the token list
-        vocab_size = len(reader.fields["tokenizer.ggml.tokens"].data)
+        vocab_size = reader.array_length("tokenizer.ggml.tokens")
     kwargs = dict(
         architectures=["LlamaForCausalLM"],
         vocab_size=int(vocab_size),
@@ -209,9 +203,8 @@ def _tokenizer_cache_dir(path: str) -> str:
 def load_gguf_tokenizer(path: str):
     """Return the tokenizer of a GGUF file (chat template included), built without torch.
 
-    Building it takes seconds (about 5 s for SmolLM2 on a busy 2-core machine, nearly all of
-    it `GGUFReader` parsing 98k metadata strings), so it is saved once under $JAXPAGED_CACHE
-    (default ~/.cache/jaxpaged) and later calls load it from there in a fraction of a second.
+    Building it takes about a second (SmolLM2: 98k vocabulary and merge strings), so it is saved
+    once under $JAXPAGED_CACHE (default ~/.cache/jaxpaged) and later calls load it from there.
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: path={path!r}")

@@ -19,10 +19,11 @@ Any other type falls back to transformers' own conversion when torch is installe
 import dataclasses
 import os
 
-from gguf import GGUFReader
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import BPE
 from transformers import PreTrainedTokenizerFast
+
+from jaxpaged.models.gguf_file import GGUFFile
 
 SUPPORTED_TOKENIZER_MODELS = ("gpt2", "llama")
 
@@ -90,12 +91,9 @@ _SPECIAL_TOKEN_KEYS = {
 }
 
 
-def read_gguf_vocab(reader: GGUFReader) -> GGUFVocab:
+def read_gguf_vocab(reader: GGUFFile) -> GGUFVocab:
     """Read the tokenizer metadata; raises ValueError when the file has no vocabulary."""
-
-    def field(key):
-        found = reader.fields.get(key)
-        return None if found is None else found.contents()
+    field = reader.get
 
     model, tokens = field("tokenizer.ggml.model"), field("tokenizer.ggml.tokens")
     if model is None or tokens is None:
@@ -126,7 +124,7 @@ def build_gguf_tokenizer(path: str):
     Raises ValueError for a tokenizer.ggml.model other than SUPPORTED_TOKENIZER_MODELS when
     torch (which transformers' own GGUF conversion needs) is not installed.
     """
-    vocab = read_gguf_vocab(GGUFReader(path))
+    vocab = read_gguf_vocab(GGUFFile(path))
     if vocab.model == "gpt2":
         backend = _byte_level_bpe(vocab)
     elif vocab.model == "llama":

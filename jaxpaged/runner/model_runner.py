@@ -35,6 +35,7 @@ from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.models.batch import ForwardBatch
 from jaxpaged.runner.batch_builder import (MIXED_SEQ_GROWTH, PREFILL_Q_TILE, BatchShape, SeqChunk, choose_shape,
                                            next_bucket)
+from jaxpaged.runner import executable_cache
 from jaxpaged.runner.block_ops import HostSwapSpace, committed, copy_blocks, warm_up_block_moves
 from jaxpaged.runner.persistent_batch import (SlotState, SlotTable, StepLayout, apply_step_updates, apply_updates,
                                               attention_metadata, count_sampled, forward_batch_arrays,
@@ -232,8 +233,13 @@ class ModelRunner:
         """Compile (and keep) the step for `shape`; returns the jax.stages.Compiled."""
         layout = StepLayout(shape.num_tokens, shape.num_seqs)
         statics = _StepStatics(self.graphdef, layout, shape.q_tile, self.block_size, self.max_logprobs)
-        compiled = _step.lower(statics, self.state, self.kv_pool, self.slot_state,
-                               jnp.asarray(layout.empty(self.slot_table.pad_slot)), self._no_prev_tokens).compile()
+        args = (self.state, self.kv_pool, self.slot_state, jnp.asarray(layout.empty(self.slot_table.pad_slot)),
+                self._no_prev_tokens)
+        key = executable_cache.executable_key(statics, args)
+        compiled = executable_cache.load(key)
+        if compiled is None:
+            compiled = _step.lower(statics, *args).compile()
+            executable_cache.store(key, compiled)
         self._compiled[shape] = compiled
         return compiled
 
