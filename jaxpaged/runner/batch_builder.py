@@ -21,7 +21,6 @@ from jaxpaged.models.batch import ForwardBatch
 from pallas_kernels import AttentionMetadata
 
 PREFILL_Q_TILE = 16
-MIXED_SEQ_GROWTH = 4   # sequence buckets of steps with a prompt chunk: 4, 16, 64, ...
 
 
 def next_bucket(n: int, floor: int, cap: int | None = None, growth: int = 2) -> int:
@@ -63,10 +62,11 @@ def choose_shape(chunks: list[SeqChunk], token_floor: int = 8, seq_floor: int = 
     if decode_only:
         num_seqs = next_bucket(rows, seq_floor, max_seqs)
         return BatchShape(num_seqs, num_seqs, num_seqs, 1)
-    # Steps with a prompt chunk take every (tokens, sequences) pair: sequences grow 4x per bucket
-    # there (padding rows cost only their logits) to keep the compiled set small.
-    num_tokens = next_bucket(total, token_floor, max_tokens)
-    num_seqs = min(next_bucket(rows, seq_floor, max_seqs, growth=MIXED_SEQ_GROWTH), num_tokens)
+    # A step with a prompt chunk has one sequence bucket per token bucket, as many rows as it
+    # could hold sequences: one compiled variant per token bucket. Padding rows cost no logits
+    # matmul (the runner computes logits for the rows in use only).
+    num_tokens = next_bucket(max(total, rows), token_floor, max_tokens)
+    num_seqs = num_tokens if max_seqs is None else min(num_tokens, max(max_seqs, rows))
     return BatchShape(num_tokens, num_seqs, num_seqs, PREFILL_Q_TILE)
 
 

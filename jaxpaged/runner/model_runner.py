@@ -33,9 +33,7 @@ from flax import nnx
 from jaxpaged.core.kv_cache_manager import cdiv
 from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.models.batch import ForwardBatch
-from jaxpaged.runner.batch_builder import (MIXED_SEQ_GROWTH, PREFILL_Q_TILE, BatchShape, SeqChunk, choose_shape,
-                                           next_bucket)
-from jaxpaged.runner import executable_cache
+from jaxpaged.runner.batch_builder import PREFILL_Q_TILE, BatchShape, SeqChunk, choose_shape, next_bucket
 from jaxpaged.runner.block_ops import HostSwapSpace, committed, copy_blocks, warm_up_block_moves
 from jaxpaged.runner.persistent_batch import (SlotState, SlotTable, StepLayout, apply_step_updates, apply_updates,
                                               attention_metadata, count_sampled, forward_batch_arrays,
@@ -235,11 +233,7 @@ class ModelRunner:
         statics = _StepStatics(self.graphdef, layout, shape.q_tile, self.block_size, self.max_logprobs)
         args = (self.state, self.kv_pool, self.slot_state, jnp.asarray(layout.empty(self.slot_table.pad_slot)),
                 self._no_prev_tokens)
-        key = executable_cache.executable_key(statics, args)
-        compiled = executable_cache.load(key)
-        if compiled is None:
-            compiled = _step.lower(statics, *args).compile()
-            executable_cache.store(key, compiled)
+        compiled = _step.lower(statics, *args).compile()
         self._compiled[shape] = compiled
         return compiled
 
@@ -268,11 +262,11 @@ class ModelRunner:
     # ---- start-up compilation ---------------------------------------------------------------
     def warmup_shapes(self) -> list[BatchShape]:
         """Every bucket a step can take: decode-only steps for each sequence bucket, and steps
-        with a prompt chunk for each (token bucket, sequence bucket) pair that can occur."""
+        with a prompt chunk for each token bucket (choose_shape gives their sequence bucket)."""
         shapes = [BatchShape(s, s, s, 1) for s in _buckets(SEQ_FLOOR, self.max_num_seqs)]
-        mixed_seqs = _buckets(SEQ_FLOOR, self.max_num_seqs, MIXED_SEQ_GROWTH)
         for t in _buckets(TOKEN_FLOOR, self.max_num_batched_tokens):
-            shapes += [BatchShape(t, s, s, PREFILL_Q_TILE) for s in sorted({min(s, t) for s in mixed_seqs})]
+            s = min(t, self.max_num_seqs)
+            shapes.append(BatchShape(t, s, s, PREFILL_Q_TILE))
         return shapes
 
     def warmup(self, shapes: list[BatchShape], progress=None) -> None:
@@ -302,6 +296,27 @@ def _buckets(floor: int, cap: int, growth: int = 2) -> list[int]:
 
 
 PROMPT_LOGPROB_CHUNK = 128   # prompt logprobs walk the step's tokens this many at a time
+LOGIT_ROW_CHUNK = 16         # logits of a prompt step's rows are computed this many at a time
+
+
+def _row_logits(compute, rows, num_rows, axis: int):
+    """compute(rows) (f32 logits with the rows on `axis`), for the first `num_rows` rows only:
+    LOGIT_ROW_CHUNK rows at a time while any are left, the rest zeros. num_rows None: all at once."""
+    if num_rows is None:
+        return compute(rows)
+    S = rows.shape[0]
+    chunk = min(S, LOGIT_ROW_CHUNK)
+    padded = cdiv(S, chunk) * chunk
+    rows = jnp.pad(rows, ((0, padded - S), (0, 0)))
+    out_shape = jax.eval_shape(compute, rows[:chunk]).shape
+    out = jnp.zeros(out_shape[:axis] + (padded,) + out_shape[axis + 1:], jnp.float32)
+
+    def one(i, out):
+        logits = compute(jax.lax.dynamic_slice_in_dim(rows, i * chunk, chunk, axis=0))
+        return jax.lax.dynamic_update_slice_in_dim(out, logits, i * chunk, axis=axis)
+
+    out = jax.lax.fori_loop(0, cdiv(num_rows, chunk), one, out)
+    return jax.lax.slice_in_dim(out, 0, S, axis=axis)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,10 +351,12 @@ def _step(statics: _StepStatics, state, kv_pool, slots: SlotState, buffer, prev_
     K = statics.num_logprobs
     smd = sampling_metadata(slots, f["row_slots"], K)
     rows = hidden[batch.logits_indices]                                # [S, hidden]
+    # decode buckets are at most half padding; a prompt step's many padding rows skip the matmul
+    num_rows = None if statics.q_tile == 1 else jnp.sum(f["row_slots"] != slots.params.shape[0] - 1)
     out = jax.lax.cond(
         is_plain_greedy(smd),   # the common decode case, in the CPU-friendly layout
-        lambda h: greedy_from_transposed(model.compute_logits_transposed(h), K),
-        lambda h: sample(model.compute_logits(h), smd),
+        lambda h: greedy_from_transposed(_row_logits(model.compute_logits_transposed, h, num_rows, 1), K),
+        lambda h: sample(_row_logits(model.compute_logits, h, num_rows, 0), smd),
         rows)
     slots = count_sampled(slots, f["count_slots"], out.token_ids)
     packed = _pack(out.token_ids, out.logprobs, out.ranks, out.topk_ids, out.topk_logprobs)
