@@ -78,8 +78,6 @@ class Reply:
         self.server, self.req, self.model, self.request_id = server, req, model, request_id
         self.created = int(time.time())
         self.n = params.n
-        # a stop string may be completed by the next token, so its possible start stays unsent
-        self.hold = (max(map(len, params.stop)) - 1) if params.stop and not params.include_stop_str_in_output else 0
         self.cursors: dict[int, _Cursor] = {}
 
     def _choice(self, i: int, out, c, text: str, token_ids: list, entries: list, offset: int, echo: bool,
@@ -124,8 +122,8 @@ class Reply:
         done = c.finish_reason is not None
         if cursor.done:
             return None
-        end = len(c.text) if done else max(cursor.chars, len(c.text) - self.hold)
-        text = c.text[cursor.chars:end]
+        # the engine's outputs never hold the possible start of a stop string (stop_hold_back)
+        text = c.text[cursor.chars:]
         token_ids = c.token_ids[cursor.tokens:]
         entries = (c.logprobs or [])[cursor.tokens:len(c.token_ids)]
         wants_tokens = self.req.logprobs is not None and token_ids
@@ -133,7 +131,7 @@ class Reply:
             return None
         echo = self.req.echo and not cursor.started
         choice = self._choice(i, out, c, text, token_ids, entries, cursor.chars, echo, done, cursor.started)
-        cursor.chars, cursor.tokens = max(cursor.chars, end), len(c.token_ids)
+        cursor.chars, cursor.tokens = len(c.text), len(c.token_ids)
         cursor.started, cursor.done = True, done
         return choice
 
