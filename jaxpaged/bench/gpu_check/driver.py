@@ -82,7 +82,7 @@ def select_jax_triton(ctx: Context, limit_s: float) -> list[Row]:
 PROBE = Part("jax-triton:probe", system.jax_triton_probe, 90)
 # Estimated seconds on the H200 (no GPU run yet), against the 450 s budget: jax-triton ~20 (two
 # probes), env ~10, kernels ~60, copy ~5, swap ~10, attention ~40, checkpoint ~30, step ~150 (a cold
-# start-up compiling 35 variants, see step.py), engine:* ~30 each (a few shapes compiled as they
+# start-up compiling 15 variants, see step.py), engine:* ~30 each (a few shapes compiled as they
 # come, 64 x 128 tokens): about 420 s. The step part (issue #12) runs before the per-backend engine
 # parts: if the budget runs short, the last of those is skipped, not the start-up measurement.
 PARTS = (

@@ -54,7 +54,7 @@ def step_check(ctx: Context) -> Iterator[Row]:
     """Start-up, compilations after it, decode step time vs the bytes floor (rows as each is known).
 
     Estimated on the H200 (no GPU run yet): imports ~10 s; start-up 90-120 s (the KV sizing
-    compiles the largest bucket, `auto` times pallas against triton, then 35 step variants compile
+    compiles the largest bucket, `auto` times pallas against triton, then 15 step variants compile
     on one thread per core, each with XLA's gemm autotuning; on this 2-core CPU a tiny model's step
     compiles for ~10 s); the mixed workload twice ~5 s; decode runs ~10 s (three generates per N,
     the longest 256 x 80 tokens at a few ms per step). About 150 s of the part's 200 s limit.
