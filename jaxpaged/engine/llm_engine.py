@@ -182,7 +182,8 @@ class LLMEngine:
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns cumulative outputs of the requests that progressed.
+        """Run one step; returns the outputs of the requests that progressed, as each request's
+        output_kind asks (CUMULATIVE: everything so far; DELTA: what is new; FINAL_ONLY: at the end).
 
         With async scheduling the outputs are those of the previous device step, whose
         tokens are fetched while this call's step runs.

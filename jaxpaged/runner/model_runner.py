@@ -180,7 +180,7 @@ class ModelRunner:
             sample_tokens.append(flat + n - 1)
             seq_slots.append(slot)
             row_slots.append(slot)
-            count_slots.append(slot if chunk.samples else slots.pad_slot + 1)
+            count_slots.append(slot if chunk.samples else slots.no_slot)
             flat += n
             chunks.append(SeqChunk(tokens, chunk.start, chunk.block_ids))
         for i, chunk in enumerate(plan.chunks):   # n > 1: siblings sample their first token from the same logits
@@ -196,8 +196,7 @@ class ModelRunner:
         before, in_step = slots.take_updates(layout.num_updates)
         if before:   # requests with penalties, bias or min_tokens joined, or more updates than fit
             self.slot_state = apply_updates(self.slot_state, before)
-        buffer = layout.empty(slots.pad_slot)
-        v = layout.host_views(buffer)
+        buffer, v = layout.empty(slots.pad_slot)
         v["input_ids"][:flat] = [t for c in chunks for t in c.token_ids]
         for first, targets in lp_targets:
             v["prompt_targets"][first:first + len(targets)] = targets
@@ -231,7 +230,7 @@ class ModelRunner:
         """Compile (and keep) the step for `shape`; returns the jax.stages.Compiled."""
         layout = StepLayout(shape.num_tokens, shape.num_seqs)
         statics = _StepStatics(self.graphdef, layout, shape.q_tile, self.block_size, self.max_logprobs)
-        args = (self.state, self.kv_pool, self.slot_state, jnp.asarray(layout.empty(self.slot_table.pad_slot)),
+        args = (self.state, self.kv_pool, self.slot_state, jnp.asarray(layout.empty(self.slot_table.pad_slot)[0]),
                 self._no_prev_tokens)
         compiled = _step.lower(statics, *args).compile()
         self._compiled[shape] = compiled

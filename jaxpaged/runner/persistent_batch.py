@@ -133,14 +133,14 @@ def apply_updates(state: SlotState, updates: list[tuple[int, int, int, int]]) ->
                     break
                 resets += 1
             end += 1
-        state = _apply_updates(state, pack_updates(updates[start:end], UPDATES_PER_CALL))
+        state = _apply_updates(state, jax.device_put(pack_updates(updates[start:end], UPDATES_PER_CALL)))
         start = end
     return state
 
 
 def warm_up_updates(state: SlotState) -> SlotState:
     """Compile apply_updates by running it once with nothing to do."""
-    return _apply_updates(state, pack_updates([], UPDATES_PER_CALL))
+    return _apply_updates(state, jax.device_put(pack_updates([], UPDATES_PER_CALL)))
 
 
 def pack_updates(updates: list, capacity: int, out: np.ndarray | None = None) -> np.ndarray:
@@ -159,6 +159,7 @@ class SlotTable:
     def __init__(self, num_slots: int, vocab_size: int):
         self.num_slots = num_slots
         self.pad_slot = num_slots          # the padding row
+        self.no_slot = num_slots + 1       # out of bounds: a row whose token is not counted
         self.vocab_size = vocab_size
         self._slot_of: dict[object, int] = {}          # Request (by identity) -> slot
         self._owner: list = [None] * num_slots
@@ -272,8 +273,9 @@ class StepLayout:
         """TABLE/PARAM updates the step itself applies (more go through apply_updates)."""
         return self.num_tokens + 2 * self.num_seqs + 16
 
-    @property
+    @functools.cached_property
     def fields(self) -> dict[str, tuple[int, int]]:
+        """name -> (offset, size) in the buffer."""
         T, S = self.num_tokens, self.num_seqs
         sizes = dict(input_ids=T, prompt_targets=T, seq_slots=S, start_pos=S, cu_q_lens=S + 1,
                      logits_indices=S, row_slots=S, count_slots=S, prev_index=S, prev_source=S,
@@ -286,26 +288,21 @@ class StepLayout:
 
     @property
     def size(self) -> int:
-        offset, size = list(self.fields.values())[-1]
+        offset, size = self.fields["updates"]
         return offset + size
 
-    def host_views(self, buffer: np.ndarray) -> dict[str, np.ndarray]:
-        """Writable numpy views of each field in `buffer` (i32[size])."""
-        views = {name: buffer[o:o + n] for name, (o, n) in self.fields.items()}
-        views["updates"] = views["updates"].reshape(-1, UPDATE_WIDTH)
-        return views
-
-    def empty(self, pad_slot: int) -> np.ndarray:
-        """A buffer holding an all-padding step."""
+    def empty(self, pad_slot: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """A buffer (i32[size]) holding an all-padding step, and writable views of its fields."""
         buffer = np.zeros(self.size, np.int32)
-        v = self.host_views(buffer)
+        v = {name: buffer[o:o + n] for name, (o, n) in self.fields.items()}
+        v["updates"] = v["updates"].reshape(-1, UPDATE_WIDTH)
         v["prompt_targets"][:] = -1
         v["seq_slots"][:] = pad_slot
         v["row_slots"][:] = pad_slot
         v["count_slots"][:] = pad_slot + 1        # out of bounds: nothing counted
         v["prev_index"][:] = self.num_tokens      # out of bounds: nothing handed over
         v["updates"][:] = -1
-        return buffer
+        return buffer, v
 
     def unpack(self, buffer: jax.Array) -> dict[str, jax.Array]:
         """Traced: the fields of `buffer` as arrays."""

@@ -75,8 +75,7 @@ def test_device_batch_matches_the_host_builder_over_steps_with_slot_reuse():
         before, in_step = table.take_updates(layout.num_updates)
         assert before == []
         updates_sent.append(len(in_step))
-        buffer = layout.empty(table.pad_slot)
-        v = layout.host_views(buffer)
+        buffer, v = layout.empty(table.pad_slot)
         v["seq_slots"][:len(chunks)] = slots
         v["start_pos"][:len(chunks)] = [c.start_pos for c in chunks]
         v["cu_q_lens"][1:] = np.cumsum([len(c.token_ids) for c in chunks] + [0] * (shape.num_seqs - len(chunks)))
