@@ -34,6 +34,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
                         help="schedule and prepare step t+1 while the device runs step t (default: on)")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                        help="devices each model replica is sharded over (Megatron-style)")
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=d.data_parallel_size,
+                        help="model replicas, each with its own batch and KV cache")
+    parser.add_argument("--distributed-coordinator", default=None, metavar="HOST:PORT",
+                        help="several hosts: rank 0's address for jax.distributed (every host runs the same command)")
+    parser.add_argument("--num-nodes", type=int, default=d.num_nodes, help="hosts running the engine together")
+    parser.add_argument("--node-rank", type=int, default=d.node_rank,
+                        help="this host's rank: 0 schedules and serves, the others run its steps")
 
 
 def engine_kwargs(ns: argparse.Namespace) -> dict:
@@ -45,6 +54,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     from jaxpaged import LLM, SamplingParams
 
     llm = LLM(ns.model, compile_on_startup=False, **engine_kwargs(ns))
+    if llm.is_follower:   # several hosts: this one ran rank 0's steps; rank 0 prints the outputs
+        return 0
     params = SamplingParams(temperature=ns.temperature, top_p=ns.top_p, max_tokens=ns.max_tokens, seed=ns.seed)
     tokenizer = llm.get_tokenizer()
     use_chat = not ns.no_chat_template and getattr(tokenizer, "chat_template", None)
@@ -98,6 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
     gen.set_defaults(func=cmd_generate)
     add_serve_parser(sub)
+    conv = sub.add_parser("convert", help="write a model's weights as an orbax-checkpoint folder (restored "
+                                          "straight into any tensor-parallel layout)")
+    conv.add_argument("model", metavar="MODEL", help="hub id, folder or .gguf (builtin: the built-in SmolLM2)")
+    conv.add_argument("out", metavar="OUT", help="folder to create (must not exist or be empty)")
+    conv.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    conv.add_argument("--revision", default=None)
+    conv.set_defaults(func=cmd_convert)
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     tp = bench_sub.add_parser("throughput", help="offline throughput vs transformers (see benchmarks/)")
@@ -109,6 +127,20 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def cmd_convert(ns: argparse.Namespace) -> int:
+    import time
+
+    from jaxpaged.models.loader import convert_checkpoint
+    model = ns.model
+    if model == "builtin":
+        from jaxpaged.models.builtin import builtin_model_path
+        model = builtin_model_path()
+    start = time.perf_counter()
+    convert_checkpoint(model, ns.out, ns.dtype, ns.revision)
+    print(f"wrote {ns.out} in {time.perf_counter() - start:.1f} s; serve it with: jaxpaged serve {ns.out}")
+    return 0
 
 
 def _bench_throughput(args: list[str]) -> int:

@@ -4,7 +4,7 @@ import time
 from typing import Any, Sequence
 
 from jaxpaged.engine.arg_utils import EngineArgs
-from jaxpaged.engine.llm_engine import LLMEngine
+from jaxpaged.engine.dp_engine import make_engine
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -52,8 +52,12 @@ class LLM:
                           max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                           num_gpu_blocks_override=num_gpu_blocks_override, seed=seed,
                           attention_backend=attention_backend, **kwargs)
-        self.llm_engine = LLMEngine(args, use_tqdm=use_tqdm)
+        self.llm_engine = make_engine(args, use_tqdm=use_tqdm)   # a DataParallelEngine when data_parallel_size > 1
         self._counter = 0
+        # several hosts: ranks other than 0 run rank 0's steps here, until rank 0's engine shuts down
+        self.is_follower = self.llm_engine.is_follower
+        if self.is_follower:
+            self.llm_engine.follow()
 
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()
@@ -104,13 +108,25 @@ class LLM:
         Beams share the prompt's (and each other's) KV blocks by fork and copy-on-write.
         """
         from jaxpaged.engine.beam_search import run_beam_search
+        self._check_leader()
         prompts = _as_prompt_list(prompts)
         if any(isinstance(p, dict) and p.get("cache_salt") is not None for p in prompts):
             raise ValueError("cache_salt is not supported by beam_search yet; drop it from the prompt dicts")
         token_lists = [self.llm_engine._tokenize(p)[1] for p in prompts]
-        return run_beam_search(self.llm_engine, token_lists, params)
+        # with data parallelism, beam search runs on the first replica
+        return run_beam_search(self.llm_engine.replicas()[0], token_lists, params)
+
+    def shutdown(self) -> None:
+        """Several hosts: release the other ranks (their LLM(...) returns). Also runs at exit."""
+        self.llm_engine.shutdown()
+
+    def _check_leader(self) -> None:
+        if self.is_follower:
+            raise RuntimeError("this host (node_rank > 0) ran rank 0's steps until rank 0 shut down; "
+                               "requests go to rank 0")
 
     def _run(self, prompts: list, params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        self._check_leader()
         engine = self.llm_engine
         ids = []
         try:

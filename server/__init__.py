@@ -27,6 +27,10 @@ def run_server(args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, api_
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logger.setLevel(logging.INFO)
+    if args.num_nodes > 1 and args.node_rank != 0:   # the server runs on rank 0; this host runs its steps
+        from jaxpaged.engine.dp_engine import make_engine
+        make_engine(args).follow()
+        return 0
     engine = AsyncLLM.from_engine_args(args)
     try:
         app = build_app(engine, served_model_names, api_key)

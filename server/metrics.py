@@ -51,11 +51,17 @@ class _EngineCollector:
         self.engine, self.model_name = engine, model_name
 
     def collect(self):
-        for name, value in self.engine.get_metrics().items():
+        per_rank = self.engine.get_metrics_per_rank()
+        # one replica: labels [model_name]; data parallelism: one sample per replica, labelled
+        # data_rank (sum by model_name for the whole server)
+        labels = _LABELS if len(per_rank) == 1 else _LABELS + ["data_rank"]
+        for name in per_rank[0]:
             short = name.split(":", 1)[-1]
             family = CounterMetricFamily if short.endswith("_total") else GaugeMetricFamily
-            metric = family(name, _HELP.get(short, short.replace("_", " ")), labels=_LABELS)
-            metric.add_metric([self.model_name], float(value))
+            metric = family(name, _HELP.get(short, short.replace("_", " ")), labels=labels)
+            for rank, metrics in enumerate(per_rank):
+                metric.add_metric([self.model_name] if len(per_rank) == 1 else [self.model_name, str(rank)],
+                                  float(metrics[name]))
             yield metric
 
 

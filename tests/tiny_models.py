@@ -33,11 +33,11 @@ def _config(arch: str, **overrides):
                                           **overrides})
     elif arch == "mistral":
         cfg = transformers.MistralConfig(**{**common, "num_key_value_heads": 1, "sliding_window": 12,
-                                            "head_dim": 32}, **overrides)
+                                            "head_dim": 32, **overrides})
     elif arch == "qwen2":
-        cfg = transformers.Qwen2Config(**{**common, "tie_word_embeddings": False}, **overrides)
+        cfg = transformers.Qwen2Config(**{**common, "tie_word_embeddings": False, **overrides})
     elif arch == "qwen3":
-        cfg = transformers.Qwen3Config(**{**common, "head_dim": 32, "tie_word_embeddings": True}, **overrides)
+        cfg = transformers.Qwen3Config(**{**common, "head_dim": 32, "tie_word_embeddings": True, **overrides})
     else:
         raise ValueError(arch)
     return cfg

@@ -5,7 +5,10 @@ random tokens, outputs of 32-256 tokens, ignore_eos, greedy. transformers runs s
 batches of 8, left padded; each batch generates up to its longest output, and only the
 requested tokens count as useful output.
 
-    python -m jaxpaged.bench.throughput [--dtype float32|bfloat16] [--skip-hf]
+    python -m jaxpaged.bench.throughput [--dtype float32|bfloat16] [--skip-hf] [-tp N] [-dp N]
+
+With -tp/-dp the engine runs sharded over N devices / as N replicas (on CPU, give it devices
+with XLA_FLAGS=--xla_force_host_platform_device_count=8); the step clock then times replica 0.
 """
 
 import argparse
@@ -68,16 +71,16 @@ class StepClock:
                 f"{1e3 * self.fetch_s / steps:.1f} ms, host {1e3 * (elapsed - self.fetch_s) / steps:.1f} ms")
 
 
-def run_jaxpaged(work, dtype: str) -> tuple[float, int, int, object, str]:
-    """Default engine arguments, no warm-up on the workload: what a user gets."""
+def run_jaxpaged(work, dtype: str, **parallel) -> tuple[float, int, int, object, str]:
+    """Default engine arguments (but the parallel layout), no warm-up on the workload: what a user gets."""
     from jaxpaged import LLM, SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(None, dtype=dtype, use_tqdm=False)
+    llm = LLM(None, dtype=dtype, use_tqdm=False, **parallel)
     startup = time.perf_counter() - start
     prompts = [{"prompt_token_ids": p} for p, _ in work]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in work]
-    clock = StepClock(llm.llm_engine.runner)
+    clock = StepClock(llm.llm_engine.replicas()[0].runner)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -129,9 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--skip-hf", action="store_true", help="only run jaxpaged")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     ns = parser.parse_args(argv)
     work = make_workload(ns.num_requests, 49152)
-    ours_s, out_tokens, prompt_tokens, cfg, info = run_jaxpaged(work, ns.dtype)
+    ours_s, out_tokens, prompt_tokens, cfg, info = run_jaxpaged(
+        work, ns.dtype, tensor_parallel_size=ns.tensor_parallel_size, data_parallel_size=ns.data_parallel_size)
     flops_per_token = 2 * cfg.num_params()
     peak = matmul_gflops(ns.dtype)
     rows = [("jaxpaged", ours_s, out_tokens)]
@@ -139,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         hf_s, hf_tokens = run_transformers(work, "float32")
         rows.append(("transformers (fp32, batches of 8)", hf_s, hf_tokens))
     print(f"workload: {len(work)} requests, {prompt_tokens} prompt tokens, {out_tokens} output tokens; "
-          f"jaxpaged dtype {ns.dtype}, default engine arguments")
+          f"jaxpaged dtype {ns.dtype}, default engine arguments, tensor_parallel_size {ns.tensor_parallel_size}, "
+          f"data_parallel_size {ns.data_parallel_size}")
     print(f"jaxpaged: {info}")
     print(f"{'engine':36s} {'time s':>8s} {'out tok/s':>10s} {'useful GFLOP/s':>15s}")
     for name, secs, tokens in rows:

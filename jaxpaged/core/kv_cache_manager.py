@@ -88,6 +88,19 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
+    def cached_prefix_tokens(self, token_ids: list[int], cache_salt: str | None = None) -> int:
+        """Tokens of `token_ids` whose full blocks this cache holds, from the start (read only:
+        a data-parallel router asks every replica before it picks one)."""
+        if not self.enable_caching:
+            return 0
+        bs, parent, hits = self.block_size, None, 0
+        for i in range((len(token_ids) - 1) // bs):
+            parent = hash_block(parent, token_ids[i * bs:(i + 1) * bs], cache_salt if i == 0 else None)
+            if self.pool.lookup(parent) is None:
+                break
+            hits += bs
+        return hits
+
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries += num_tokens
         self.prefix_hits += num_hit_tokens

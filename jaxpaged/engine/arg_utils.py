@@ -32,6 +32,11 @@ class EngineArgs:
     compile_on_startup: bool = True           # compile the step's shape buckets before serving
     max_logprobs: int = 20                    # most top logprobs a request may ask for (every step returns this many)
     disable_log_stats: bool = True
+    tensor_parallel_size: int = 1             # devices each model replica is sharded over (Megatron-style)
+    data_parallel_size: int = 1               # model replicas, each with its own batch, KV cache and scheduler
+    distributed_coordinator: str | None = None  # HOST:PORT of rank 0's jax.distributed coordinator (several hosts)
+    num_nodes: int = 1                        # hosts running this engine together (each runs the same command)
+    node_rank: int = 0                        # this host's rank; 0 schedules (and serves), the others follow
 
     def batched_tokens(self, max_model_len: int) -> int:
         """The per-step token budget: given, or 2048 (at least max_model_len without chunked prefill)."""
@@ -61,6 +66,18 @@ class EngineArgs:
         require("scan_layers", self.scan_layers is None or isinstance(self.scan_layers, bool), "None, True or False")
         require("preemption_mode", self.preemption_mode in ("recompute", "swap"), "'recompute' or 'swap'")
         require("seed", isinstance(self.seed, int), "an int")
+        require("tensor_parallel_size", isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+                "an int >= 1")
+        require("data_parallel_size", isinstance(self.data_parallel_size, int) and self.data_parallel_size >= 1,
+                "an int >= 1")
+        require("num_nodes", isinstance(self.num_nodes, int) and self.num_nodes >= 1, "an int >= 1")
+        require("node_rank", isinstance(self.node_rank, int) and 0 <= self.node_rank < self.num_nodes,
+                f"an int in [0, num_nodes={self.num_nodes})")
+        require("distributed_coordinator", self.num_nodes == 1 or (isinstance(self.distributed_coordinator, str)
+                                                                     and ":" in self.distributed_coordinator),
+                "HOST:PORT of rank 0 when num_nodes > 1")
+        require("data_parallel_size", self.num_nodes == 1 or self.data_parallel_size == 1,
+                "1 when num_nodes > 1 (several hosts run one tensor-parallel replica)")
         require("max_logprobs", isinstance(self.max_logprobs, int) and 0 <= self.max_logprobs <= MAX_LOGPROBS,
                 f"an int in [0, {MAX_LOGPROBS}]")
         require("generation_config", isinstance(self.generation_config, str) and self.generation_config != "",

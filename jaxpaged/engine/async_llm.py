@@ -106,12 +106,14 @@ class AsyncLLM:
         self._closed = False                  # guarded by _cond: no command will ever be read again
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._metrics = engine.get_metrics()  # replaced (never mutated) by the engine thread
+        self._metrics_per_rank = engine.get_metrics_per_rank()   # likewise: one dict per data-parallel replica
         self._thread = threading.Thread(target=self._run, name="jaxpaged-engine", daemon=True)
         self._thread.start()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, use_tqdm: bool = True) -> "AsyncLLM":
-        return cls(LLMEngine(args, use_tqdm=use_tqdm))
+        from jaxpaged.engine.dp_engine import make_engine
+        return cls(make_engine(args, use_tqdm=use_tqdm))
 
     # ---- the caller's side ---------------------------------------------------------------
     async def generate(self, prompt: str | list[int] | dict, sampling_params: SamplingParams | None = None,
@@ -174,8 +176,13 @@ class AsyncLLM:
             await done
 
     def get_metrics(self) -> dict[str, float]:
-        """The engine's `jaxpaged:*` counters and gauges as of its last step or command."""
+        """The engine's `jaxpaged:*` counters and gauges as of its last step or command (summed over
+        data-parallel replicas; KV cache usage averaged)."""
         return dict(self._metrics)
+
+    def get_metrics_per_rank(self) -> list[dict[str, float]]:
+        """The same, one dict per data-parallel replica."""
+        return [dict(m) for m in self._metrics_per_rank]
 
     def get_tokenizer(self):
         """A tokenizer for the caller's thread (a copy: the engine thread decodes with its own)."""
@@ -210,6 +217,10 @@ class AsyncLLM:
             logger.exception("the engine loop died")
             with self._cond:
                 self._stopping = True
+        try:
+            self.engine.shutdown()   # several hosts: from the thread that sent every step, release the followers
+        except Exception:
+            logger.exception("releasing the other hosts failed")
         self._fail_requests(RuntimeError("AsyncLLM was shut down while the request was running"))
         with self._cond:   # commands that raced with shutdown; none can come after this
             pending, self._commands = self._commands, []
@@ -316,6 +327,7 @@ class AsyncLLM:
     def _publish_metrics(self) -> None:
         try:
             self._metrics = self.engine.get_metrics()
+            self._metrics_per_rank = self.engine.get_metrics_per_rank()
         except Exception:
             logger.exception("reading engine metrics failed")
 

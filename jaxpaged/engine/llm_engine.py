@@ -13,11 +13,13 @@ n > 1 forks start when their first token is dispatched. Steps run one at a time 
 (schedule, dispatch, fetch) only when async scheduling is off.
 """
 
+import atexit
 import collections
 import itertools
 import logging
 import os
 
+import jax
 import numpy as np
 
 from jaxpaged.core.kv_cache_manager import KVCacheManager
@@ -44,9 +46,10 @@ class StepFailedError(RuntimeError):
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs, use_tqdm: bool = True):
+    def __init__(self, args: EngineArgs, use_tqdm: bool = True, data_rank: int = 0):
         self.args = args
-        self.loaded, self.tokenizer, self.model_name = load_model_and_tokenizer(args)
+        self.data_rank = data_rank   # which data-parallel replica (its devices: startup.engine_devices)
+        self.loaded, self.tokenizer, self.model_name = load_model_and_tokenizer(args, data_rank)
         self.model_config = self.loaded.config
         self.runner, self.max_model_len, num_blocks = build_runner(args, self.loaded, use_tqdm)
         self.num_blocks = num_blocks
@@ -69,6 +72,8 @@ class LLMEngine:
         self._to_detokenize: list[SequenceState] = []   # got tokens in the last step
         self._in_flight = collections.deque()           # (plan, pending) dispatched, not fetched, oldest first
         self._ids = itertools.count()
+        if self.runner.channel is not None and self.runner.channel.is_leader:
+            atexit.register(self.shutdown)   # followers must not wait forever for a step
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         ids = set(self.model_config.eos_token_ids) | set(self.generation_defaults.eos_token_ids)
@@ -310,6 +315,31 @@ class LLMEngine:
     # ---- introspection -------------------------------------------------------------------
     def get_metrics(self) -> dict[str, float]:
         return self.metrics.snapshot(self.scheduler, self.kv_cache)
+
+    # ---- several hosts ----------------------------------------------------------------------
+    @property
+    def is_follower(self) -> bool:
+        """A rank other than 0 of a multi-host engine: it runs rank 0's steps (`follow`), nothing else."""
+        return self.runner.channel is not None and not self.runner.channel.is_leader
+
+    def follow(self) -> int:
+        """Run rank 0's steps until it shuts down; returns how many ran."""
+        logger.info("rank %d follows rank 0's steps", jax.process_index())
+        steps = self.runner.follow()
+        logger.info("rank 0 stopped after %d steps", steps)
+        return steps
+
+    def shutdown(self) -> None:
+        """Rank 0 of several hosts: release the followers (their follow() returns). Idempotent."""
+        self.runner.stop_followers()
+
+    def get_metrics_per_rank(self) -> list[dict[str, float]]:
+        """One dict per data-parallel replica (this engine is the only one)."""
+        return [self.get_metrics()]
+
+    def replicas(self) -> list["LLMEngine"]:
+        """The engines that run steps (a DataParallelEngine has one per data-parallel rank)."""
+        return [self]
 
     def get_tokenizer(self):
         return self.tokenizer

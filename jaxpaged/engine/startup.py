@@ -9,6 +9,8 @@ from jaxpaged.core.kv_cache_manager import cdiv
 from jaxpaged.engine import memory
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.models.loader import LoadedModel, load_model
+from jaxpaged.parallel import ShardPlan
+from jaxpaged.runner import multihost
 from jaxpaged.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -39,11 +41,24 @@ def load_tokenizer(args: EngineArgs, loaded: LoadedModel):
     return AutoTokenizer.from_pretrained(loaded.source)
 
 
-def load_model_and_tokenizer(args: EngineArgs):
+def engine_devices(args: EngineArgs, data_rank: int = 0) -> list:
+    """The devices of data-parallel rank `data_rank`: tensor_parallel_size of them, in order."""
+    devices = jax.devices()
+    tp, dp = args.tensor_parallel_size, args.data_parallel_size
+    if tp * dp > len(devices):
+        raise ValueError(f"tensor_parallel_size x data_parallel_size ({tp} x {dp} = {tp * dp}) must be at most the "
+                         f"number of devices, {len(devices)} ({devices[0].platform})")
+    if not 0 <= data_rank < dp:
+        raise ValueError(f"data_rank must be in [0, {dp}), got {data_rank}")
+    return devices[data_rank * tp:(data_rank + 1) * tp]
+
+
+def load_model_and_tokenizer(args: EngineArgs, data_rank: int = 0):
     if args.num_gpu_blocks_override is None and args.kv_cache_memory_bytes is None:
         preset = memory.preset_mem_fraction(args.gpu_memory_utilization)   # must precede JAX's first GPU call
         if preset:
             logger.info(preset)
+    multihost.initialize(args.distributed_coordinator, args.num_nodes, args.node_rank)   # likewise
     model = args.model
     name = args.served_model_name
     if model is None:
@@ -52,7 +67,10 @@ def load_model_and_tokenizer(args: EngineArgs):
         name = name or BUILTIN_MODEL_NAME
     from pallas_kernels.backends import resolve_backend
     backend = resolve_backend(args.attention_backend)   # validates; auto is refined below on GPU
-    loaded = load_model(model, args.dtype, args.revision, attention_backend=backend, scan_layers=args.scan_layers)
+    # one replica on one device keeps JAX's default placement; replicas pin their own devices
+    plan = ShardPlan.for_devices(engine_devices(args, data_rank), pin=args.data_parallel_size > 1)
+    loaded = load_model(model, args.dtype, args.revision, attention_backend=backend, scan_layers=args.scan_layers,
+                        shard_plan=plan)
     if args.attention_backend == "auto" and jax.devices()[0].platform == "gpu":
         cfg = loaded.config
         loaded.model.attention_backend = resolve_backend(
@@ -63,11 +81,15 @@ def load_model_and_tokenizer(args: EngineArgs):
 
 
 def _num_blocks(args: EngineArgs, loaded: LoadedModel, max_model_len: int, per_block: int) -> int:
+    """Blocks of the KV pool; every budget is per device (vLLM's kv_cache_memory_bytes is per GPU),
+    and with tensor parallelism each device holds its KV heads of every block."""
     if args.num_gpu_blocks_override is not None:
         return args.num_gpu_blocks_override
+    plan = loaded.model.shard_plan
+    per_block //= plan.size
     if args.kv_cache_memory_bytes is not None:
         return max(2, args.kv_cache_memory_bytes // per_block)
-    device = jax.devices()[0]
+    device = plan.devices[0]
     if not memory.has_device_memory(device):
         wanted = args.max_num_seqs * cdiv(max_model_len, args.block_size) + 1
         return max(2, min(wanted, CPU_KV_CACHE_BYTES // per_block))
@@ -103,7 +125,7 @@ def build_runner(args: EngineArgs, loaded: LoadedModel, use_tqdm: bool = True):
     max_model_len = args.max_model_len or model_max
     per_block = ModelRunner.bytes_per_block(cfg, args.block_size, loaded.dtype)
     enable_compilation_cache()   # the KV sizing compiles the step's largest buckets
-    num_blocks = _num_blocks(args, loaded, max_model_len, per_block)
+    num_blocks = multihost.broadcast_value(_num_blocks(args, loaded, max_model_len, per_block))   # rank 0's
     capacity = (num_blocks - 1) * args.block_size
     if max_model_len > capacity:
         if args.max_model_len is not None:

@@ -23,9 +23,11 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxpaged.models.batch import ForwardBatch
 from jaxpaged.models.config import ModelConfig
+from jaxpaged.parallel import MODEL_AXIS, ShardPlan
 from pallas_kernels import write_kv
 from pallas_kernels.backends import get_attention
 
@@ -100,9 +102,11 @@ class LlamaFamilyForCausalLM(nnx.Module):
     form picks the layer loop: a dict of stacked [num_layers, ...] arrays (`layer_weight_shapes`
     behind the layer axis) is scanned, a list of one dict per layer is unrolled."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict, attention_backend: str = "reference"):
+    def __init__(self, cfg: ModelConfig, weights: dict, attention_backend: str = "reference",
+                 shard_plan: ShardPlan = ShardPlan()):
         self.config = cfg
         self.attention_backend = attention_backend   # a resolved name (see pallas_kernels.backends)
+        self.shard_plan = shard_plan                 # the devices the weights lie on (jaxpaged.parallel)
         self.embed = nnx.Param(weights["embed"])
         self.final_norm = nnx.Param(weights["final_norm"])
         self.lm_head = nnx.Param(weights["lm_head"]) if "lm_head" in weights else None
@@ -149,7 +153,8 @@ class LlamaFamilyForCausalLM(nnx.Module):
             token_seq = jnp.searchsorted(md.cu_q_lens[1:], jnp.arange(batch.input_ids.shape[0]), side="right")
             seq_lens = md.kv_lens[jnp.clip(token_seq, 0, md.kv_lens.shape[0] - 1)]
         cos, sin = rotary_cos_sin(cfg, batch.positions, seq_lens)
-        layer_fn = functools.partial(_decoder_layer, cfg, get_attention(self.attention_backend), batch, cos, sin)
+        layer_fn = functools.partial(_decoder_layer, cfg, self.shard_plan, get_attention(self.attention_backend),
+                                     batch, cos, sin)
         if self.scan_layers:
             xs = ({k: v[...] for k, v in self.layers.items()}, jnp.arange(cfg.num_layers, dtype=jnp.int32),
                   jnp.asarray(cfg.sliding_windows, jnp.int32))
@@ -165,27 +170,37 @@ class LlamaFamilyForCausalLM(nnx.Module):
         return kv_pool, hidden
 
 
-def _decoder_layer(cfg: ModelConfig, attention, batch: ForwardBatch, cos, sin, hidden, kv_pool, w, layer, window):
+def _decoder_layer(cfg: ModelConfig, plan: ShardPlan, attention, batch: ForwardBatch, cos, sin, hidden, kv_pool, w,
+                   layer, window):
     """One layer (the body of both loops): (hidden, kv_pool) -> (hidden, kv_pool) with its K/V written.
 
     `w` holds this layer's weights (`layer_weight_shapes`); `layer` (i32[]) is its plane of the
-    pool, `window` (i32[]) its sliding window, 0 for full attention.
+    pool, `window` (i32[]) its sliding window, 0 for full attention. The fused q/k/v and gate/up
+    columns are shard-major (see jaxpaged.parallel): viewed as [tokens, tp, per shard], each
+    device splits its own columns.
     """
-    num_tokens = hidden.shape[0]
+    num_tokens, tp = hidden.shape[0], plan.size
     x = rms_norm(hidden, w["input_norm"], cfg.rms_norm_eps)
     qkv = x @ w["wqkv"]
     if cfg.qkv_bias:
         qkv = qkv + w["bqkv"]
-    q = qkv[:, :cfg.q_size].reshape(num_tokens, cfg.num_heads, cfg.head_dim)
-    k = qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-    v = qkv[:, cfg.q_size + cfg.kv_size:].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+    qkv = qkv.reshape(num_tokens, tp, -1)
+    q_local, kv_local = cfg.q_size // tp, cfg.kv_size // tp
+    heads = P(None, MODEL_AXIS, None)
+    q = plan.constrain(qkv[..., :q_local].reshape(num_tokens, cfg.num_heads, cfg.head_dim), heads)
+    k = plan.constrain(qkv[..., q_local:q_local + kv_local].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim), heads)
+    v = plan.constrain(qkv[..., q_local + kv_local:].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim), heads)
     if cfg.qk_norm:
         q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
     q = apply_rotary(q, cos, sin)
     k = apply_rotary(k, cos, sin)
-    kv_pool = write_kv(kv_pool, layer, k, v, batch.slot_mapping)
-    attn = attention(q, kv_pool, layer, batch.attn, window, sm_scale=cfg.head_dim ** -0.5)
+
+    def write_and_attend(kv_pool, q, k, v, slot_mapping, md, layer, window):
+        kv_pool = write_kv(kv_pool, layer, k, v, slot_mapping)
+        return kv_pool, attention(q, kv_pool, layer, md, window, sm_scale=cfg.head_dim ** -0.5)
+
+    kv_pool, attn = plan.attention(write_and_attend)(kv_pool, q, k, v, batch.slot_mapping, batch.attn, layer, window)
     out = attn.reshape(num_tokens, cfg.q_size) @ w["wo"]
     if cfg.o_bias:
         out = out + w["bo"]
@@ -194,7 +209,10 @@ def _decoder_layer(cfg: ModelConfig, attention, batch: ForwardBatch, cos, sin, h
     gate_up = x @ w["w_gate_up"]
     if cfg.mlp_bias:
         gate_up = gate_up + w["b_gate_up"]
-    gate, up = gate_up[:, :cfg.intermediate_size], gate_up[:, cfg.intermediate_size:]
+    gate_up = gate_up.reshape(num_tokens, tp, -1)
+    inter_local = cfg.intermediate_size // tp
+    gate = gate_up[..., :inter_local].reshape(num_tokens, cfg.intermediate_size)
+    up = gate_up[..., inter_local:].reshape(num_tokens, cfg.intermediate_size)
     mlp = (jax.nn.silu(gate.astype(jnp.float32)).astype(up.dtype) * up) @ w["w_down"]
     if cfg.mlp_bias:
         mlp = mlp + w["b_down"]

@@ -9,17 +9,19 @@ layer's tensors, the device one copy of the weights.
 
 import dataclasses
 import functools
+import json
 import os
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
 from jaxpaged.models.config import ModelConfig, model_config_from_hf
 from jaxpaged.models.registry import model_class_for
 from jaxpaged.models.llama import layer_weight_shapes, weight_shapes
+from jaxpaged.models.orbax_io import FORMAT_FILE, is_converted, load_converted
+from jaxpaged.parallel import ShardPlan, check_tensor_parallel, fuse_columns, kv_head_replicas, repeat_heads
 
 _DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 _CHECKPOINT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
@@ -84,57 +86,82 @@ def _hf_layer_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
     return sources
 
 
+def hf_tensor(get: Callable[[str], np.ndarray], has: Callable[[str], bool], name: str,
+              shape: tuple[int, ...]) -> np.ndarray:
+    """One Hugging Face tensor; ValueError naming it when it is missing or has the wrong shape."""
+    if not has(name):
+        raise ValueError(f"checkpoint is missing tensor {name!r} (expected shape {list(shape)})")
+    tensor = get(name)
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"tensor {name!r} has shape {list(tensor.shape)}, expected {list(shape)}")
+    return tensor
+
+
+def hf_part_shape(cfg: ModelConfig, name: str, ours: tuple[int, ...], parts: int, j: int) -> tuple[int, ...]:
+    """PyTorch [out, in] shape of part j of our fused [in, out...] weight `name` (ours: its shape)."""
+    if name in ("wqkv", "bqkv"):
+        out = (cfg.q_size, cfg.kv_size, cfg.kv_size)[j]
+    else:
+        out = ours[-1] // parts
+    return (out, ours[0]) if len(ours) == 2 else (out,)
+
+
+def sharded_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The config the engine runs for tensor parallelism tp: KV heads repeated until every
+    device holds whole heads (see jaxpaged.parallel)."""
+    check_tensor_parallel(cfg, tp)
+    return dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * kv_head_replicas(cfg.num_kv_heads, tp))
+
+
 def convert_hf_weights(get: Callable[[str], np.ndarray], has: Callable[[str], bool], cfg: ModelConfig,
-                       dtype: str, scan_layers: bool) -> dict:
+                       dtype: str, scan_layers: bool, plan: ShardPlan = ShardPlan()) -> dict:
     """Hugging Face state dict (read through `get`) -> our weights on the device, in `dtype`.
 
     `weights["layers"]` is a dict of stacked [num_layers, ...] arrays when `scan_layers`, else a
-    list of per-layer dicts (see `LlamaFamilyForCausalLM`). Raises ValueError naming the tensor
+    list of per-layer dicts (see `LlamaFamilyForCausalLM`). With a mesh (`plan`), each array is
+    placed with its Megatron sharding, the fused columns shard-major and KV heads repeated for
+    `sharded_config(cfg, plan.size)` (see jaxpaged.parallel). Raises ValueError naming the tensor
     when one is missing or has the wrong shape.
     """
     np_dtype = _DTYPES[dtype]
+    tp = plan.size
+    replicas = kv_head_replicas(cfg.num_kv_heads, tp)
     shapes = weight_shapes(cfg)
-    layer_shapes = layer_weight_shapes(cfg)
+    layer_shapes = layer_weight_shapes(sharded_config(cfg, tp))
+    hf_shapes = layer_weight_shapes(cfg)
 
     def fetch(name: str, shape: tuple[int, ...]) -> np.ndarray:
-        if not has(name):
-            raise ValueError(f"checkpoint is missing tensor {name!r} (expected shape {list(shape)})")
-        tensor = get(name)
-        if tuple(tensor.shape) != shape:
-            raise ValueError(f"tensor {name!r} has shape {list(tensor.shape)}, expected {list(shape)}")
-        return tensor
+        return hf_tensor(get, has, name, shape)
 
-    def linear_shape(name: str, ours: tuple[int, ...], parts: int, j: int) -> tuple[int, ...]:
-        """PyTorch [out, in] shape of part j of a fused [in, out...] weight."""
-        if name in ("wqkv", "bqkv"):
-            out = (cfg.q_size, cfg.kv_size, cfg.kv_size)[j]
-        else:
-            out = ours[-1] // parts
-        return (out, ours[0]) if len(ours) == 2 else (out,)
+    def put(name: str, value: np.ndarray, stacked: bool = False) -> jax.Array:
+        return plan.put(value, plan.weight_spec(name, stacked))
 
     weights: dict = {}
-    weights["embed"] = jnp.asarray(fetch("model.embed_tokens.weight", shapes["embed"]).astype(np_dtype))
-    weights["final_norm"] = jnp.asarray(fetch("model.norm.weight", shapes["final_norm"]).astype(np_dtype))
+    weights["embed"] = put("embed", fetch("model.embed_tokens.weight", shapes["embed"]).astype(np_dtype))
+    weights["final_norm"] = put("final_norm", fetch("model.norm.weight", shapes["final_norm"]).astype(np_dtype))
     if not cfg.tie_word_embeddings:
         head = fetch("lm_head.weight", shapes["lm_head"][::-1])
-        weights["lm_head"] = jnp.asarray(np.ascontiguousarray(head.T).astype(np_dtype))
+        weights["lm_head"] = put("lm_head", np.ascontiguousarray(head.T).astype(np_dtype))
 
-    stacks = ({name: jnp.zeros((cfg.num_layers, *shape), np_dtype) for name, shape in layer_shapes.items()}
-              if scan_layers else {})
+    stacks = ({name: plan.zeros((cfg.num_layers, *shape), np_dtype, plan.weight_spec(name, True))
+               for name, shape in layer_shapes.items()} if scan_layers else {})
     layers = []
     for i in range(cfg.num_layers):
         layer = {}
         for name, hf_names in _hf_layer_sources(cfg, i).items():
             shape = layer_shapes[name]
-            parts = [fetch(n, linear_shape(name, shape, len(hf_names), j)) for j, n in enumerate(hf_names)]
+            parts = [fetch(n, hf_part_shape(cfg, name, hf_shapes[name], len(hf_names), j))
+                     for j, n in enumerate(hf_names)]
+            axis = len(shape) - 1    # a linear's output columns (after the transpose), or a bias
             if len(shape) == 2:   # linear: [out, in] -> [in, out]
-                value = np.concatenate([p.T for p in parts], axis=1).astype(np_dtype)
-            else:
-                value = np.concatenate(parts, axis=0).astype(np_dtype)
+                parts = [p.T for p in parts]
+            if name in ("wqkv", "bqkv"):   # K and V heads repeated until each device holds whole heads
+                parts = [parts[0]] + [repeat_heads(p, cfg.num_kv_heads, replicas, axis) for p in parts[1:]]
+            value = (fuse_columns(parts, tp, axis) if len(parts) > 1 else parts[0]).astype(np_dtype)
             if scan_layers:
-                stacks[name] = _set_layer(stacks[name], value, i)
+                stacks[name] = _set_layer(stacks[name], put(name, value), i)
             else:
-                layer[name] = jnp.asarray(value)
+                layer[name] = put(name, value)
         layers.append(layer)
     weights["layers"] = stacks if scan_layers else layers
     return weights
@@ -159,11 +186,14 @@ def _local_folder(model: str, revision: str | None = None) -> str:
 
 
 def load_model(model: str, dtype: str = "auto", revision: str | None = None,
-               attention_backend: str = "reference", scan_layers: bool | None = None) -> LoadedModel:
+               attention_backend: str = "reference", scan_layers: bool | None = None,
+               shard_plan: ShardPlan = ShardPlan()) -> LoadedModel:
     """Load weights and config; `model` is a .gguf path, a local folder or a hub id.
 
     `scan_layers`: stack the layer weights and scan over them (True), keep one set of arrays
-    per layer and unroll (False), or None: by platform (`resolve_scan_layers`).
+    per layer and unroll (False), or None: by platform (`resolve_scan_layers`). `shard_plan`:
+    the devices to spread the weights over (tensor parallelism, see jaxpaged.parallel); the
+    returned config is then `sharded_config` (KV heads repeated where tp exceeds them).
     """
     scan_layers = resolve_scan_layers(scan_layers)
     if model.endswith(".gguf"):
@@ -171,8 +201,17 @@ def load_model(model: str, dtype: str = "auto", revision: str | None = None,
         hf_config, tensors = load_gguf(model)
         cfg = model_config_from_hf(hf_config)
         dtype = resolve_dtype(dtype, "float32")
-        weights = convert_hf_weights(tensors.__getitem__, tensors.__contains__, cfg, dtype, scan_layers)
+        weights = convert_hf_weights(tensors.__getitem__, tensors.__contains__, cfg, dtype, scan_layers, shard_plan)
         del tensors
+        source = model
+    elif is_converted(model):   # `jaxpaged convert`'s orbax folder: restored straight into the shardings
+        from transformers import AutoConfig
+        hf_config = AutoConfig.from_pretrained(model)
+        cfg = model_config_from_hf(hf_config)
+        check_tensor_parallel(cfg, shard_plan.size)
+        with open(os.path.join(model, FORMAT_FILE)) as f:
+            dtype = resolve_dtype(dtype, json.load(f)["dtype"])
+        weights = load_converted(model, cfg, dtype, scan_layers, shard_plan)
         source = model
     else:
         from transformers import AutoConfig
@@ -185,7 +224,37 @@ def load_model(model: str, dtype: str = "auto", revision: str | None = None,
         cfg = model_config_from_hf(hf_config)
         checkpoint = Checkpoint(folder)
         dtype = resolve_dtype(dtype, _CHECKPOINT_DTYPES[checkpoint.dtype_name()])
-        weights = convert_hf_weights(checkpoint.get, checkpoint.__contains__, cfg, dtype, scan_layers)
+        weights = convert_hf_weights(checkpoint.get, checkpoint.__contains__, cfg, dtype, scan_layers, shard_plan)
         source = folder
     model_cls = model_class_for(cfg.architecture)
-    return LoadedModel(model_cls(cfg, weights, attention_backend), cfg, hf_config, dtype, source)
+    cfg = sharded_config(cfg, shard_plan.size)
+    return LoadedModel(model_cls(cfg, weights, attention_backend, shard_plan), cfg, hf_config, dtype, source)
+
+
+def convert_checkpoint(model: str, out: str, dtype: str = "auto", revision: str | None = None) -> str:
+    """Write `model` (a .gguf path, a local folder or a hub id) as a converted orbax folder `out`
+    (jaxpaged.models.orbax_io) that load_model restores straight into any tensor-parallel layout."""
+    from jaxpaged.models.orbax_io import canonical_arrays, save_converted
+
+    tokenizer = None
+    if model.endswith(".gguf"):
+        from jaxpaged.models.gguf_loader import load_gguf, load_gguf_tokenizer
+        hf_config, tensors = load_gguf(model)
+        get, has = tensors.__getitem__, tensors.__contains__
+        dtype = resolve_dtype(dtype, "float32")
+        tokenizer = load_gguf_tokenizer(model)
+        source = model
+    else:
+        from transformers import AutoConfig, AutoTokenizer
+
+        from jaxpaged.models.safetensors_io import Checkpoint
+        source = _local_folder(model, revision)
+        hf_config = AutoConfig.from_pretrained(source)
+        checkpoint = Checkpoint(source)
+        get, has = checkpoint.get, checkpoint.__contains__
+        dtype = resolve_dtype(dtype, _CHECKPOINT_DTYPES[checkpoint.dtype_name()])
+        if any(os.path.exists(os.path.join(source, n)) for n in ("tokenizer.json", "tokenizer_config.json")):
+            tokenizer = AutoTokenizer.from_pretrained(source)
+    cfg = model_config_from_hf(hf_config)
+    save_converted(out, cfg, hf_config, tokenizer, canonical_arrays(get, has, cfg, _DTYPES[dtype]), dtype, source)
+    return out

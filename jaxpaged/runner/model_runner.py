@@ -29,12 +29,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxpaged.core.kv_cache_manager import cdiv
 from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.models.batch import ForwardBatch
+from jaxpaged.parallel import POOL_SPEC, ShardPlan
 from jaxpaged.runner.batch_builder import PREFILL_Q_TILE, BatchShape, SeqChunk, choose_shape, next_bucket
 from jaxpaged.runner.block_ops import HostSwapSpace, committed, copy_blocks, warm_up_block_moves
+from jaxpaged.runner.multihost import (OP_MOVE, OP_STEP, OP_STOP, OP_UPDATES, StepChannel, is_multihost,
+                                       pairs_payload, split_pairs)
 from jaxpaged.runner.persistent_batch import (SlotState, SlotTable, StepLayout, apply_step_updates, apply_updates,
                                               attention_metadata, count_sampled, forward_batch_arrays,
                                               pack_updates, sampling_metadata, warm_up_updates)
@@ -109,18 +113,24 @@ class ModelRunner:
         self.max_blocks_per_seq = cdiv(blocks, KV_CHUNK_BLOCKS) * KV_CHUNK_BLOCKS
         cfg = self.model_config
         dtype = kv_dtype or model.embed[...].dtype
-        self.kv_pool = jnp.zeros(kv_pool_shape(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
-                                               cfg.head_dim), dtype)
+        self.plan = model.shard_plan   # its devices (tensor parallelism: the pool is sharded by KV heads)
+        self.kv_pool = self.plan.zeros(kv_pool_shape(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
+                                                     cfg.head_dim), dtype, POOL_SPEC)
         self.max_logprobs = max_logprobs   # K: every step returns this many top logprobs per row
         self.max_moved_blocks = next_bucket(self.max_blocks_per_seq, 4)   # per swap or copy call
         self._compiled = {}                 # BatchShape -> the step compiled for it
         self._warmed_up = False             # warmup() ran: a later compile is a missing bucket
         # the persistent batch: one slot per sequence a step can hold
         self.slot_table = SlotTable(max_num_seqs, cfg.vocab_size)
-        self.slot_state = SlotState.zeros(max_num_seqs, self.max_blocks_per_seq, cfg.vocab_size)
-        # every step returns its sampled tokens padded to max_num_seqs rows (its largest bucket)
-        self._no_prev_tokens = jnp.zeros(max_num_seqs, jnp.int32)
+        with jax.default_device(self.plan.local_device):   # built on this engine's first device here, then replicated
+            self.slot_state = self.plan.replicate(SlotState.zeros(max_num_seqs, self.max_blocks_per_seq,
+                                                                  cfg.vocab_size))
+            # every step returns its sampled tokens padded to max_num_seqs rows (its largest bucket)
+            self._no_prev_tokens = self.plan.replicate(jnp.zeros(max_num_seqs, jnp.int32))
         self.swap_space = HostSwapSpace(self.kv_pool, num_host_blocks) if num_host_blocks else None
+        # several hosts: rank 0 sends each device operation to the others (multihost.py)
+        self.channel = StepChannel() if is_multihost() else None
+        self.steps_run = 0                  # device steps launched (a follower counts the ones it ran)
 
     # ---- sizes -----------------------------------------------------------------------------
     @staticmethod
@@ -133,15 +143,22 @@ class ModelRunner:
 
         Each runs in pieces of at most `max_moved_blocks`, so its compiled buckets are few
         (compiled at start-up) and its temporaries stay small."""
+        if not (plan.swap_out or plan.swap_in or plan.copies):
+            return
+        if self.channel is not None:
+            self.channel.send(OP_MOVE, (len(plan.swap_out), len(plan.swap_in), len(plan.copies)),
+                              pairs_payload(plan.swap_out, plan.swap_in, plan.copies))
+        self._move_blocks(plan.swap_out, plan.swap_in, plan.copies)
+
+    def _move_blocks(self, swap_out, swap_in, copies) -> None:
         n = self.max_moved_blocks
-        if plan.swap_out or plan.swap_in or plan.copies:
-            self.kv_pool = committed(self.kv_pool)
-        for i in range(0, len(plan.swap_out), n):
-            self.swap_space.swap_out(self.kv_pool, plan.swap_out[i:i + n])
-        for i in range(0, len(plan.swap_in), n):
-            self.kv_pool = self.swap_space.swap_in(self.kv_pool, plan.swap_in[i:i + n])
-        for i in range(0, len(plan.copies), n):
-            self.kv_pool = copy_blocks(self.kv_pool, plan.copies[i:i + n])
+        self.kv_pool = committed(self.kv_pool)
+        for i in range(0, len(swap_out), n):
+            self.swap_space.swap_out(self.kv_pool, swap_out[i:i + n])
+        for i in range(0, len(swap_in), n):
+            self.kv_pool = self.swap_space.swap_in(self.kv_pool, swap_in[i:i + n])
+        for i in range(0, len(copies), n):
+            self.kv_pool = copy_blocks(self.kv_pool, copies[i:i + n])
 
     # ---- one step ----------------------------------------------------------------------------
     def dispatch(self, plan: SchedulerOutput, prev: _Pending | None = None) -> _Pending:
@@ -195,7 +212,9 @@ class ModelRunner:
         layout = StepLayout(shape.num_tokens, shape.num_seqs)
         before, in_step = slots.take_updates(layout.num_updates)
         if before:   # requests with penalties, bias or min_tokens joined, or more updates than fit
-            self.slot_state = apply_updates(self.slot_state, before)
+            if self.channel is not None:
+                self.channel.send(OP_UPDATES, (len(before),), np.asarray(before, np.int32))
+            self.slot_state = apply_updates(self.slot_state, before, self.plan)
         buffer, v = layout.empty(slots.pad_slot)
         v["input_ids"][:flat] = [t for c in chunks for t in c.token_ids]
         for first, targets in lp_targets:
@@ -212,8 +231,12 @@ class ModelRunner:
             v["prev_index"][:len(from_prev)], v["prev_source"][:len(from_prev)] = zip(*from_prev)
         pack_updates(in_step, layout.num_updates, v["updates"])
         prev_tokens = prev.tokens if prev is not None else self._no_prev_tokens
+        if self.channel is not None:
+            self.channel.send(OP_STEP, (shape.num_tokens, shape.num_seqs, shape.num_logits, shape.q_tile,
+                                        int(prev is not None)), buffer)
         self.kv_pool, self.slot_state, packed, prompt_packed, tokens_out = self._step(
-            shape, self.state, self.kv_pool, self.slot_state, jax.device_put(buffer), prev_tokens)
+            shape, self.state, self.kv_pool, self.slot_state, self.plan.put(buffer), prev_tokens)
+        self.steps_run += 1
         return _Pending(packed, prompt_packed if lp_rows else None, tokens_out, rows, lp_rows, shape.num_seqs,
                         self.max_logprobs)
 
@@ -229,16 +252,48 @@ class ModelRunner:
     def compile_step(self, shape: BatchShape):
         """Compile (and keep) the step for `shape`; returns the jax.stages.Compiled."""
         layout = StepLayout(shape.num_tokens, shape.num_seqs)
-        statics = _StepStatics(self.graphdef, layout, shape.q_tile, self.block_size, self.max_logprobs)
-        args = (self.state, self.kv_pool, self.slot_state, jnp.asarray(layout.empty(self.slot_table.pad_slot)[0]),
+        statics = _StepStatics(self.graphdef, layout, shape.q_tile, self.block_size, self.max_logprobs, self.plan)
+        buffer = layout.empty(self.slot_table.pad_slot)[0]   # its shape only: nothing moves while compiling
+        args = (self.state, self.kv_pool, self.slot_state,
+                jax.ShapeDtypeStruct(buffer.shape, buffer.dtype, sharding=self.plan.array_sharding(P())),
                 self._no_prev_tokens)
         compiled = _step.lower(statics, *args).compile()
         self._compiled[shape] = compiled
         return compiled
 
+    # ---- several hosts ----------------------------------------------------------------------
+    def follow(self) -> int:
+        """A follower rank's loop: run every device operation rank 0 sends, in order, until it
+        stops; returns the number of steps run."""
+        if self.channel is None or self.channel.is_leader:
+            raise RuntimeError("follow() runs on ranks other than 0 of a multi-host engine")
+        last_tokens = self._no_prev_tokens
+        while True:
+            op, args, payload = self.channel.receive()
+            if op == OP_STOP:
+                return self.steps_run
+            if op == OP_MOVE:
+                self._move_blocks(*split_pairs(payload, *args[:3]))
+            elif op == OP_UPDATES:
+                updates = [tuple(int(x) for x in row) for row in payload.reshape(args[0], 4)]
+                self.slot_state = apply_updates(self.slot_state, updates, self.plan)
+            elif op == OP_STEP:
+                shape = BatchShape(*args[:4])
+                prev_tokens = last_tokens if args[4] else self._no_prev_tokens
+                self.kv_pool, self.slot_state, _, _, last_tokens = self._step(
+                    shape, self.state, self.kv_pool, self.slot_state, self.plan.put(payload), prev_tokens)
+                self.steps_run += 1
+            else:
+                raise RuntimeError(f"unknown operation {op} from rank 0")
+
+    def stop_followers(self) -> None:
+        """Rank 0: tell the other ranks to leave follow() (once; no-op on one host)."""
+        if self.channel is not None and self.channel.is_leader and not self.channel.stopped:
+            self.channel.send(OP_STOP)
+
     def fetch(self, pending: _Pending) -> StepResult:
         """Block on the step's device->host copy (two with prompt logprobs) and unpack it."""
-        flat = np.asarray(jax.device_get(pending.packed))
+        flat = _to_host(pending.packed)
         S, K = pending.num_seqs, pending.num_logprobs
         width = 3 + 2 * K
         main = flat.reshape(S, width)
@@ -250,7 +305,7 @@ class ModelRunner:
                 as_int(main[r, 3:3 + K]).tolist(), main[r, 3 + K:3 + 2 * K].tolist())
         prompt = {}
         if pending.lp_rows:
-            lp = np.asarray(jax.device_get(pending.prompt_packed)).reshape(-1, 2 + 2 * K)
+            lp = _to_host(pending.prompt_packed).reshape(-1, 2 + 2 * K)
             for request_id, first, count, start in pending.lp_rows:
                 block = lp[first:first + count]
                 prompt[request_id] = PromptLogprobs(
@@ -283,7 +338,14 @@ class ModelRunner:
         self._warmed_up = True
         self.kv_pool = warm_up_block_moves(self.kv_pool, _buckets(4, self.max_moved_blocks),
                                            self.swap_space)
-        self.slot_state = warm_up_updates(self.slot_state)
+        self.slot_state = warm_up_updates(self.slot_state, self.plan)
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    """A replicated step output on the host (across hosts: this host's copy)."""
+    if x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
+    return np.asarray(x.addressable_data(0))
 
 
 def _buckets(floor: int, cap: int, growth: int = 2) -> list[int]:
@@ -327,6 +389,7 @@ class _StepStatics:
     q_tile: int
     block_size: int
     num_logprobs: int
+    plan: ShardPlan
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2, 3))
@@ -363,6 +426,12 @@ def _step(statics: _StepStatics, state, kv_pool, slots: SlotState, buffer, prev_
     prompt_packed = jax.lax.cond(jnp.any(targets >= 0), lambda: _prompt_logprobs(model, hidden, targets, K),
                                  lambda: jnp.zeros(hidden.shape[0] * (2 + 2 * K), jnp.float32))
     tokens = jnp.zeros(prev_tokens.shape, jnp.int32).at[:out.token_ids.shape[0]].set(out.token_ids)
+    # with a mesh: the pool stays sharded by KV heads, everything else comes back replicated, so
+    # the next step (compiled for exactly these shardings) takes them as they are
+    plan = statics.plan
+    kv_pool = plan.constrain(kv_pool, POOL_SPEC)
+    slots, packed, prompt_packed, tokens = (jax.tree.map(lambda a: plan.constrain(a, P()), x)
+                                            for x in (slots, packed, prompt_packed, tokens))
     return kv_pool, slots, packed, prompt_packed, tokens
 
 

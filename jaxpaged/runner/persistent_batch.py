@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpaged.parallel import ShardPlan
 from jaxpaged.runner.sampler import SamplingMetadata, uses_output_tokens
 from pallas_kernels import AttentionMetadata
 
@@ -122,8 +123,10 @@ def _apply_updates(state: SlotState, updates: jax.Array) -> SlotState:
                                min_tokens_ban=ban)
 
 
-def apply_updates(state: SlotState, updates: list[tuple[int, int, int, int]]) -> SlotState:
-    """Every kind of update, in order, in calls of a fixed size (one compiled shape); state donated."""
+def apply_updates(state: SlotState, updates: list[tuple[int, int, int, int]], plan: ShardPlan = ShardPlan()
+                  ) -> SlotState:
+    """Every kind of update, in order, in calls of a fixed size (one compiled shape); state donated.
+    `plan`: the devices the state is replicated on."""
     start = 0
     while start < len(updates):
         end, resets = start, 0
@@ -133,14 +136,14 @@ def apply_updates(state: SlotState, updates: list[tuple[int, int, int, int]]) ->
                     break
                 resets += 1
             end += 1
-        state = _apply_updates(state, jax.device_put(pack_updates(updates[start:end], UPDATES_PER_CALL)))
+        state = _apply_updates(state, plan.put(pack_updates(updates[start:end], UPDATES_PER_CALL)))
         start = end
     return state
 
 
-def warm_up_updates(state: SlotState) -> SlotState:
+def warm_up_updates(state: SlotState, plan: ShardPlan = ShardPlan()) -> SlotState:
     """Compile apply_updates by running it once with nothing to do."""
-    return _apply_updates(state, jax.device_put(pack_updates([], UPDATES_PER_CALL)))
+    return _apply_updates(state, plan.put(pack_updates([], UPDATES_PER_CALL)))
 
 
 def pack_updates(updates: list, capacity: int, out: np.ndarray | None = None) -> np.ndarray:

@@ -1,0 +1,114 @@
+"""Several hosts: one engine whose mesh spans the devices of every host (`jax.distributed`).
+
+Every host runs the same command; `jax.distributed.initialize` joins them, after which
+`jax.devices()` lists every host's devices and the tensor-parallel mesh spans them. XLA's
+SPMD programs need every process to launch the same computations in the same order with the
+same inputs, so:
+
+- rank 0 (the leader) owns the scheduler, the prefix cache and (serving) the HTTP server, and
+  plans every step as with one host;
+- before each device operation of its runner (block moves, persistent-batch updates, a step)
+  it broadcasts what the operation needs (`StepChannel`: a header and an i32 payload, through
+  JAX's own cross-process collective, `multihost_utils.broadcast_one_to_all`);
+- every other rank (a follower) runs `ModelRunner.follow()`: it receives each operation and
+  runs it on its devices, until the leader's STOP.
+
+An abort on rank 0 is therefore an abort everywhere: the followers only ever run the steps
+the leader planned. Start-up (loading, KV sizing, compiling) is the same code on every rank;
+where a rank could differ (free GPU memory), rank 0's value is broadcast.
+"""
+
+import logging
+
+import jax
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+OP_STOP, OP_MOVE, OP_UPDATES, OP_STEP = range(4)
+HEADER_SIZE = 8
+PAYLOAD_FLOOR = 256   # payloads are padded to a power of two at least this long (few broadcast shapes)
+
+
+def initialize(coordinator: str | None, num_nodes: int, node_rank: int) -> None:
+    """Join the hosts (no-op for one). Must run before JAX's first use of a device."""
+    if num_nodes == 1:
+        return
+    if jax.distributed.is_initialized():
+        if jax.process_count() != num_nodes or jax.process_index() != node_rank:
+            raise ValueError(f"jax.distributed is already initialized as rank {jax.process_index()} of "
+                             f"{jax.process_count()}, not node_rank {node_rank} of num_nodes {num_nodes}")
+        return
+    # XLA:CPU needs a cross-process collectives backend; GPUs bring NCCL
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator, num_processes=num_nodes, process_id=node_rank)
+    logger.info("joined %d hosts as rank %d: %d devices in all, %d here", num_nodes, node_rank,
+                jax.device_count(), jax.local_device_count())
+
+
+def is_multihost() -> bool:
+    return jax.process_count() > 1
+
+
+def broadcast_value(value: int) -> int:
+    """Rank 0's value of an int, on every rank."""
+    if not is_multihost():
+        return value
+    from jax.experimental import multihost_utils
+    return int(multihost_utils.broadcast_one_to_all(np.array([value], np.int64))[0])
+
+
+class StepChannel:
+    """Rank 0 sends each device operation of its runner; the other ranks receive them in order."""
+
+    def __init__(self):
+        self.is_leader = jax.process_index() == 0
+        self.stopped = False
+
+    def _broadcast(self, array: np.ndarray) -> np.ndarray:
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.broadcast_one_to_all(array))
+
+    def send(self, op: int, args: tuple[int, ...] = (), payload: np.ndarray | None = None) -> None:
+        if not self.is_leader:
+            raise RuntimeError("only rank 0 sends device operations")
+        payload = np.zeros(0, np.int32) if payload is None else np.asarray(payload, np.int32).reshape(-1)
+        header = np.zeros(HEADER_SIZE, np.int32)
+        header[0] = op
+        header[1:1 + len(args)] = args
+        header[-1] = payload.size
+        self._broadcast(header)
+        if payload.size:
+            padded = np.zeros(_bucket(payload.size), np.int32)
+            padded[:payload.size] = payload
+            self._broadcast(padded)
+        if op == OP_STOP:
+            self.stopped = True
+
+    def receive(self) -> tuple[int, tuple[int, ...], np.ndarray]:
+        header = self._broadcast(np.zeros(HEADER_SIZE, np.int32))
+        size = int(header[-1])
+        payload = self._broadcast(np.zeros(_bucket(size), np.int32))[:size] if size else np.zeros(0, np.int32)
+        return int(header[0]), tuple(int(x) for x in header[1:-1]), payload
+
+
+def _bucket(n: int) -> int:
+    size = PAYLOAD_FLOOR
+    while size < n:
+        size *= 2
+    return size
+
+
+def pairs_payload(*lists: list[tuple[int, int]]) -> np.ndarray:
+    """Lists of (a, b) pairs as one flat i32 payload (their lengths travel in the header)."""
+    flat = [x for pairs in lists for pair in pairs for x in pair]
+    return np.asarray(flat, np.int32)
+
+
+def split_pairs(payload: np.ndarray, *counts: int) -> list[list[tuple[int, int]]]:
+    out, start = [], 0
+    for n in counts:
+        chunk = payload[start:start + 2 * n].reshape(-1, 2)
+        out.append([(int(a), int(b)) for a, b in chunk])
+        start += 2 * n
+    return out

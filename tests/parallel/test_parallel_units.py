@@ -1,0 +1,82 @@
+"""The pieces of tensor and data parallelism that need no devices: layouts, checks, routing."""
+
+import numpy as np
+import pytest
+
+from jaxpaged.core.kv_cache_manager import KVCacheManager
+from jaxpaged.core.request import Request
+from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.parallel import check_tensor_parallel, fuse_columns, kv_head_replicas, repeat_heads
+from jaxpaged.sampling_params import SamplingParams
+
+
+class _Cfg:
+    num_heads, num_kv_heads, intermediate_size, vocab_size = 8, 2, 64, 320
+
+
+def test_fused_columns_are_shard_major():
+    q, k = np.arange(8).reshape(1, 8), 100 + np.arange(4).reshape(1, 4)
+    assert fuse_columns([q, k], 1, axis=1).tolist() == [[0, 1, 2, 3, 4, 5, 6, 7, 100, 101, 102, 103]]
+    assert fuse_columns([q, k], 2, axis=1).tolist() == [[0, 1, 2, 3, 100, 101, 4, 5, 6, 7, 102, 103]]
+
+
+def test_kv_heads_repeat_in_place_so_each_device_holds_whole_heads():
+    k = np.array([[10, 11, 20, 21]])   # two heads of size 2
+    assert repeat_heads(k, 2, 2, axis=1).tolist() == [[10, 11, 10, 11, 20, 21, 20, 21]]
+    assert kv_head_replicas(2, 8) == 4 and kv_head_replicas(2, 2) == 1 and kv_head_replicas(4, 2) == 1
+
+
+def test_a_tensor_parallel_size_the_model_cannot_split_is_refused_with_the_allowed_sizes():
+    for tp in (1, 2, 4, 8):
+        check_tensor_parallel(_Cfg, tp)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size .*one of \[1, 2, 4, 8\], got 3"):
+        check_tensor_parallel(_Cfg, 3)
+
+
+def test_engine_args_refuse_bad_sizes():
+    for name in ("tensor_parallel_size", "data_parallel_size"):
+        with pytest.raises(ValueError, match=f"{name} must be an int >= 1"):
+            EngineArgs(**{name: 0})
+
+
+def test_more_devices_than_the_machine_has_is_a_clear_error():
+    from jaxpaged.engine.startup import engine_devices
+    with pytest.raises(ValueError, match=r"tensor_parallel_size x data_parallel_size \(4 x 2 = 8\) must be at most"):
+        engine_devices(EngineArgs(tensor_parallel_size=4, data_parallel_size=2))
+
+
+def test_cached_prefix_tokens_counts_the_full_blocks_a_replica_holds():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    prompt = list(range(1, 11))
+    request = Request("a", prompt, SamplingParams(max_tokens=1), (), None, 0, 1)
+    kv.allocate_slots(request, len(prompt))
+    kv._cache_full_blocks(request, len(prompt))
+    assert kv.cached_prefix_tokens(prompt) == 8                   # two full blocks of 4
+    assert kv.cached_prefix_tokens(prompt[:4] + [99] * 6) == 4    # diverges in the second block
+    assert kv.cached_prefix_tokens(prompt, cache_salt="x") == 0   # another salt shares nothing
+    assert kv.cached_prefix_tokens(prompt[:8]) == 4               # the last token is always computed
+
+
+class _Replica:
+    def __init__(self, rank, hit, load):
+        self.data_rank, self.hit, self.load = rank, hit, load
+        self.kv_cache = self
+
+    def cached_prefix_tokens(self, token_ids, salt=None):
+        return self.hit
+
+    def get_num_unfinished_requests(self):
+        return self.load
+
+
+def test_requests_go_to_the_longest_prefix_hit_then_the_least_loaded_replica():
+    from jaxpaged.engine.dp_engine import DataParallelEngine
+
+    def route(*replicas):
+        fake = type("Fake", (), {"engines": list(replicas)})()
+        return DataParallelEngine.route(fake, [1, 2, 3]).data_rank
+
+    assert route(_Replica(0, 0, 5), _Replica(1, 16, 9), _Replica(2, 0, 0)) == 1   # the cache hit wins
+    assert route(_Replica(0, 0, 5), _Replica(1, 0, 2), _Replica(2, 0, 3)) == 1    # no hit: the least loaded
+    assert route(_Replica(0, 16, 4), _Replica(1, 16, 1)) == 1                     # tied hits: the least loaded
+    assert route(_Replica(0, 0, 1), _Replica(1, 0, 1)) == 0                       # full tie: the lowest rank

@@ -1,0 +1,84 @@
+"""Tensor and data parallelism on 8 forced CPU devices (a subprocess each: the device count is
+fixed when jax starts): the same greedy tokens and logprobs as one device, from the original
+checkpoint and from its `jaxpaged convert` orbax folder, weights and KV pool really sharded,
+requests spread over replicas and metrics summed."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SHARDED = ("wqkv", "wo", "w_gate_up", "w_down", "embed", "lm_head", "bqkv", "b_gate_up")   # and column biases
+
+# arch, config overrides, layouts (tp, dp): MHA, GQA with q/k/v bias, MQA with q/k norm
+# and the layouts a `jaxpaged convert` folder is restored into
+CASES = {
+    "llama-mha": ("llama", {"num_key_value_heads": 4}, [[1, 1], [2, 1], [2, 2]], [[1, 1], [2, 1]]),
+    "qwen2-gqa": ("qwen2", {}, [[1, 1], [4, 1]], []),
+    "qwen3-mqa": ("qwen3", {"num_key_value_heads": 1}, [[1, 1], [4, 1], [1, 2]], [[2, 1]]),
+}
+
+
+def run_worker(spec: dict) -> dict:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "tests.parallel.worker", json.dumps(spec)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request):
+    arch, overrides, layouts, orbax_layouts = CASES[request.param]
+    return arch, overrides, run_worker({"arch": arch, "overrides": overrides, "layouts": layouts,
+                                        "orbax_layouts": orbax_layouts})
+
+
+def test_every_layout_and_the_converted_checkpoint_give_the_single_device_tokens_and_logprobs(case):
+    _, _, results = case
+    base = results["1x1"]
+    assert base["metrics"]["jaxpaged:num_preemptions_total"] > 0   # the small pool preempted
+    assert base["metrics"]["jaxpaged:prefix_cache_hits_total"] > 0  # shared prefixes hit the cache
+    for layout, result in results.items():
+        assert result["tokens"] == base["tokens"], layout
+        np.testing.assert_allclose(np.array(result["logprobs"]), np.array(base["logprobs"]), atol=1e-4,
+                                   err_msg=layout)
+
+
+def test_each_device_holds_its_share_of_the_weights_and_the_kv_pool(case):
+    _, _, results = case
+    for layout, result in results.items():
+        tp, dp = map(int, layout.removeprefix("orbax-").split("x"))
+        assert len(result["shards"]) == dp
+        seen_devices = []
+        for replica in result["shards"]:
+            devices = replica["kv_pool"][0]
+            assert len(devices) == tp
+            seen_devices += devices
+            for name, (holders, fraction) in replica.items():
+                assert holders == devices, name   # every array of a replica lies on its own devices
+                if name == "kv_pool" or name.split("/")[-1] in SHARDED:
+                    assert fraction == pytest.approx(1 / tp), (layout, name)
+                else:
+                    assert fraction == 1.0, (layout, name)   # norms, row-parallel biases: replicated
+        assert len(set(seen_devices)) == tp * dp   # replicas do not share devices
+
+
+def test_data_parallel_spreads_requests_and_sums_metrics(case):
+    _, _, results = case
+    for layout, result in results.items():
+        per_rank = result["per_rank"]
+        if len(per_rank) == 1:
+            continue
+        prompt_tokens = [m["jaxpaged:prompt_tokens_total"] for m in per_rank]
+        assert all(t > 0 for t in prompt_tokens), prompt_tokens   # both replicas got requests
+        for name, value in result["metrics"].items():
+            if name.endswith("_total"):
+                assert value == sum(m[name] for m in per_rank), name
+        assert result["metrics"]["jaxpaged:generation_tokens_total"] == \
+            results["1x1"]["metrics"]["jaxpaged:generation_tokens_total"]

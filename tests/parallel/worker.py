@@ -1,0 +1,75 @@
+"""Runs in a subprocess with 8 CPU devices (XLA_FLAGS set before jax is imported): generates
+with several parallel layouts on one tiny checkpoint and prints the results as JSON.
+
+    python -m tests.parallel.worker '{"arch": "llama", "overrides": {...}, "layouts": [[1, 1], [2, 1]]}'
+"""
+
+import json
+import os
+import sys
+
+
+def shard_fractions(llm) -> dict:
+    """For each replica: array name -> (devices holding it, the largest fraction of it any device holds)."""
+    from flax import nnx
+
+    out = []
+    for engine in llm.llm_engine.replicas():
+        runner = engine.runner
+        arrays = {"/".join(map(str, path)): v for path, v in nnx.to_flat_state(runner.state)}
+        arrays["kv_pool"] = runner.kv_pool
+        info = {}
+        for name, a in arrays.items():
+            a = getattr(a, "value", a)
+            fractions = [s.data.size / a.size for s in a.addressable_shards]
+            info[name] = [sorted({str(s.device) for s in a.addressable_shards}), max(fractions)]
+        out.append(info)
+    return out
+
+
+def prompts_and_params():
+    """Shared prefixes (prefix caching), a prompt longer than the step budget (chunked prefill),
+    and, with the engines' 24 blocks, more sequences than the pool holds at once (preemption)."""
+    from jaxpaged import SamplingParams
+
+    base = list(range(3, 40))
+    prompts = [{"prompt_token_ids": base + [50 + i] * (i + 1)} for i in range(6)]
+    prompts.append({"prompt_token_ids": list(range(100, 190))})
+    return prompts, SamplingParams(temperature=0.0, max_tokens=24, logprobs=2, ignore_eos=True)
+
+
+def main(spec: dict) -> dict:
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from jaxpaged import LLM
+    from tests.tiny_models import tiny_checkpoint
+
+    path = tiny_checkpoint(spec["arch"], **spec.get("overrides", {}))
+    prompts, params = prompts_and_params()
+    runs = [("", path, tp, dp) for tp, dp in spec["layouts"]]
+    if spec.get("orbax_layouts"):   # `jaxpaged convert`'s folder, restored into each layout
+        import tempfile
+
+        from jaxpaged.models.loader import convert_checkpoint
+        converted = convert_checkpoint(path, os.path.join(tempfile.mkdtemp(), "converted"), "float32")
+        runs += [("orbax-", converted, tp, dp) for tp, dp in spec["orbax_layouts"]]
+    results = {}
+    for prefix, source, tp, dp in runs:
+        llm = LLM(source, dtype="float32", tensor_parallel_size=tp, data_parallel_size=dp, max_num_batched_tokens=32,
+                  max_num_seqs=4, num_gpu_blocks_override=spec.get("blocks", 24), block_size=8, use_tqdm=False,
+                  **spec.get("engine", {}))
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results[f"{prefix}{tp}x{dp}"] = {
+            "tokens": [o.outputs[0].token_ids for o in outs],
+            "logprobs": [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                         for o in outs],
+            "shards": shard_fractions(llm),
+            "metrics": llm.get_metrics(),
+            "per_rank": llm.llm_engine.get_metrics_per_rank(),
+        }
+        del llm
+    return results
+
+
+if __name__ == "__main__":
+    print("RESULT " + json.dumps(main(json.loads(sys.argv[1]))))
