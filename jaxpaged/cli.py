@@ -121,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     tp = bench_sub.add_parser("throughput", help="offline throughput vs transformers (see benchmarks/)")
     tp.add_argument("args", nargs=argparse.REMAINDER)
     tp.set_defaults(func=lambda ns: _bench_throughput(ns.args))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:2] == ["bench", "throughput"]:   # its own parser takes every option (REMAINDER stops at "--x")
+        return _bench_throughput(argv[2:])
     ns = parser.parse_args(argv)
     try:
         return ns.func(ns)

@@ -71,12 +71,12 @@ class StepClock:
                 f"{1e3 * self.fetch_s / steps:.1f} ms, host {1e3 * (elapsed - self.fetch_s) / steps:.1f} ms")
 
 
-def run_jaxpaged(work, dtype: str, **parallel) -> tuple[float, int, int, object, str]:
+def run_jaxpaged(work, dtype: str, model: str | None = None, **parallel) -> tuple[float, int, int, object, str]:
     """Default engine arguments (but the parallel layout), no warm-up on the workload: what a user gets."""
     from jaxpaged import LLM, SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(None, dtype=dtype, use_tqdm=False, **parallel)
+    llm = LLM(model, dtype=dtype, use_tqdm=False, **parallel)
     startup = time.perf_counter() - start
     prompts = [{"prompt_token_ids": p} for p, _ in work]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in work]
@@ -90,8 +90,9 @@ def run_jaxpaged(work, dtype: str, **parallel) -> tuple[float, int, int, object,
     return elapsed, out_tokens, sum(len(p) for p, _ in work), llm.llm_engine.model_config, info
 
 
-def builtin_hf_model(dtype: str = "float32"):
-    """transformers' own Llama read from the built-in GGUF (the same weights jaxpaged runs)."""
+def builtin_hf_model(dtype: str = "float32", model: str | None = None):
+    """transformers' own model on the same weights jaxpaged runs: the built-in GGUF, or `model`
+    (a folder or a .gguf)."""
     import os
 
     import torch
@@ -99,16 +100,29 @@ def builtin_hf_model(dtype: str = "float32"):
 
     from jaxpaged.models.builtin import builtin_model_path
 
-    path = builtin_model_path()
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                 dtype=getattr(torch, dtype))
-    return model.eval()
+    path = model or builtin_model_path()
+    if path.endswith(".gguf"):
+        hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                  dtype=getattr(torch, dtype))
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    return hf.eval()
 
 
-def run_transformers(work, dtype: str, batch_size: int = 8) -> tuple[float, int]:
+def vocab_size(model: str | None) -> int:
+    if model is None:
+        return 49152   # the built-in SmolLM2
+    if model.endswith(".gguf"):
+        from jaxpaged.models.gguf_loader import load_gguf
+        return load_gguf(model)[0].vocab_size
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(model).vocab_size
+
+
+def run_transformers(work, dtype: str, batch_size: int = 8, model: str | None = None) -> tuple[float, int]:
     import torch
 
-    model = builtin_hf_model(dtype)
+    model = builtin_hf_model(dtype, model)
     start = time.perf_counter()
     useful = 0
     for i in range(0, len(work), batch_size):
@@ -134,19 +148,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-hf", action="store_true", help="only run jaxpaged")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    parser.add_argument("--model", default=None, help="a folder or .gguf (default: the built-in SmolLM2, 9 heads: "
+                                                     "tensor parallel sizes 1 and 3)")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="engine override (tests); the README's "
+                                                                       "figures use the default")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="likewise")
     ns = parser.parse_args(argv)
-    work = make_workload(ns.num_requests, 49152)
+    overrides = {k: v for k, v in (("max_num_seqs", ns.max_num_seqs),
+                                   ("max_num_batched_tokens", ns.max_num_batched_tokens)) if v is not None}
+    work = make_workload(ns.num_requests, vocab_size(ns.model))
     ours_s, out_tokens, prompt_tokens, cfg, info = run_jaxpaged(
-        work, ns.dtype, tensor_parallel_size=ns.tensor_parallel_size, data_parallel_size=ns.data_parallel_size)
+        work, ns.dtype, ns.model, tensor_parallel_size=ns.tensor_parallel_size,
+        data_parallel_size=ns.data_parallel_size, **overrides)
     flops_per_token = 2 * cfg.num_params()
     peak = matmul_gflops(ns.dtype)
     rows = [("jaxpaged", ours_s, out_tokens)]
     if not ns.skip_hf:
-        hf_s, hf_tokens = run_transformers(work, "float32")
+        hf_s, hf_tokens = run_transformers(work, "float32", model=ns.model)
         rows.append(("transformers (fp32, batches of 8)", hf_s, hf_tokens))
     print(f"workload: {len(work)} requests, {prompt_tokens} prompt tokens, {out_tokens} output tokens; "
-          f"jaxpaged dtype {ns.dtype}, default engine arguments, tensor_parallel_size {ns.tensor_parallel_size}, "
-          f"data_parallel_size {ns.data_parallel_size}")
+          f"jaxpaged dtype {ns.dtype}, default engine arguments{' but ' + str(overrides) if overrides else ''}, "
+          f"tensor_parallel_size {ns.tensor_parallel_size}, data_parallel_size {ns.data_parallel_size}")
     print(f"jaxpaged: {info}")
     print(f"{'engine':36s} {'time s':>8s} {'out tok/s':>10s} {'useful GFLOP/s':>15s}")
     for name, secs, tokens in rows:

@@ -339,6 +339,8 @@ class ModelRunner:
         self.kv_pool = warm_up_block_moves(self.kv_pool, _buckets(4, self.max_moved_blocks),
                                            self.swap_space)
         self.slot_state = warm_up_updates(self.slot_state, self.plan)
+        if self.channel is not None:   # several hosts: the step inputs' broadcasts, up to the largest step's
+            self.channel.warm_up(max(StepLayout(s.num_tokens, s.num_seqs).size for s in shapes))
 
 
 def _to_host(x: jax.Array) -> np.ndarray:

@@ -85,6 +85,13 @@ class StepChannel:
         if op == OP_STOP:
             self.stopped = True
 
+    def warm_up(self, max_payload: int) -> None:
+        """Every rank, at the same point of start-up: compile the broadcasts of the header and of
+        each payload bucket up to max_payload, so serving compiles none."""
+        self._broadcast(np.zeros(HEADER_SIZE, np.int32))
+        for size in _buckets_up_to(max_payload):
+            self._broadcast(np.zeros(size, np.int32))
+
     def receive(self) -> tuple[int, tuple[int, ...], np.ndarray]:
         header = self._broadcast(np.zeros(HEADER_SIZE, np.int32))
         size = int(header[-1])
@@ -97,6 +104,13 @@ def _bucket(n: int) -> int:
     while size < n:
         size *= 2
     return size
+
+
+def _buckets_up_to(n: int) -> list[int]:
+    sizes = [PAYLOAD_FLOOR]
+    while sizes[-1] < n:
+        sizes.append(sizes[-1] * 2)
+    return sizes
 
 
 def pairs_payload(*lists: list[tuple[int, int]]) -> np.ndarray:

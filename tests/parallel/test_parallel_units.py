@@ -80,3 +80,35 @@ def test_requests_go_to_the_longest_prefix_hit_then_the_least_loaded_replica():
     assert route(_Replica(0, 0, 5), _Replica(1, 0, 2), _Replica(2, 0, 3)) == 1    # no hit: the least loaded
     assert route(_Replica(0, 16, 4), _Replica(1, 16, 1)) == 1                     # tied hits: the least loaded
     assert route(_Replica(0, 0, 1), _Replica(1, 0, 1)) == 0                       # full tie: the lowest rank
+
+
+def test_the_kv_budget_is_per_device():
+    """kv_cache_memory_bytes is per device (vLLM's per GPU): with tp 2 each device holds half of
+    every block, so the same budget holds twice the blocks."""
+    from jaxpaged.engine.startup import _num_blocks
+    from jaxpaged.parallel import ShardPlan
+
+    class Loaded:
+        def __init__(self, size):
+            self.model = type("M", (), {"shard_plan": type("Plan", (ShardPlan,), {"size": size})()})()
+
+    args = EngineArgs(kv_cache_memory_bytes=1 << 20)
+    per_block = 4096
+    assert _num_blocks(args, Loaded(1), 128, per_block) == 256
+    assert _num_blocks(args, Loaded(2), 128, per_block) == 512
+
+
+def test_prometheus_reports_each_data_parallel_rank():
+    from server.metrics import MetricsExporter
+
+    class Engine:
+        max_model_len = 64
+
+        def get_metrics_per_rank(self):
+            return [{"jaxpaged:num_requests_running": 2, "jaxpaged:generation_tokens_total": 5},
+                    {"jaxpaged:num_requests_running": 1, "jaxpaged:generation_tokens_total": 7}]
+
+    from prometheus_client import generate_latest
+    text = generate_latest(MetricsExporter(Engine(), "m").registry).decode()
+    assert 'jaxpaged:num_requests_running{data_rank="0",model_name="m"} 2.0' in text
+    assert 'jaxpaged:generation_tokens_total{data_rank="1",model_name="m"} 7.0' in text

@@ -9,6 +9,8 @@ it, and the decode step's time against the bytes it has to read.
     decode N seqs   ms per decode step of N sequences = (t(long) - t(short)) / (long - short),
                     which cancels the prefill; floor = (weight bytes + live KV bytes at the mean
                     context) / the copy part's bandwidth
+    ... tp T        with more than one GPU, start-up and decode again with tensor_parallel_size T
+                    (the largest power of two the GPUs and the model's heads allow; floor per device)
 
 Only the engine's public face is used (LLM, SamplingParams, llm.llm_engine's runner._compiled
 and warmup_shapes()), so that the check survives changes inside the runner.
@@ -87,6 +89,39 @@ def step_check(ctx: Context) -> Iterator[Row]:
     for num_seqs in sizes.step_decode_seqs:
         yield guarded("step", f"decode {num_seqs} seqs", functools.partial(
             _decode_row, llm, sizes, num_seqs, weight_bytes, copy[0] if copy else None))
+    gpus = _gpu_count()
+    if gpus > 1:   # the tensor-parallel path (#13): the largest power of two the devices and heads allow
+        import gc
+
+        import jax
+        tp = 1
+        while tp * 2 <= gpus and sizes.model["num_attention_heads"] % (tp * 2) == 0 and \
+                (sizes.model["num_key_value_heads"] % (tp * 2) == 0 or (tp * 2) % sizes.model["num_key_value_heads"] == 0):
+            tp *= 2
+        llm.llm_engine.shutdown()
+        del llm
+        gc.collect()
+        jax.clear_caches()
+        args = {**sizes.step_engine_args, "tensor_parallel_size": tp}
+        with compilations() as startup_compiles:
+            start = time.perf_counter()
+            llm = LLM(path, **args)
+            startup = time.perf_counter() - start
+        yield guarded("step", f"start-up tp {tp}", functools.partial(_startup_row, llm, startup, startup_compiles,
+                                                                      args))
+        for num_seqs in sizes.step_decode_seqs:
+            yield guarded("step", f"decode {num_seqs} seqs tp {tp}", functools.partial(
+                _decode_row, llm, sizes, num_seqs, weight_bytes // tp, copy[0] if copy else None))
+
+
+def _gpu_count() -> int:
+    """GPUs on this machine, without starting JAX (nvidia-smi -L); 0 when it cannot tell."""
+    import subprocess
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
 
 
 def _startup_row(llm, seconds: float, compiled: list, engine_args: dict) -> Row:
