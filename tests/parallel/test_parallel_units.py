@@ -112,3 +112,31 @@ def test_prometheus_reports_each_data_parallel_rank():
     text = generate_latest(MetricsExporter(Engine(), "m").registry).decode()
     assert 'jaxpaged:num_requests_running{data_rank="0",model_name="m"} 2.0' in text
     assert 'jaxpaged:generation_tokens_total{data_rank="1",model_name="m"} 7.0' in text
+
+
+def test_only_rank_0_serves_http_the_others_follow(monkeypatch):
+    import uvicorn
+
+    import server
+    from jaxpaged.engine import dp_engine
+
+    followed = []
+
+    class Follower:
+        def follow(self):
+            followed.append(True)
+            return 7
+
+    monkeypatch.setattr(dp_engine, "make_engine", lambda args: Follower())
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: pytest.fail("a follower rank started the HTTP server"))
+    args = EngineArgs(num_nodes=2, node_rank=1, distributed_coordinator="localhost:1234")
+    assert server.run_server(args) == 0 and followed == [True]
+
+
+def test_several_hosts_need_a_coordinator_and_one_replica():
+    with pytest.raises(ValueError, match="distributed_coordinator must be HOST:PORT of rank 0"):
+        EngineArgs(num_nodes=2)
+    with pytest.raises(ValueError, match=r"node_rank must be an int in \[0, num_nodes=2\)"):
+        EngineArgs(num_nodes=2, node_rank=2, distributed_coordinator="h:1")
+    with pytest.raises(ValueError, match="data_parallel_size must be 1 when num_nodes > 1"):
+        EngineArgs(num_nodes=2, distributed_coordinator="h:1", data_parallel_size=2)

@@ -15,11 +15,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SHARDED = ("wqkv", "wo", "w_gate_up", "w_down", "embed", "lm_head", "bqkv", "b_gate_up")   # and column biases
 
 # arch, config overrides, layouts (tp, dp): MHA, GQA with q/k/v bias, MQA with q/k norm
-# and the layouts a `jaxpaged convert` folder is restored into
+# every layout of #13 for each; then the layouts a `jaxpaged convert` folder is restored into, and
+# those run with the Pallas kernel (interpret mode on CPU) under shard_map
+LAYOUTS = [[1, 1], [2, 1], [4, 1], [1, 2], [2, 2]]
 CASES = {
-    "llama-mha": ("llama", {"num_key_value_heads": 4}, [[1, 1], [2, 1], [2, 2]], [[1, 1], [2, 1]]),
-    "qwen2-gqa": ("qwen2", {}, [[1, 1], [4, 1]], []),
-    "qwen3-mqa": ("qwen3", {"num_key_value_heads": 1}, [[1, 1], [4, 1], [1, 2]], [[2, 1]]),
+    "llama-mha": ("llama", {"num_key_value_heads": 4}, LAYOUTS, [[1, 1], [2, 1]], []),
+    "qwen2-gqa": ("qwen2", {}, LAYOUTS, [], [[2, 1]]),
+    "qwen3-mqa": ("qwen3", {"num_key_value_heads": 1}, LAYOUTS, [[2, 1]], []),
 }
 
 
@@ -34,14 +36,16 @@ def run_worker(spec: dict) -> dict:
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def case(request):
-    arch, overrides, layouts, orbax_layouts = CASES[request.param]
-    return arch, overrides, run_worker({"arch": arch, "overrides": overrides, "layouts": layouts,
-                                        "orbax_layouts": orbax_layouts})
+    arch, overrides, layouts, orbax_layouts, pallas_layouts = CASES[request.param]
+    return request.param, CASES[request.param], run_worker(
+        {"arch": arch, "overrides": overrides, "layouts": layouts, "orbax_layouts": orbax_layouts,
+         "pallas_layouts": pallas_layouts})
 
 
 def test_every_layout_and_the_converted_checkpoint_give_the_single_device_tokens_and_logprobs(case):
-    _, _, results = case
+    _, spec, results = case
     base = results["1x1"]
+    assert len(results) == sum(map(len, spec[2:]))
     assert base["metrics"]["jaxpaged:num_preemptions_total"] > 0   # the small pool preempted
     assert base["metrics"]["jaxpaged:prefix_cache_hits_total"] > 0  # shared prefixes hit the cache
     for layout, result in results.items():
@@ -53,7 +57,7 @@ def test_every_layout_and_the_converted_checkpoint_give_the_single_device_tokens
 def test_each_device_holds_its_share_of_the_weights_and_the_kv_pool(case):
     _, _, results = case
     for layout, result in results.items():
-        tp, dp = map(int, layout.removeprefix("orbax-").split("x"))
+        tp, dp = map(int, layout.split("-")[-1].split("x"))
         assert len(result["shards"]) == dp
         seen_devices = []
         for replica in result["shards"]:

@@ -47,6 +47,7 @@ def main(spec: dict) -> dict:
     path = tiny_checkpoint(spec["arch"], **spec.get("overrides", {}))
     prompts, params = prompts_and_params()
     runs = [("", path, tp, dp) for tp, dp in spec["layouts"]]
+    runs += [("pallas-", path, tp, dp) for tp, dp in spec.get("pallas_layouts", [])]
     if spec.get("orbax_layouts"):   # `jaxpaged convert`'s folder, restored into each layout
         import tempfile
 
@@ -55,7 +56,8 @@ def main(spec: dict) -> dict:
         runs += [("orbax-", converted, tp, dp) for tp, dp in spec["orbax_layouts"]]
     results = {}
     for prefix, source, tp, dp in runs:
-        llm = LLM(source, dtype="float32", tensor_parallel_size=tp, data_parallel_size=dp, max_num_batched_tokens=32,
+        backend = {"attention_backend": "pallas"} if prefix == "pallas-" else {}   # interpret mode on CPU
+        llm = LLM(source, dtype="float32", **backend, tensor_parallel_size=tp, data_parallel_size=dp, max_num_batched_tokens=32,
                   max_num_seqs=4, num_gpu_blocks_override=spec.get("blocks", 24), block_size=8, use_tqdm=False,
                   **spec.get("engine", {}))
         outs = llm.generate(prompts, params, use_tqdm=False)
