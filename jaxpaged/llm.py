@@ -112,9 +112,9 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         if any(isinstance(p, dict) and p.get("cache_salt") is not None for p in prompts):
             raise ValueError("cache_salt is not supported by beam_search yet; drop it from the prompt dicts")
-        token_lists = [self.llm_engine._tokenize(p)[1] for p in prompts]
-        # with data parallelism, beam search runs on the first replica
-        return run_beam_search(self.llm_engine.replicas()[0], token_lists, params)
+        engine = self.llm_engine.replicas()[0]   # with data parallelism, beam search runs on the first replica
+        token_lists = [engine._tokenize(p)[1] for p in prompts]
+        return run_beam_search(engine, token_lists, params)
 
     def shutdown(self) -> None:
         """Several hosts: release the other ranks (their LLM(...) returns). Also runs at exit."""

@@ -76,6 +76,50 @@ def _as_list(name: str, value: object, allowed: str) -> list:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constrain a request's output (vLLM's names): exactly one of
+
+    json         a JSON schema (dict or JSON string): the output is a JSON value it accepts
+    regex        the output full-matches this regular expression
+    choice       the output is exactly one of these strings
+    grammar      a Lark/EBNF grammar (llguidance's Lark dialect; GBNF `::=` rules are converted)
+    json_object  True: any JSON object
+
+    The grammar is compiled when the request is added: a bad schema, regex or grammar is a
+    ValueError naming the field, and nothing is queued.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+    def __post_init__(self) -> None:
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, regex, choice, grammar, "
+                             f"json_object; got {given or 'none'}")
+        kind = given[0]
+        value = getattr(self, kind)
+        if kind == "json" and not isinstance(value, (dict, str)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (a dict or a JSON string), got {value!r}")
+        if kind in ("regex", "grammar") and (not isinstance(value, str) or not value):
+            raise ValueError(f"structured_outputs.{kind} must be a non-empty string, got {value!r}")
+        if kind == "choice" and (not isinstance(value, (list, tuple)) or not value
+                                 or not all(isinstance(c, str) and c for c in value)):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, got {value!r}")
+        if kind == "json_object" and value is not True:
+            raise ValueError(f"structured_outputs.json_object must be True or None, got {value!r}")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+
+@dataclass
 class SamplingParams:
     """How to sample one request; `__post_init__` validates and normalizes in place."""
 
@@ -101,6 +145,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -115,6 +160,12 @@ class SamplingParams:
             self.top_k = 0
         if self.logit_bias is not None:
             self.logit_bias = self._normalized_logit_bias(self.logit_bias)
+        if isinstance(self.structured_outputs, dict):   # as the server's JSON body gives it
+            unknown = set(self.structured_outputs) - set(StructuredOutputsParams.KINDS)
+            if unknown:
+                raise ValueError(f"structured_outputs has unknown field(s) {sorted(unknown)}; allowed: "
+                                 f"{', '.join(StructuredOutputsParams.KINDS)}")
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
 
     @staticmethod
     def _normalized_logit_bias(logit_bias: object) -> dict[int, float]:
@@ -170,6 +221,9 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must be >= 0 in every entry, got {self.stop_token_ids!r}")
         if self.seed is not None:
             _require_int("seed", self.seed, "or None")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams or None, got "
+                             f"{self.structured_outputs!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             allowed = ", ".join(f"RequestOutputKind.{kind.name}" for kind in RequestOutputKind)
             raise ValueError(f"output_kind must be one of {allowed}, got {self.output_kind!r}")

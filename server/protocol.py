@@ -62,6 +62,8 @@ _COMMON_FIELDS = {
     "stream_options": _OBJECT,
     # vLLM's: requests share prefix-cache blocks only under the same salt (tenants never see each other's)
     "cache_salt": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
+    # vLLM's: {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ...} | {"json_object": true}
+    "structured_outputs": _OBJECT,
 }
 _COMPLETION_FIELDS = {**_COMMON_FIELDS, "echo": _BOOL, "logprobs": _INTEGER,
                       "prompt": (lambda v: True, "")}   # its shape is checked by _prompts
@@ -71,7 +73,10 @@ _CHAT_FIELDS = {**_COMMON_FIELDS, "logprobs": _BOOL, "top_logprobs": _INTEGER, "
                 # matters with store, which is refused), hints for a cache that is automatic here, and
                 # parallel_tool_calls, which means nothing without tools (refused below)
                 "metadata": _OBJECT, "prompt_cache_key": _STRING, "safety_identifier": _STRING,
-                "prompt_cache_options": _OBJECT, "prompt_cache_retention": _STRING, "parallel_tool_calls": _BOOL}
+                "prompt_cache_options": _OBJECT, "prompt_cache_retention": _STRING, "parallel_tool_calls": _BOOL,
+                "response_format": (lambda v: isinstance(v, dict) and v.get("type") in ("text", "json_object",
+                                                                                         "json_schema"),
+                                    'an object with "type" one of "text", "json_object", "json_schema"')}
 
 
 # OpenAI's request fields, as the `openai` package lists them (types/chat/completion_create_params.py and
@@ -247,12 +252,33 @@ def build_sampling_params(req: ParsedRequest, prompt_len: int, max_model_len: in
                             f"{max_tokens} in the completion). Reduce the length of the {prompt_param} or "
                             f"{req.max_tokens_param}.", req.max_tokens_param, "context_length_exceeded")
     kwargs = {k: req.body[k] for k in _SAMPLING_KEYS if req.body.get(k) is not None}
+    structured = _structured_outputs(req.body)
+    if structured is not None:
+        kwargs["structured_outputs"] = structured
     prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
     try:
         return SamplingParams(max_tokens=max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs,
                               **kwargs)
     except ValueError as exc:
         raise bad_request(exc, req) from None
+
+
+def _structured_outputs(body: dict) -> dict | None:
+    """vLLM's structured_outputs field, or OpenAI's response_format (chat) as one."""
+    structured, response_format = body.get("structured_outputs"), body.get("response_format")
+    kind = (response_format or {}).get("type", "text")
+    if kind == "text":
+        return structured
+    if structured is not None:
+        raise APIError(400, f"give structured_outputs or response_format {{\"type\": \"{kind}\"}}, not both",
+                       "response_format", "invalid_value")
+    if kind == "json_object":
+        return {"json_object": True}
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        raise APIError(400, 'response_format.json_schema must be an object {"name", "schema", "strict"}, got '
+                            f"{brief_repr(spec)}", "response_format", "invalid_type")
+    return {"json": spec.get("schema", {})}
 
 
 def bad_request(exc: ValueError, req: ParsedRequest) -> APIError:

@@ -42,7 +42,8 @@ def time_load(path: str, tp: int, repeats: int) -> float:
     for _ in range(repeats):
         start = time.perf_counter()
         loaded = load_model(path, "float32", shard_plan=plan)
-        jax.block_until_ready(jax.tree.leaves(loaded.model.embed[...]))
+        from flax import nnx
+        jax.block_until_ready(jax.tree.leaves(nnx.state(loaded.model)))
         best = min(best, time.perf_counter() - start)
         del loaded
     return best

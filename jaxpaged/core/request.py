@@ -50,6 +50,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.cache_salt = cache_salt          # prefix-cache namespace: only equal salts share blocks
+        self.matcher = None                   # structured outputs: its grammar matcher (opaque here)
         self.block_hashes: list[bytes] = []   # chained hashes of the full blocks of all_token_ids
         # n > 1: sibling sequences that fork off this one when it samples its first token
         self.pending_forks: list["Request"] = []

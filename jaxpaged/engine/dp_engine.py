@@ -67,7 +67,9 @@ class DataParallelEngine:
         first = self.engines[0]
         text, token_ids = first._tokenize(prompt)   # ValueError on a bad prompt, before anything is queued
         salt = first._cache_salt(prompt)
-        request_id = f"dp-{next(self._ids)}" if request_id is None else str(request_id)
+        if request_id is None:   # a fresh id the caller has not taken
+            request_id = next(i for i in (f"dp-{n}" for n in self._ids) if i not in self._owner)
+        request_id = str(request_id)
         if request_id in self._owner:
             raise ValueError(f"request_id {request_id!r} is already in use")
         engine = self.route(token_ids, salt)

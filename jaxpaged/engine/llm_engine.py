@@ -31,6 +31,7 @@ from jaxpaged.engine.metrics import EngineMetrics
 from jaxpaged.engine.output_processor import (RequestState, SequenceState, detokenize, record_logprobs,
                                               record_prompt_logprobs, token_stop)
 from jaxpaged.engine.startup import build_runner, load_model_and_tokenizer
+from jaxpaged.runner.structured_outputs import GrammarCompiler
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 
@@ -72,6 +73,7 @@ class LLMEngine:
         self._to_detokenize: list[SequenceState] = []   # got tokens in the last step
         self._in_flight = collections.deque()           # (plan, pending) dispatched, not fetched, oldest first
         self._ids = itertools.count()
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)   # structured outputs
         if self.runner.channel is not None and self.runner.channel.is_leader:
             atexit.register(self.shutdown)   # followers must not wait forever for a step
 
@@ -102,11 +104,14 @@ class LLMEngine:
         if clash:
             raise ValueError(f"request_id {request_id!r} clashes with the sequence id {clash[0]!r} of a request "
                              "in flight (sequences of n > 1 requests are named '<id>#<index>')")
+        so = params.structured_outputs
+        matchers = [self.grammars.matcher(so) for _ in core_ids] if so is not None else [None] * len(core_ids)
         sequences = []
         for i, core_id in enumerate(core_ids):
             seed = self._seed_for(params, i)
             request = Request(core_id, token_ids, params, self.eos_token_ids, arrival_time, seed, max_tokens,
                               cache_salt)
+            request.matcher = matchers[i]
             sequences.append(SequenceState(request, i, self.tokenizer, request_id))
         state = RequestState(request_id, text, token_ids, sequences)
         # n > 1: one sequence prefills; the others fork off it (sharing its blocks) when it samples
@@ -193,7 +198,9 @@ class LLMEngine:
         With async scheduling the outputs are those of the previous device step, whose
         tokens are fetched while this call's step runs.
         """
-        overlap = self.args.async_scheduling
+        # A constrained request's next mask needs its last token on the host: while any runs, each
+        # step is fetched before the next is planned.
+        overlap = self.args.async_scheduling and not any(s.request.matcher is not None for s in self._seqs.values())
         outputs = []
         while len(self._in_flight) > (1 if overlap else 0):   # plan with at most one step unfetched
             outputs += self._complete()
@@ -276,11 +283,25 @@ class LLMEngine:
             record_logprobs(seq, result.sampled[request.request_id], self.tokenizer)
             self.metrics.generation_tokens_total += 1
             stop = token_stop(request, self.max_model_len)
+            if request.matcher is not None:
+                stop = self._advance_grammar(request, stop)
             if stop is not None:
                 status, seq.stop_reason = stop
                 seq.finish_reason = status.finish_reason
                 self.scheduler.finish_request(request.request_id, status)
             self._to_detokenize.append(seq)
+
+    def _advance_grammar(self, request, stop):
+        """Feed a constrained request's new token to its matcher; a grammar that admits nothing
+        more (a choice made, a closed JSON value) ends the request as a stop."""
+        token = request.output_token_ids[-1]
+        eos = token in request.eos_token_ids
+        if not eos and not request.matcher.consume_token(token):
+            logger.error("request %s: token %d is outside its grammar (%s)", request.request_id, token,
+                         request.matcher.get_error())
+        if stop is None and request.matcher.is_stopped():
+            return RequestStatus.FINISHED_STOPPED, None
+        return stop
 
     def _process_text(self) -> list[RequestOutput]:
         """Detokenize the last step's tokens, apply stop strings, build the outputs each request's

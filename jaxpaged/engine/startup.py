@@ -50,6 +50,9 @@ def engine_devices(args: EngineArgs, data_rank: int = 0) -> list:
                          f"number of devices, {len(devices)} ({devices[0].platform})")
     if not 0 <= data_rank < dp:
         raise ValueError(f"data_rank must be in [0, {dp}), got {data_rank}")
+    if jax.process_count() > 1 and tp != len(devices):   # every host must hold part of the one mesh
+        raise ValueError(f"tensor_parallel_size must be the number of devices of all {jax.process_count()} hosts "
+                         f"together ({len(devices)}) when num_nodes > 1, got {tp}")
     return devices[data_rank * tp:(data_rank + 1) * tp]
 
 
@@ -89,7 +92,7 @@ def _num_blocks(args: EngineArgs, loaded: LoadedModel, max_model_len: int, per_b
     per_block //= plan.size
     if args.kv_cache_memory_bytes is not None:
         return max(2, args.kv_cache_memory_bytes // per_block)
-    device = plan.devices[0]
+    device = plan.local_device   # several hosts: each sizes on its own device (rank 0's count is used)
     if not memory.has_device_memory(device):
         wanted = args.max_num_seqs * cdiv(max_model_len, args.block_size) + 1
         return max(2, min(wanted, CPU_KV_CACHE_BYTES // per_block))

@@ -236,6 +236,8 @@ def convert_checkpoint(model: str, out: str, dtype: str = "auto", revision: str 
     (jaxpaged.models.orbax_io) that load_model restores straight into any tensor-parallel layout."""
     from jaxpaged.models.orbax_io import canonical_arrays, save_converted
 
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):   # before minutes of reading
+        raise ValueError(f"output folder {out!r} exists and is not empty")
     tokenizer = None
     if model.endswith(".gguf"):
         from jaxpaged.models.gguf_loader import load_gguf, load_gguf_tokenizer

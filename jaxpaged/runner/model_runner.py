@@ -43,6 +43,7 @@ from jaxpaged.runner.persistent_batch import (SlotState, SlotTable, StepLayout, 
                                               attention_metadata, count_sampled, forward_batch_arrays,
                                               pack_updates, sampling_metadata, warm_up_updates)
 from jaxpaged.runner.sampler import greedy_from_transposed, is_plain_greedy, sample, token_logprobs
+from jaxpaged.runner.structured_outputs import bitmask_words, fill_bitmask
 from jaxpaged.sampling_params import MAX_LOGPROBS
 from pallas_kernels import kv_pool_shape
 
@@ -117,6 +118,8 @@ class ModelRunner:
         self.kv_pool = self.plan.zeros(kv_pool_shape(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
                                                      cfg.head_dim), dtype, POOL_SPEC)
         self.max_logprobs = max_logprobs   # K: every step returns this many top logprobs per row
+        self.bitmask_words = bitmask_words(cfg.vocab_size)   # structured outputs: i32 words per mask row
+        self._all_allowed = {}              # sample rows -> a device bitmask of all ones (no transfer per step)
         self.max_moved_blocks = next_bucket(self.max_blocks_per_seq, 4)   # per swap or copy call
         self._compiled = {}                 # BatchShape -> the step compiled for it
         self._warmed_up = False             # warmup() ran: a later compile is a missing bucket
@@ -177,6 +180,7 @@ class ModelRunner:
         chunks, rows, lp_rows, lp_targets = [], [], [], []
         seq_slots, row_slots, count_slots = [], [], []
         sample_tokens = []  # per sample row: the flat index of the token whose logits it samples from
+        constrained = []    # (sample row, grammar matcher): structured outputs
         for chunk in plan.chunks:
             request = chunk.request
             n = chunk.num_new_tokens
@@ -194,6 +198,8 @@ class ModelRunner:
                 lp_targets.append((flat, request.all_token_ids[chunk.start + 1:chunk.start + 1 + count]))
             if chunk.samples:
                 rows.append((request.request_id, len(sample_tokens)))
+                if request.matcher is not None:
+                    constrained.append((len(sample_tokens), request.matcher))
             sample_tokens.append(flat + n - 1)
             seq_slots.append(slot)
             row_slots.append(slot)
@@ -204,6 +210,8 @@ class ModelRunner:
             for child in chunk.forks:
                 slot = slots.slot_for(child)
                 rows.append((child.request_id, len(sample_tokens)))
+                if child.matcher is not None:
+                    constrained.append((len(sample_tokens), child.matcher))
                 sample_tokens.append(sample_tokens[i])
                 row_slots.append(slot)
                 count_slots.append(slot)
@@ -231,14 +239,32 @@ class ModelRunner:
             v["prev_index"][:len(from_prev)], v["prev_source"][:len(from_prev)] = zip(*from_prev)
         pack_updates(in_step, layout.num_updates, v["updates"])
         prev_tokens = prev.tokens if prev is not None else self._no_prev_tokens
+        bitmask = None
+        if constrained:   # the host fills the rows of constrained requests; the rest allow everything
+            bitmask = np.full((shape.num_logits, self.bitmask_words), -1, np.int32)
+            for row, matcher in constrained:
+                fill_bitmask(bitmask, row, matcher)
         if self.channel is not None:
             self.channel.send(OP_STEP, (shape.num_tokens, shape.num_seqs, shape.num_logits, shape.q_tile,
-                                        int(prev is not None)), buffer)
+                                        int(prev is not None), int(bitmask is not None)),
+                              buffer if bitmask is None else np.concatenate([buffer, bitmask.reshape(-1)]))
         self.kv_pool, self.slot_state, packed, prompt_packed, tokens_out = self._step(
-            shape, self.state, self.kv_pool, self.slot_state, self.plan.put(buffer), prev_tokens)
+            shape, self.state, self.kv_pool, self.slot_state, self.plan.put(buffer), prev_tokens,
+            self._bitmask_arg(shape, bitmask))
         self.steps_run += 1
         return _Pending(packed, prompt_packed if lp_rows else None, tokens_out, rows, lp_rows, shape.num_seqs,
                         self.max_logprobs)
+
+    def _bitmask_arg(self, shape: BatchShape, bitmask: np.ndarray | None):
+        """The step's bitmask input: sent when some row is constrained, else kept on the device."""
+        if bitmask is not None:
+            return self.plan.put(bitmask)
+        allowed = self._all_allowed.get(shape.num_logits)
+        if allowed is None:
+            with jax.default_device(self.plan.local_device):
+                allowed = self.plan.replicate(jnp.full((shape.num_logits, self.bitmask_words), -1, jnp.int32))
+            self._all_allowed[shape.num_logits] = allowed
+        return allowed
 
     def _step(self, shape: BatchShape, *args):
         """Run the step compiled for `shape` (compiling it first if start-up did not)."""
@@ -254,9 +280,10 @@ class ModelRunner:
         layout = StepLayout(shape.num_tokens, shape.num_seqs)
         statics = _StepStatics(self.graphdef, layout, shape.q_tile, self.block_size, self.max_logprobs, self.plan)
         buffer = layout.empty(self.slot_table.pad_slot)[0]   # its shape only: nothing moves while compiling
+        replicated = self.plan.array_sharding(P())
         args = (self.state, self.kv_pool, self.slot_state,
-                jax.ShapeDtypeStruct(buffer.shape, buffer.dtype, sharding=self.plan.array_sharding(P())),
-                self._no_prev_tokens)
+                jax.ShapeDtypeStruct(buffer.shape, buffer.dtype, sharding=replicated), self._no_prev_tokens,
+                jax.ShapeDtypeStruct((shape.num_logits, self.bitmask_words), jnp.int32, sharding=replicated))
         compiled = _step.lower(statics, *args).compile()
         self._compiled[shape] = compiled
         return compiled
@@ -280,8 +307,11 @@ class ModelRunner:
             elif op == OP_STEP:
                 shape = BatchShape(*args[:4])
                 prev_tokens = last_tokens if args[4] else self._no_prev_tokens
+                size = StepLayout(shape.num_tokens, shape.num_seqs).size
+                bitmask = payload[size:].reshape(shape.num_logits, self.bitmask_words) if args[5] else None
                 self.kv_pool, self.slot_state, _, _, last_tokens = self._step(
-                    shape, self.state, self.kv_pool, self.slot_state, self.plan.put(payload), prev_tokens)
+                    shape, self.state, self.kv_pool, self.slot_state, self.plan.put(payload[:size]), prev_tokens,
+                    self._bitmask_arg(shape, bitmask))
                 self.steps_run += 1
             else:
                 raise RuntimeError(f"unknown operation {op} from rank 0")
@@ -329,6 +359,8 @@ class ModelRunner:
         # XLA compiles outside the GIL: a few threads use the host's cores (each variant alone is
         # mostly single-threaded).
         todo = [shape for shape in shapes if shape not in self._compiled]
+        for shape in shapes:   # the all-allowed bitmasks, made here (not in the compile threads)
+            self._bitmask_arg(shape, None)
         with concurrent.futures.ThreadPoolExecutor(max(1, min(len(todo), os.cpu_count() or 1))) as pool:
             for _ in pool.map(self.compile_step, todo):
                 if progress is not None:
@@ -340,7 +372,8 @@ class ModelRunner:
                                            self.swap_space)
         self.slot_state = warm_up_updates(self.slot_state, self.plan)
         if self.channel is not None:   # several hosts: the step inputs' broadcasts, up to the largest step's
-            self.channel.warm_up(max(StepLayout(s.num_tokens, s.num_seqs).size for s in shapes))
+            self.channel.warm_up(max(StepLayout(s.num_tokens, s.num_seqs).size + s.num_logits * self.bitmask_words
+                                     for s in shapes))
 
 
 def _to_host(x: jax.Array) -> np.ndarray:
@@ -395,11 +428,12 @@ class _StepStatics:
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2, 3))
-def _step(statics: _StepStatics, state, kv_pool, slots: SlotState, buffer, prev_tokens):
+def _step(statics: _StepStatics, state, kv_pool, slots: SlotState, buffer, prev_tokens, bitmask):
     """One engine step. buffer: i32[layout.size], every per-step input (StepLayout); slots: the
     persistent batch (block tables, sampling parameters and penalty state, donated);
     prev_tokens: i32[MAX_ROWS], the previous step's sampled tokens, of which row prev_source[i]
-    becomes input token prev_index[i] (out-of-bounds indices are dropped).
+    becomes input token prev_index[i] (out-of-bounds indices are dropped); bitmask:
+    i32[S, ceil(V / 32)], each sample row's allowed tokens (structured outputs; all ones: any).
 
     Returns (kv_pool, slots, packed f32[S * (3 + 2K)], prompt_packed f32[T * (2 + 2K)], tokens i32[MAX_ROWS]).
     """
@@ -413,7 +447,7 @@ def _step(statics: _StepStatics, state, kv_pool, slots: SlotState, buffer, prev_
     model = nnx.merge(statics.graphdef, state)
     kv_pool, hidden = model.hidden_states(kv_pool, batch)
     K = statics.num_logprobs
-    smd = sampling_metadata(slots, f["row_slots"], K)
+    smd = sampling_metadata(slots, f["row_slots"], K, bitmask)
     rows = hidden[batch.logits_indices]                                # [S, hidden]
     # decode buckets are at most half padding; a prompt step's many padding rows skip the matmul
     num_rows = None if statics.q_tile == 1 else jnp.sum(f["row_slots"] != slots.params.shape[0] - 1)

@@ -72,6 +72,10 @@ class StepChannel:
     def send(self, op: int, args: tuple[int, ...] = (), payload: np.ndarray | None = None) -> None:
         if not self.is_leader:
             raise RuntimeError("only rank 0 sends device operations")
+        if self.stopped:
+            raise RuntimeError("the other hosts were released (shutdown): this engine cannot run steps any more")
+        if len(args) > HEADER_SIZE - 2:
+            raise ValueError(f"at most {HEADER_SIZE - 2} header arguments, got {len(args)}")
         payload = np.zeros(0, np.int32) if payload is None else np.asarray(payload, np.int32).reshape(-1)
         header = np.zeros(HEADER_SIZE, np.int32)
         header[0] = op

@@ -339,8 +339,10 @@ def attention_metadata(kv_lens, tables, cu_q_lens, q_tile: int) -> AttentionMeta
                              decode_only=q_tile == 1)
 
 
-def sampling_metadata(state: SlotState, row_slots: jax.Array, num_logprobs: int) -> SamplingMetadata:
-    """Traced: the sampler's inputs for sample rows reading slots `row_slots` (i32[S])."""
+def sampling_metadata(state: SlotState, row_slots: jax.Array, num_logprobs: int,
+                      bitmask: jax.Array | None = None) -> SamplingMetadata:
+    """Traced: the sampler's inputs for sample rows reading slots `row_slots` (i32[S]); `bitmask`
+    (i32[S, ceil(V / 32)]): the structured-output masks, all ones for unconstrained rows."""
     p = state.params[row_slots]                                          # [S, NUM_PARAMS]
     f32 = lambda column: jax.lax.bitcast_convert_type(p[:, column], jnp.float32)  # noqa: E731
     return SamplingMetadata(
@@ -350,7 +352,7 @@ def sampling_metadata(state: SlotState, row_slots: jax.Array, num_logprobs: int)
         steps=p[:, P_STEPS], requested_logprobs=p[:, P_LOGPROBS], has_logit_bias=p[:, P_HAS_BIAS] != 0,
         output_counts=state.output_counts, prompt_mask=state.prompt_mask, logit_bias=state.logit_bias,
         all_greedy=False, num_logprobs=num_logprobs, rows=row_slots, min_tokens_ban=state.min_tokens_ban,
-        ban_active=p[:, P_STEPS] < p[:, P_MIN_TOKENS])
+        ban_active=p[:, P_STEPS] < p[:, P_MIN_TOKENS], bitmask=bitmask)
 
 
 def count_sampled(state: SlotState, count_slots: jax.Array, tokens: jax.Array) -> SlotState:

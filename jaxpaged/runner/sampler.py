@@ -47,6 +47,8 @@ class SamplingMetadata:
     rows: jax.Array | None = None  # i32[S]
     min_tokens_ban: jax.Array | None = None  # bool[R, V]; tokens masked while ban_active
     ban_active: jax.Array | None = None  # bool[S]; the row has not reached its min_tokens
+    # structured outputs: bit j of word w of row i allows token 32 w + j (all ones: unconstrained)
+    bitmask: jax.Array | None = None  # i32[S, ceil(V / 32)]
 
 
 @jax.tree_util.register_dataclass
@@ -97,7 +99,22 @@ def _rows_of(md, array):
     return array if md.rows is None else array[md.rows]
 
 
+def constrained_rows(md) -> jax.Array | None:
+    """bool[S]: rows a structured-output bitmask restricts (None: no bitmask input)."""
+    return None if md.bitmask is None else jnp.any(md.bitmask != -1, axis=1)
+
+
+def _apply_bitmask(logits, bitmask):
+    ids = jnp.arange(logits.shape[1], dtype=jnp.int32)
+    words = bitmask[:, ids >> 5]                                    # [S, V]
+    allowed = ((words >> (ids & 31)) & 1).astype(bool)
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
 def _apply_bias_and_penalties(logits, md):
+    if md.bitmask is not None:
+        logits = jax.lax.cond(jnp.any(constrained_rows(md)), lambda x: _apply_bitmask(x, md.bitmask),
+                              lambda x: x, logits)
     if md.logit_bias is not None:
         logits = jax.lax.cond(jnp.any(md.has_logit_bias),
                               lambda x: x + jnp.where(md.has_logit_bias[:, None], _rows_of(md, md.logit_bias), 0.0),
@@ -208,6 +225,8 @@ def is_plain_greedy(md: SamplingMetadata) -> jax.Array:
     """bool: every row greedy with no bias, penalties or top logprobs (traced: picks the fast path)."""
     plain = (jnp.all(md.temperature < GREEDY_EPS) & ~jnp.any(md.has_logit_bias) & ~jnp.any(penalised_rows(md))
              & ~jnp.any(md.requested_logprobs > 0))
+    if md.bitmask is not None:
+        plain = plain & ~jnp.any(constrained_rows(md))
     return plain if md.ban_active is None else plain & ~jnp.any(md.ban_active)
 
 

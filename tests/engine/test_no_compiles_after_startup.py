@@ -2,7 +2,8 @@
 
 Counted through JAX's own monitoring event for XLA compilations (a persistent-cache hit counts
 too: it still builds an executable), while a mix of every sampling feature, prompt lengths up
-to max_model_len, chunked prefill, n > 1, beam search, and swap and recompute preemption runs.
+to max_model_len, chunked prefill, n > 1, beam search, structured outputs, and swap and recompute
+preemption runs.
 """
 
 import contextlib
@@ -10,7 +11,7 @@ import contextlib
 import jax
 import numpy as np
 
-from jaxpaged import LLM, BeamSearchParams, SamplingParams
+from jaxpaged import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
 from tests.tiny_models import tiny_checkpoint
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -39,7 +40,7 @@ def test_no_request_mix_compiles_after_startup():
               max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, preemption_mode="swap",
               swap_space=8 * 6144 / 2**30, use_tqdm=False)
     rng = np.random.default_rng(0)
-    prompts = [{"prompt_token_ids": rng.integers(3, 320, n).tolist()} for n in (1, 5, 17, 40, 64, 90, 127, 33)]
+    prompts = [{"prompt_token_ids": rng.integers(3, 320, n).tolist()} for n in (1, 5, 17, 40, 64, 90, 127, 33, 9)]
     params = [
         SamplingParams(temperature=0.0, max_tokens=6),
         SamplingParams(temperature=0.8, seed=1, max_tokens=12, logprobs=20),
@@ -49,6 +50,7 @@ def test_no_request_mix_compiles_after_startup():
         SamplingParams(n=3, temperature=0.9, seed=4, max_tokens=20),
         SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=20, logprobs=5),
         SamplingParams(temperature=0.7, max_tokens=40, stop_token_ids=[11], ignore_eos=True),
+        SamplingParams(n=2, temperature=1.0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex="[a-z ]+")),
     ]
     with compilations() as compiled:
         for _ in range(2):

@@ -12,18 +12,30 @@ import json
 import sys
 
 
+# swap preemption (block moves), and penalties, min_tokens, logit_bias and n > 1 (slot updates, forks):
+# every kind of device operation a follower replays
+ENGINE = dict(dtype="float32", max_num_batched_tokens=32, max_num_seqs=4, num_gpu_blocks_override=24, block_size=8,
+              preemption_mode="swap", swap_space=64 * 3072 / 2**30)   # 64 host blocks of the tiny model
+
+
+def extra_params():
+    from jaxpaged import SamplingParams
+    return SamplingParams(n=2, temperature=0.0, presence_penalty=0.5, frequency_penalty=0.3, min_tokens=4,
+                          logit_bias={5: 2.0}, max_tokens=16, ignore_eos=True)
+
+
 def main(rank: int, port: int, path: str) -> dict:
     from jaxpaged import LLM
     from tests.parallel.worker import prompts_and_params
 
-    llm = LLM(path, dtype="float32", tensor_parallel_size=2, max_num_batched_tokens=32, max_num_seqs=4,
-              num_gpu_blocks_override=24, block_size=8, use_tqdm=False, distributed_coordinator=f"localhost:{port}",
-              num_nodes=2, node_rank=rank)
+    llm = LLM(path, tensor_parallel_size=2, use_tqdm=False, distributed_coordinator=f"localhost:{port}",
+              num_nodes=2, node_rank=rank, **ENGINE)
     runner = llm.llm_engine.runner
     if llm.is_follower:   # LLM(...) returned: rank 0 shut down
         return {"steps": runner.steps_run}
     prompts, params = prompts_and_params()
     outs = llm.generate(prompts, params, use_tqdm=False)
+    extra = llm.generate(prompts[:4], extra_params(), use_tqdm=False)   # persistent-batch updates, forks
     engine = llm.llm_engine
     engine.add_request("kept", prompts[0], params)
     engine.add_request("aborted", prompts[1], params)
@@ -39,7 +51,8 @@ def main(rank: int, port: int, path: str) -> dict:
     result = {"tokens": [o.outputs[0].token_ids for o in outs],
               "logprobs": [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
                            for o in outs],
-              "kept": kept, "steps": runner.steps_run}
+              "kept": kept, "steps": runner.steps_run, "extra": [[c.token_ids for c in o.outputs] for o in extra],
+              "swapped": llm.get_metrics()["jaxpaged:swapped_out_blocks_total"]}
     llm.shutdown()
     return result
 

@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 
+from tests.parallel.multihost_worker import ENGINE, extra_params
 from tests.parallel.worker import prompts_and_params
 from tests.tiny_models import tiny_checkpoint
 
@@ -40,9 +41,11 @@ def test_two_hosts_give_one_hosts_tokens_and_an_abort_on_rank_0_reaches_both():
     leader, follower = results
 
     prompts, params = prompts_and_params()
-    llm = LLM(path, dtype="float32", max_num_batched_tokens=32, max_num_seqs=4, num_gpu_blocks_override=24,
-              block_size=8, use_tqdm=False)
+    llm = LLM(path, use_tqdm=False, **ENGINE)
     outs = llm.generate(prompts, params, use_tqdm=False)
+    extra = llm.generate(prompts[:4], extra_params(), use_tqdm=False)
+    assert leader["extra"] == [[c.token_ids for c in o.outputs] for o in extra]
+    assert leader["swapped"] > 0   # rank 1 replayed swap-outs and swap-ins too
     assert leader["tokens"] == [o.outputs[0].token_ids for o in outs]
     np.testing.assert_allclose(
         np.array(leader["logprobs"]),

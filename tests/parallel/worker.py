@@ -35,7 +35,7 @@ def prompts_and_params():
     base = list(range(3, 40))
     prompts = [{"prompt_token_ids": base + [50 + i] * (i + 1)} for i in range(6)]
     prompts.append({"prompt_token_ids": list(range(100, 190))})
-    return prompts, SamplingParams(temperature=0.0, max_tokens=24, logprobs=2, ignore_eos=True)
+    return prompts, SamplingParams(temperature=0.0, max_tokens=16, logprobs=2, ignore_eos=True)
 
 
 def main(spec: dict) -> dict:

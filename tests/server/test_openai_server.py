@@ -166,13 +166,17 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 30, "logprobs": True}, 400, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 1000}, 400, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "cache_salt": ""}, 400, "cache_salt"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}}, 400, "response_format"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", "json_schema": 3}},
+     400, "response_format"),
+    ({"messages": [{"role": "user", "content": "hi"}], "structured_outputs": {"regex": "(unclosed"}}, 400,
+     "structured_outputs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "structured_outputs": {"regex": "a", "choice": ["b"]}}, 400,
+     "structured_outputs"),
 ]
 HI = [{"role": "user", "content": "hi"}]
 # OpenAI fields this server does not implement, each asking for something: refused, never silently ignored
 UNSUPPORTED = [
-    ("chat/completions", {"messages": HI, "response_format": {"type": "json_object"}}, "response_format"),
-    ("chat/completions", {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object"}}}}, "response_format"),
     ("chat/completions", {"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}],
                           "tool_choice": "auto"}, "tools"),
     ("chat/completions", {"messages": HI, "tool_choice": "required"}, "tool_choice"),
@@ -208,10 +212,24 @@ def test_an_unsupported_openai_field_is_a_400_naming_it(urls, route, body, param
     assert f"{param} is not supported by this server" in error["message"]
 
 
-def test_the_official_client_hears_that_json_mode_is_not_supported(client):
-    with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=MODEL, messages=HI, response_format={"type": "json_object"})
-    assert info.value.param == "response_format" and "not supported" in info.value.message
+def test_response_format_and_structured_outputs_constrain_the_output(client):
+    # a random tiny model would fill a JSON object's free whitespace until max_tokens: a value without any
+    schema = {"type": "string", "enum": ["left", "right"]}
+    chat = client.chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=40, temperature=1.0, n=3,
+        response_format={"type": "json_schema", "json_schema": {"name": "pick", "schema": schema, "strict": True}})
+    for choice in chat.choices:
+        assert choice.finish_reason == "stop"
+        assert json.loads(choice.message.content) in ("left", "right")
+    out = client.completions.create(model=MODEL, prompt="Hi", max_tokens=12, temperature=1.0, n=3,
+                                    extra_body={"structured_outputs": {"choice": ["alpha", "beta"]}})
+    assert {c.text for c in out.choices} <= {"alpha", "beta"}
+    out = client.completions.create(model=MODEL, prompt="Hi", max_tokens=12, temperature=1.0,
+                                    extra_body={"structured_outputs": {"regex": "[0-9]{4}"}})
+    assert out.choices[0].text.isdigit() and len(out.choices[0].text) == 4
+
+
+def test_the_official_client_hears_that_tool_calls_are_not_supported(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=HI, tool_choice="required",
                                        tools=[{"type": "function", "function": {"name": "f"}}])

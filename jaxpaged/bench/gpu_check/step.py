@@ -89,39 +89,45 @@ def step_check(ctx: Context) -> Iterator[Row]:
     for num_seqs in sizes.step_decode_seqs:
         yield guarded("step", f"decode {num_seqs} seqs", functools.partial(
             _decode_row, llm, sizes, num_seqs, weight_bytes, copy[0] if copy else None))
-    gpus = _gpu_count()
-    if gpus > 1:   # the tensor-parallel path (#13): the largest power of two the devices and heads allow
+    tp = _tensor_parallel_size(llm)
+    if tp > 1:   # the tensor-parallel path (#13), on more than one GPU
         import gc
 
         import jax
-        tp = 1
-        while tp * 2 <= gpus and sizes.model["num_attention_heads"] % (tp * 2) == 0 and \
-                (sizes.model["num_key_value_heads"] % (tp * 2) == 0 or (tp * 2) % sizes.model["num_key_value_heads"] == 0):
-            tp *= 2
-        llm.llm_engine.shutdown()
         del llm
         gc.collect()
         jax.clear_caches()
         args = {**sizes.step_engine_args, "tensor_parallel_size": tp}
-        with compilations() as startup_compiles:
-            start = time.perf_counter()
-            llm = LLM(path, **args)
-            startup = time.perf_counter() - start
-        yield guarded("step", f"start-up tp {tp}", functools.partial(_startup_row, llm, startup, startup_compiles,
-                                                                      args))
-        for num_seqs in sizes.step_decode_seqs:
-            yield guarded("step", f"decode {num_seqs} seqs tp {tp}", functools.partial(
-                _decode_row, llm, sizes, num_seqs, weight_bytes // tp, copy[0] if copy else None))
+        holder = {}
+
+        def start_tp() -> Row:
+            with compilations() as startup_compiles:
+                start = time.perf_counter()
+                holder["llm"] = LLM(path, **args)
+                startup = time.perf_counter() - start
+            return _startup_row(holder["llm"], startup, startup_compiles, args)
+        yield guarded("step", f"start-up tp {tp}", start_tp)
+        if "llm" in holder:
+            for num_seqs in sizes.step_decode_seqs:
+                yield guarded("step", f"decode {num_seqs} seqs tp {tp}", functools.partial(
+                    _decode_row, holder["llm"], sizes, num_seqs, weight_bytes // tp, copy[0] if copy else None))
 
 
-def _gpu_count() -> int:
-    """GPUs on this machine, without starting JAX (nvidia-smi -L); 0 when it cannot tell."""
-    import subprocess
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+def _tensor_parallel_size(llm) -> int:
+    """The largest power of two up to the device count that the model can be split by (1: none)."""
+    import jax
+
+    from jaxpaged.parallel import check_tensor_parallel
+    cfg = llm.llm_engine.model_config
+    best, tp = 1, 2
+    while tp <= jax.device_count():
+        try:
+            check_tensor_parallel(cfg, tp)
+            best = tp
+        except ValueError:
+            pass
+        tp *= 2
+    return best
 
 
 def _startup_row(llm, seconds: float, compiled: list, engine_args: dict) -> Row:

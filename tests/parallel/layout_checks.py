@@ -1,7 +1,8 @@
-"""Tensor and data parallelism on 8 forced CPU devices (a subprocess each: the device count is
-fixed when jax starts): the same greedy tokens and logprobs as one device, from the original
-checkpoint and from its `jaxpaged convert` orbax folder, weights and KV pool really sharded,
-requests spread over replicas and metrics summed."""
+"""Checks of tensor and data parallelism on 8 forced CPU devices (a subprocess per model: the
+device count is fixed when jax starts): the same greedy tokens and logprobs as one device, from
+the original checkpoint and from its `jaxpaged convert` orbax folder, weights and KV pool really
+sharded, requests spread over replicas and metrics summed. One test file per model
+(test_layouts_*.py), so the test processes share them."""
 
 import json
 import os
@@ -34,15 +35,14 @@ def run_worker(spec: dict) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
-def case(request):
-    arch, overrides, layouts, orbax_layouts, pallas_layouts = CASES[request.param]
-    return request.param, CASES[request.param], run_worker(
+def run_case(name: str):
+    arch, overrides, layouts, orbax_layouts, pallas_layouts = CASES[name]
+    return name, CASES[name], run_worker(
         {"arch": arch, "overrides": overrides, "layouts": layouts, "orbax_layouts": orbax_layouts,
          "pallas_layouts": pallas_layouts})
 
 
-def test_every_layout_and_the_converted_checkpoint_give_the_single_device_tokens_and_logprobs(case):
+def check_every_layout_and_the_converted_checkpoint_give_the_single_device_tokens_and_logprobs(case):
     _, spec, results = case
     base = results["1x1"]
     assert len(results) == sum(map(len, spec[2:]))
@@ -54,7 +54,7 @@ def test_every_layout_and_the_converted_checkpoint_give_the_single_device_tokens
                                    err_msg=layout)
 
 
-def test_each_device_holds_its_share_of_the_weights_and_the_kv_pool(case):
+def check_each_device_holds_its_share_of_the_weights_and_the_kv_pool(case):
     _, _, results = case
     for layout, result in results.items():
         tp, dp = map(int, layout.split("-")[-1].split("x"))
@@ -73,7 +73,7 @@ def test_each_device_holds_its_share_of_the_weights_and_the_kv_pool(case):
         assert len(set(seen_devices)) == tp * dp   # replicas do not share devices
 
 
-def test_data_parallel_spreads_requests_and_sums_metrics(case):
+def check_data_parallel_spreads_requests_and_sums_metrics(case):
     _, _, results = case
     for layout, result in results.items():
         per_rank = result["per_rank"]
@@ -87,16 +87,3 @@ def test_data_parallel_spreads_requests_and_sums_metrics(case):
         assert result["metrics"]["jaxpaged:generation_tokens_total"] == \
             results["1x1"]["metrics"]["jaxpaged:generation_tokens_total"]
 
-
-def test_the_throughput_benchmark_runs_tensor_parallel():
-    from tests.tiny_models import tiny_checkpoint
-
-    path = tiny_checkpoint("llama", num_key_value_heads=4)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-m", "jaxpaged.cli", "bench", "throughput", "--tensor-parallel-size", "2",
-                           "--model", path, "--skip-hf", "--num-requests", "4", "--max-num-seqs", "4",
-                           "--max-num-batched-tokens", "64"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "tensor_parallel_size 2" in proc.stdout
-    assert "jaxpaged " in proc.stdout and "steps:" in proc.stdout

@@ -1,0 +1,92 @@
+"""Structured outputs on the host: one llguidance matcher per constrained sequence.
+
+llguidance compiles a request's constraint (JSON schema, regex, choice, Lark grammar) against
+the model's tokenizer once, when the request is added (a bad constraint is a ValueError then),
+and after each sampled token fills that sequence's row of the step's token bitmask
+(`[rows, ceil(vocab / 32)]` i32, bit j of word w allows token 32 w + j) through its numpy
+interface. The runner sends the bitmask with the step and the sampler masks disallowed tokens
+on the device. Tokens past the tokenizer's vocabulary (a padded embedding) are never allowed.
+
+A request's matcher advances on each of its tokens as the engine applies them; preemption
+keeps it (recompute re-prefills tokens the matcher already consumed; nothing rolls back).
+"""
+
+import json
+import re
+
+import numpy as np
+
+from jaxpaged.sampling_params import StructuredOutputsParams
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+class GrammarCompiler:
+    """Builds matchers for one engine's tokenizer (its llguidance tokenizer is built on first use)."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._ll_tokenizer = None
+
+    def _ll(self):
+        if self._ll_tokenizer is None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs needs the model's tokenizer; this engine has none")
+            import llguidance.hf
+            self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size)
+        return self._ll_tokenizer
+
+    def grammar(self, params: StructuredOutputsParams) -> str:
+        from llguidance import LLMatcher
+
+        kind = params.kind
+        if kind == "json":
+            schema = params.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+            return LLMatcher.grammar_from_json_schema(schema)
+        if kind == "json_object":
+            return LLMatcher.grammar_from_json_schema({"type": "object"})
+        if kind == "regex":
+            return LLMatcher.grammar_from_regex(params.regex)
+        if kind == "choice":
+            return LLMatcher.grammar_from_regex("|".join(f"(?:{re.escape(c)})" for c in params.choice))
+        grammar = params.grammar
+        if "::=" in grammar:   # GBNF (llama.cpp's EBNF) -> Lark
+            from llguidance import gbnf_to_lark
+            grammar = gbnf_to_lark(grammar)
+        return LLMatcher.grammar_from_lark(grammar)
+
+    def matcher(self, params: StructuredOutputsParams):
+        """A fresh matcher at the start of the output; ValueError naming the field when the
+        constraint does not compile."""
+        from llguidance import LLMatcher
+
+        try:
+            grammar = self.grammar(params)
+        except ValueError:
+            raise
+        except Exception as exc:   # llguidance raises its own types for malformed schemas
+            raise ValueError(f"structured_outputs.{params.kind} does not compile: {exc}") from None
+        matcher = LLMatcher(self._ll(), grammar)
+        if matcher.is_error():
+            raise ValueError(f"structured_outputs.{params.kind} does not compile: {matcher.get_error()}")
+        return matcher
+
+
+def fill_bitmask(bitmask: np.ndarray, row: int, matcher) -> None:
+    """Row `row` of `bitmask` := the tokens `matcher` allows next."""
+    from llguidance.numpy import fill_next_token_bitmask
+    fill_next_token_bitmask(matcher, bitmask, row)
+
+
+def allowed_tokens(bitmask_row: np.ndarray, vocab_size: int) -> np.ndarray:
+    """The token ids a bitmask row allows (tests and debugging)."""
+    bits = np.unpackbits(bitmask_row.view(np.uint8), bitorder="little")[:vocab_size]
+    return np.nonzero(bits)[0]
