@@ -8,8 +8,9 @@ engine unchanged.
 - A new request goes to the replica whose prefix cache already holds the longest part of its
   prompt; with no hit anywhere (or a tie), to the one with the fewest unfinished requests.
   All sequences of a request (n > 1) stay on its replica.
-- `step()` steps every replica in turn. JAX dispatch is asynchronous and each replica's
-  devices are its own, so replica r + 1's step is queued while replica r's still runs.
+- `step()` steps every replica in turn. With async scheduling (the default) each replica's
+  step returns once its next step is queued, so the replicas' devices run together; without it
+  they run one after another.
 - Metrics: `get_metrics()` sums the replicas' counters and gauges (cache usage: the mean);
   `get_metrics_per_rank()` gives each replica's own.
 """

@@ -210,7 +210,11 @@ def load_model(model: str, dtype: str = "auto", revision: str | None = None,
         cfg = model_config_from_hf(hf_config)
         check_tensor_parallel(cfg, shard_plan.size)
         with open(os.path.join(model, FORMAT_FILE)) as f:
-            dtype = resolve_dtype(dtype, json.load(f)["dtype"])
+            meta = json.load(f)
+        if meta.get("format") != "jaxpaged-orbax" or meta.get("version") != 1:
+            raise ValueError(f"{model!r} holds format {meta.get('format')!r} version {meta.get('version')!r}; this "
+                             "jaxpaged reads jaxpaged-orbax version 1 (convert the model again)")
+        dtype = resolve_dtype(dtype, meta["dtype"])
         weights = load_converted(model, cfg, dtype, scan_layers, shard_plan)
         source = model
     else:

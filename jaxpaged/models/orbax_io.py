@@ -136,7 +136,8 @@ def _fuse(parts: list[jax.Array], plan: ShardPlan, spec: P) -> jax.Array:
 
 def canonical_arrays(get, has, cfg: ModelConfig, np_dtype) -> dict[str, np.ndarray]:
     """Hugging Face tensors -> the stored arrays: our [in, out] layout, layers stacked, fused
-    weights as their parts (see the module docstring). Host memory: one copy of the weights."""
+    weights as their parts (see the module docstring). Host memory: about two copies of the weights
+    (the per-layer arrays, then their stacks)."""
     from jaxpaged.models.loader import _hf_layer_sources, hf_part_shape, hf_tensor
     from jaxpaged.models.llama import layer_weight_shapes, weight_shapes
 
