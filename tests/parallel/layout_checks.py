@@ -87,3 +87,23 @@ def check_data_parallel_spreads_requests_and_sums_metrics(case):
         assert result["metrics"]["jaxpaged:generation_tokens_total"] == \
             results["1x1"]["metrics"]["jaxpaged:generation_tokens_total"]
 
+
+
+def layout_tests(name: str) -> dict:
+    """The three tests of case `name` and their module fixture, for a test file's globals()."""
+    @pytest.fixture(scope="module")
+    def case():
+        return run_case(name)
+
+    def test_every_layout_gives_the_single_device_tokens_and_logprobs(case):
+        check_every_layout_and_the_converted_checkpoint_give_the_single_device_tokens_and_logprobs(case)
+
+    def test_each_device_holds_its_share_of_the_weights_and_the_kv_pool(case):
+        check_each_device_holds_its_share_of_the_weights_and_the_kv_pool(case)
+
+    def test_data_parallel_spreads_requests_and_sums_metrics(case):
+        check_data_parallel_spreads_requests_and_sums_metrics(case)
+
+    return {f.__name__: f for f in (case, test_every_layout_gives_the_single_device_tokens_and_logprobs,
+                                    test_each_device_holds_its_share_of_the_weights_and_the_kv_pool,
+                                    test_data_parallel_spreads_requests_and_sums_metrics)}
