@@ -129,9 +129,6 @@ class ShardPlan:
             return NamedSharding(self.mesh, spec)
         return None if self.device is None else SingleDeviceSharding(self.device)
 
-    def sharding(self, spec: P) -> NamedSharding | None:
-        return None if self.mesh is None else NamedSharding(self.mesh, spec)
-
     def put(self, value, spec: P = P()):
         """value on this plan's devices with `spec` (replicated by default)."""
         return jax.device_put(value, self.array_sharding(spec))

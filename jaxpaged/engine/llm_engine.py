@@ -74,6 +74,7 @@ class LLMEngine:
         self._in_flight = collections.deque()           # (plan, pending) dispatched, not fetched, oldest first
         self._ids = itertools.count()
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)   # structured outputs
+        self._constrained: set[str] = set()   # sequence ids with a grammar (pruned to the live ones each step)
         if self.runner.channel is not None and self.runner.channel.is_leader:
             atexit.register(self.shutdown)   # followers must not wait forever for a step
 
@@ -112,6 +113,8 @@ class LLMEngine:
             request = Request(core_id, token_ids, params, self.eos_token_ids, arrival_time, seed, max_tokens,
                               cache_salt)
             request.matcher = matchers[i]
+            if request.matcher is not None:
+                self._constrained.add(core_id)
             sequences.append(SequenceState(request, i, self.tokenizer, request_id))
         state = RequestState(request_id, text, token_ids, sequences)
         # n > 1: one sequence prefills; the others fork off it (sharing its blocks) when it samples
@@ -200,7 +203,8 @@ class LLMEngine:
         """
         # A constrained request's next mask needs its last token on the host: while any runs, each
         # step is fetched before the next is planned.
-        overlap = self.args.async_scheduling and not any(s.request.matcher is not None for s in self._seqs.values())
+        self._constrained &= self._seqs.keys()   # O(constrained sequences), not O(all) per step
+        overlap = self.args.async_scheduling and not self._constrained
         outputs = []
         while len(self._in_flight) > (1 if overlap else 0):   # plan with at most one step unfetched
             outputs += self._complete()

@@ -121,7 +121,7 @@ def _repeat_heads(x: jax.Array, num_heads: int, replicas: int, plan: ShardPlan, 
         per_head = x.shape[-1] // num_heads
         x = x.reshape(x.shape[:-1] + (num_heads, per_head))
         return jnp.repeat(x, replicas, axis=-2).reshape(x.shape[:-2] + (num_heads * replicas * per_head,))
-    out = plan.sharding(P(None, *plan.weight_spec(name, False)))
+    out = plan.array_sharding(P(None, *plan.weight_spec(name, False)))
     return jax.jit(repeat, out_shardings=out)(x)
 
 
