@@ -76,7 +76,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     args = EngineArgs(model=ns.model_tag or ns.model, compile_on_startup=True, **kwargs)
     import server
     return server.run_server(args, host=ns.host, port=ns.port, api_key=ns.api_key, served_model_names=names,
-                             log_level=ns.uvicorn_log_level)
+                             log_level=ns.uvicorn_log_level, enable_auto_tool_choice=ns.enable_auto_tool_choice,
+                             tool_call_parser=ns.tool_call_parser, chat_template=ns.chat_template)
 
 
 def add_serve_parser(sub) -> None:
@@ -92,6 +93,13 @@ def add_serve_parser(sub) -> None:
                        help="name(s) clients use as `model`; the first is reported (default: the model)")
     serve.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+    from jaxpaged.tool_parsers import TOOL_PARSERS
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let the model call tools on its own (tool_choice "auto"); needs --tool-call-parser')
+    serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                       help="how the model writes tool calls: hermes (Qwen2.5, Qwen3, Hermes), llama3_json")
+    serve.add_argument("--chat-template", default=None,
+                       help="a Jinja chat template, or a file holding one, to use instead of the tokenizer's")
     serve.set_defaults(func=cmd_serve)
 
 

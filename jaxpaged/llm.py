@@ -3,6 +3,7 @@
 import time
 from typing import Any, Sequence
 
+from jaxpaged.chat_utils import render_chat
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.dp_engine import make_engine
 from jaxpaged.outputs import RequestOutput
@@ -90,15 +91,19 @@ class LLM:
         return self._run(prompts, params_list, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template: str | None = None) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
+             use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list of them, then generate.
+
+        `tools` (OpenAI function tools) go to the template, as in vLLM; the output is the model's
+        text (read tool calls from it with `jaxpaged.tool_parsers.get_tool_parser(name)()`, or force
+        them with `structured_outputs`).
+        """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
         prompts = []
         for conversation in conversations:
-            text = tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
-                                                 add_generation_prompt=add_generation_prompt)
+            text = render_chat(tokenizer, conversation, tools, chat_template, add_generation_prompt)
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 

@@ -9,6 +9,7 @@ import logging
 
 from jaxpaged.engine.arg_utils import EngineArgs
 from server.app import build_app
+from server.tools import ToolSettings
 
 __all__ = ["build_app", "run_server"]
 
@@ -16,14 +17,23 @@ logger = logging.getLogger("server")
 
 
 def run_server(args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-               served_model_names: list[str] | None = None, log_level: str = "info") -> int:
-    """Serve `args`' model until interrupted; returns the exit status."""
+               served_model_names: list[str] | None = None, log_level: str = "info",
+               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+               chat_template: str | None = None) -> int:
+    """Serve `args`' model until interrupted; returns the exit status. `chat_template`: a Jinja
+    template, or the path of a file holding one, instead of the tokenizer's."""
+    import os
+
     import uvicorn
 
     from jaxpaged import AsyncLLM
 
     if not 0 <= port <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {port}")
+    tool_settings = ToolSettings(enable_auto_tool_choice, tool_call_parser)   # checked before the model loads
+    if chat_template is not None and os.path.isfile(chat_template):
+        with open(chat_template) as f:
+            chat_template = f.read()
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logger.setLevel(logging.INFO)
@@ -33,7 +43,7 @@ def run_server(args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, api_
         return 0
     engine = AsyncLLM.from_engine_args(args)
     try:
-        app = build_app(engine, served_model_names, api_key)
+        app = build_app(engine, served_model_names, api_key, tool_settings, chat_template)
         names = app.state.server.names
         usable = engine.num_blocks - 1   # block 0 is the null block padded block tables point at
         logger.info("model: %s (served as %s), max_model_len %d", args.model or engine.model_name,

@@ -20,9 +20,11 @@ from starlette.routing import Route
 
 import jaxpaged
 from jaxpaged import AsyncLLM
+from jaxpaged.chat_utils import render_chat
 from server import protocol as P
 from server.metrics import MetricsExporter
 from server.responses import Reply, internal_error, prepend
+from server.tools import ToolSettings, plan_tools
 
 logger = logging.getLogger(__name__)
 
@@ -48,12 +50,16 @@ async def _disconnected(request: Request) -> None:
 
 
 class _Server:
-    def __init__(self, engine: AsyncLLM, names: list[str] | None, api_key: str | None):
+    def __init__(self, engine: AsyncLLM, names: list[str] | None, api_key: str | None,
+                 tool_settings: ToolSettings | None = None, chat_template: str | None = None):
         self.engine, self.api_key = engine, api_key
+        self.tool_settings = tool_settings or ToolSettings()
+        self.chat_template = chat_template   # None: the tokenizer's own
         self.names = list(names or [engine.model_name])
         self.tokenizer = engine.get_tokenizer()
         self.metrics = MetricsExporter(engine, self.names[0])
         self.created = int(time.time())
+        self.openapi_doc = None
 
     # ---- helpers -------------------------------------------------------------------------
     def check_key(self, request: Request) -> None:
@@ -84,11 +90,11 @@ class _Server:
             return out.prompt
         return self.tokenizer.decode(out.prompt_token_ids) if self.tokenizer is not None else ""
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> tuple[str, list[int]]:
         tokenizer = self.need_tokenizer("messages")
         try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt)
+            text = render_chat(tokenizer, messages, tools, self.chat_template, add_generation_prompt)
         except Exception as exc:   # no template, or the template's own checks (roles, order)
             raise P.APIError(400, f"messages could not be rendered with the chat template: {exc}", "messages",
                              "invalid_value") from None
@@ -112,10 +118,15 @@ class _Server:
 
     async def chat(self, request: Request) -> Response:
         req = P.parse_chat_request(P.parse_json(await request.body()))
-        text, ids = self.render_chat(req.messages, req.body.get("add_generation_prompt", True))
-        return await self._generate(request, req, [({"prompt": text, "prompt_token_ids": ids}, ids)], "chatcmpl")
+        tools = plan_tools(req, self.tool_settings)
+        if tools is not None and tools.constraint is not None:   # "required" or a named function
+            req.body = {**req.body, "structured_outputs": tools.constraint}
+        text, ids = self.render_chat(req.messages, req.body.get("add_generation_prompt", True), req.tools)
+        return await self._generate(request, req, [({"prompt": text, "prompt_token_ids": ids}, ids)], "chatcmpl",
+                                    tools.reader if tools is not None else None)
 
-    async def _generate(self, request: Request, req: P.ParsedRequest, inputs: list, prefix: str) -> Response:
+    async def _generate(self, request: Request, req: P.ParsedRequest, inputs: list, prefix: str,
+                        tool_reader=None) -> Response:
         model = self.model(req.model)
         params = [P.build_sampling_params(req, len(ids), self.engine.max_model_len) for _, ids in inputs]
         request_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -133,7 +144,7 @@ class _Server:
                 raise P.bad_request(error, req)
             raise error
         streams = [prepend(first, gen) for first, gen in zip(firsts, gens)]
-        reply = Reply(self, req, model, request_id, params[0])
+        reply = Reply(self, req, model, request_id, params[0], tool_reader)
         if req.stream:
             return StreamingResponse(reply.events(streams), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -151,13 +162,15 @@ class _Server:
         data = [{"id": name, "object": "model", "created": self.created, "owned_by": "jaxpaged",
                  "root": self.engine.args.model or self.engine.model_name, "max_model_len": self.engine.max_model_len}
                 for name in self.names]
-        return _json({"object": "list", "data": data})
+        return _json(P.ModelList.model_validate({"object": "list", "data": data}).model_dump(mode="json"))
 
     async def tokenize(self, request: Request) -> Response:
         body = P.parse_json(await request.body())
         self.model(body.get("model"))
         if body.get("messages") is not None:
-            _, ids = self.render_chat(P.parse_messages(body["messages"]), body.get("add_generation_prompt", True))
+            tools = P.parse_tools(body.get("tools"))
+            _, ids = self.render_chat(P.parse_messages(body["messages"]), body.get("add_generation_prompt", True),
+                                      tools)
         elif isinstance(body.get("prompt"), str):
             special = body.get("add_special_tokens", True)
             ids = list(self.need_tokenizer("prompt").encode(body["prompt"], add_special_tokens=bool(special)))
@@ -189,6 +202,11 @@ class _Server:
     async def version(self, request: Request) -> Response:
         return _json({"version": jaxpaged.__version__})
 
+    async def openapi(self, request: Request) -> Response:
+        if self.openapi_doc is None:   # built on first use (~10 ms)
+            self.openapi_doc = P.openapi_schema()
+        return _json(self.openapi_doc)
+
 
 def _endpoint(server: _Server, handler, guarded: bool):
     async def endpoint(request: Request) -> Response:
@@ -211,14 +229,17 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     return _json(P.APIError(exc.status_code, str(exc.detail), None, code).to_dict(), exc.status_code)
 
 
-def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None,
-              api_key: str | None = None) -> Starlette:
-    """The Starlette app serving `engine`; the first served name is the one responses report."""
-    server = _Server(engine, served_model_names, api_key)
+def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, api_key: str | None = None,
+              tool_settings: ToolSettings | None = None, chat_template: str | None = None) -> Starlette:
+    """The Starlette app serving `engine`; the first served name is the one responses report.
+    `tool_settings`: --enable-auto-tool-choice / --tool-call-parser; `chat_template`: a Jinja
+    template replacing the tokenizer's."""
+    server = _Server(engine, served_model_names, api_key, tool_settings, chat_template)
     table = [("/v1/completions", server.completions, "POST"), ("/v1/chat/completions", server.chat, "POST"),
              ("/v1/models", server.models, "GET"), ("/health", server.health, "GET"),
              ("/metrics", server.metrics_text, "GET"), ("/tokenize", server.tokenize, "POST"),
-             ("/detokenize", server.detokenize, "POST"), ("/version", server.version, "GET")]
+             ("/detokenize", server.detokenize, "POST"), ("/version", server.version, "GET"),
+             ("/openapi.json", server.openapi, "GET")]
     routes = [Route(path, _endpoint(server, handler, path.startswith("/v1/")), methods=[method])
               for path, handler, method in table]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})

@@ -1,8 +1,10 @@
-"""OpenAI request parsing (-> SamplingParams) and response pieces, as plain dicts.
+"""The OpenAI protocol: requests in (-> ParsedRequest, SamplingParams), responses out.
 
-Every problem a client can cause becomes an APIError carrying the HTTP status and the
-OpenAI error object; the range checks themselves live in SamplingParams and the engine,
-whose ValueError messages start with the field name, so `param` can be recovered.
+The pydantic models of openai_types.py are the one definition of the wire format: requests are
+validated by them and responses are passed through them. Every problem a client can
+cause becomes an APIError carrying the HTTP status and the OpenAI error object; range checks
+live in SamplingParams and the engine, whose ValueError messages start with the field name, so
+`param` can be recovered.
 """
 
 import json
@@ -10,9 +12,16 @@ import logging
 import math
 import re
 from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
 
 from jaxpaged.outputs import Logprob
 from jaxpaged.sampling_params import SamplingParams
+from server.openai_types import (_UNSUPPORTED, OPENAI_CHAT_FIELDS, OPENAI_COMPLETION_FIELDS,  # noqa: F401
+                                 ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+                                 CompletionRequest, CompletionResponse, ErrorInfo, ErrorResponse, Message,
+                                 ModelList, NamedToolChoice, Tool, _Messages, _Request, _Tools, openapi_schema)
 
 logger = logging.getLogger(__name__)
 
@@ -29,97 +38,14 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
 
     def to_dict(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def _int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _str_or_strs(v) -> bool:
-    return isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v))
-
-
-def _ints(v) -> bool:
-    return isinstance(v, list) and all(_int(t) for t in v)
-
-
-_NUMBER, _INTEGER, _BOOL = (_num, "a number"), (_int, "an integer"), (lambda v: isinstance(v, bool), "a boolean")
-_STRING, _OBJECT = (lambda v: isinstance(v, str), "a string"), (lambda v: isinstance(v, dict), "an object")
-# name -> (type check, what it must be); null always means "the default"
-_COMMON_FIELDS = {
-    "model": _STRING, "user": _STRING,   # user: bookkeeping for OpenAI, accepted and ignored
-    "max_tokens": _INTEGER, "max_completion_tokens": _INTEGER, "n": _INTEGER, "seed": _INTEGER,
-    "top_k": _INTEGER, "min_tokens": _INTEGER, "temperature": _NUMBER, "top_p": _NUMBER, "min_p": _NUMBER,
-    "presence_penalty": _NUMBER, "frequency_penalty": _NUMBER, "repetition_penalty": _NUMBER,
-    "stop": (_str_or_strs, "a string or a list of strings"), "stop_token_ids": (_ints, "a list of token ids"),
-    "logit_bias": (lambda v: isinstance(v, dict), "an object mapping token ids to biases"),
-    "stream": _BOOL, "ignore_eos": _BOOL, "include_stop_str_in_output": _BOOL, "skip_special_tokens": _BOOL,
-    "stream_options": _OBJECT,
-    # vLLM's: requests share prefix-cache blocks only under the same salt (tenants never see each other's)
-    "cache_salt": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
-    # vLLM's: {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ...} | {"json_object": true}
-    "structured_outputs": _OBJECT,
-}
-_COMPLETION_FIELDS = {**_COMMON_FIELDS, "echo": _BOOL, "logprobs": _INTEGER,
-                      "prompt": (lambda v: True, "")}   # its shape is checked by _prompts
-_CHAT_FIELDS = {**_COMMON_FIELDS, "logprobs": _BOOL, "top_logprobs": _INTEGER, "add_generation_prompt": _BOOL,
-                "messages": (lambda v: True, ""),
-                # OpenAI's that change no generated token, accepted and ignored: bookkeeping (metadata only
-                # matters with store, which is refused), hints for a cache that is automatic here, and
-                # parallel_tool_calls, which means nothing without tools (refused below)
-                "metadata": _OBJECT, "prompt_cache_key": _STRING, "safety_identifier": _STRING,
-                "prompt_cache_options": _OBJECT, "prompt_cache_retention": _STRING, "parallel_tool_calls": _BOOL,
-                "response_format": (lambda v: isinstance(v, dict) and v.get("type") in ("text", "json_object",
-                                                                                         "json_schema"),
-                                    'an object with "type" one of "text", "json_object", "json_schema"')}
-
-
-# OpenAI's request fields, as the `openai` package lists them (types/chat/completion_create_params.py and
-# types/completion_create_params.py; a test keeps these in step with the installed one). A field of these that
-# the route does not implement (is not in its _*_FIELDS) is refused with a 400 naming it, unless its value asks
-# for nothing (_NO_OP_VALUES), so a client never believes JSON mode or tool calling was honoured. A field in
-# neither list is ignored with a warning in the log, as vLLM does. Tools come first: they are what to name.
-OPENAI_CHAT_FIELDS = (
-    "tools", "functions", "tool_choice", "function_call", "parallel_tool_calls", "response_format", "audio",
-    "modalities", "prediction", "reasoning_effort", "verbosity", "service_tier", "store", "moderation",
-    "web_search_options", "messages", "model", "frequency_penalty", "logit_bias", "logprobs",
-    "max_completion_tokens", "max_tokens", "metadata", "n", "presence_penalty", "prompt_cache_key",
-    "prompt_cache_options", "prompt_cache_retention", "safety_identifier", "seed", "stop", "stream",
-    "stream_options", "temperature", "top_logprobs", "top_p", "user")
-OPENAI_COMPLETION_FIELDS = (
-    "best_of", "suffix", "model", "prompt", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens",
-    "n", "presence_penalty", "seed", "stop", "stream", "stream_options", "temperature", "top_p", "user")
-# unimplemented field -> (does this value ask for nothing, the values that do); null always does. Clients
-# other than the official one (which sends only what the user set) send such defaults.
-_NO_OP_VALUES = {
-    "tools": (lambda v, body: v == [], "[]"),
-    "functions": (lambda v, body: v == [], "[]"),
-    # "auto" picks among no tools: any tools were refused already
-    "tool_choice": (lambda v, body: v in ("none", "auto"), '"none" or "auto" without tools'),
-    "function_call": (lambda v, body: v in ("none", "auto"), '"none" or "auto" without functions'),
-    "response_format": (lambda v, body: isinstance(v, dict) and v.get("type") == "text", '{"type": "text"}'),
-    "modalities": (lambda v, body: isinstance(v, list) and all(m == "text" for m in v), '["text"]'),
-    "reasoning_effort": (lambda v, body: v == "none", '"none"'),
-    "verbosity": (lambda v, body: v == "medium", '"medium" (the default)'),
-    "service_tier": (lambda v, body: v in ("auto", "default"), '"auto" or "default"'),
-    "store": (lambda v, body: v is False, "false"),
-    "best_of": (lambda v, body: _int(v) and v in (1, body.get("n") or 1), "1 or the value of n"),
-    "suffix": (lambda v, body: v == "", '""'),
-}
-_SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                  "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
-                  "include_stop_str_in_output", "skip_special_tokens", "logit_bias")
+        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorResponse(error=info).model_dump()
 
 
 @dataclass
 class ParsedRequest:
     kind: str                                  # "completion" | "chat"
-    body: dict
+    body: dict                                 # as the client sent it (app.py may add structured_outputs)
     model: str | None
     stream: bool
     include_usage: bool
@@ -128,7 +54,10 @@ class ParsedRequest:
     max_tokens_param: str
     echo: bool = False
     prompts: list = field(default_factory=list)     # completions: str or token-id lists
-    messages: list = field(default_factory=list)    # chat: [{"role", "content": str}]
+    messages: list = field(default_factory=list)    # chat: [{"role", "content": str, ...}] (parse_messages)
+    tools: list[dict] | None = None                 # chat: validated, in OpenAI's shape
+    tool_choice: str | dict | None = None           # None: OpenAI's default ("auto" when there are tools)
+    parallel_tool_calls: bool = True
 
 
 def parse_json(raw: bytes) -> dict:
@@ -141,98 +70,152 @@ def parse_json(raw: bytes) -> dict:
     return body
 
 
-def _check_types(body: dict, fields: dict, openai_fields: tuple, required: str) -> None:
-    if body.get(required) is None:
-        raise APIError(400, f"{required} is required", required, "missing_required_parameter")
-    for name, (ok, what) in fields.items():
-        value = body.get(name)
-        if value is not None and not ok(value):
-            raise APIError(400, f"{name} must be {what}, got {brief_repr(value)}", name, "invalid_type")
-    for name in openai_fields:
-        value = body.get(name)
-        if name in fields or value is None:
-            continue
-        is_no_op, no_ops = _NO_OP_VALUES.get(name, (None, None))
-        if is_no_op is None or not is_no_op(value, body):
-            accepts = f" (it accepts only {no_ops})" if no_ops else ""
-            raise APIError(400, f"{name} is not supported by this server{accepts}, got {brief_repr(value)}",
-                           name, "unsupported_parameter")
-    unknown = sorted(set(body) - set(fields) - set(openai_fields))
-    if unknown:   # neither OpenAI's nor ours: ignored, as vLLM does, but said in the log
-        logger.warning("ignoring request fields this server does not know: %s", ", ".join(unknown))
-    options = body.get("stream_options")
-    if options is not None:
-        if not body.get("stream"):
-            raise APIError(400, "stream_options is only allowed when stream is true", "stream_options",
-                           "invalid_value")
-        if not isinstance(options.get("include_usage", False), bool):
-            raise APIError(400, f"stream_options.include_usage must be a boolean, got "
-                                f"{brief_repr(options['include_usage'])}", "stream_options", "invalid_type")
-
-
 def brief_repr(value) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _common(kind: str, body: dict, logprobs: int | None) -> ParsedRequest:
+def _validate(model: type[BaseModel], body: dict):
+    present = {k: v for k, v in body.items() if v is not None}   # null always means the default
+    try:
+        return model.model_validate(present)
+    except ValidationError as exc:
+        raise _api_error(exc, model, present) from None
+
+
+# pydantic's type errors in the words of a JSON API
+_TYPE_WORDS = {"int_type": "an integer", "float_type": "a number", "bool_type": "a boolean", "string_type": "a string",
+               "list_type": "a list", "dict_type": "an object", "model_type": "an object", "none_required": "null",
+               "model_attributes_type": "an object"}
+
+
+def _walk(loc: tuple, value) -> tuple[str, Any, int]:
+    """The part of the body an error's location points at: (path, value, depth); a union
+    member's tag in `loc` is no key of the body, so it is passed over."""
+    path, depth = str(loc[0]), 1
+    value = value[loc[0]]
+    for part in loc[1:]:
+        if isinstance(value, dict) and part in value:
+            value, path = value[part], f"{path}.{part}"
+        elif isinstance(value, list) and isinstance(part, int) and part < len(value):
+            value, path = value[part], f"{path}[{part}]"
+        else:
+            continue
+        depth += 1
+    return path, value, depth
+
+
+_NOTHING = object()   # a missing key's value
+
+
+def _api_error(exc: ValidationError, model: type[BaseModel], body: dict) -> APIError:
+    """The first bad field's errors as one 400 naming it."""
+    errors = exc.errors(include_url=False)
+    name = errors[0]["loc"][0]
+    info = model.model_fields[name]
+    extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+    if _UNSUPPORTED in extra:
+        accepts = f" (it accepts only {extra[_UNSUPPORTED]})" if extra[_UNSUPPORTED] else ""
+        return APIError(400, f"{name} is not supported by this server{accepts}, got {brief_repr(body[name])}", name,
+                        "unsupported_parameter")
+    if name not in body:
+        return APIError(400, f"{name} is required", name, "missing_required_parameter")
+    path, value, closest, one_place = _closest([e for e in errors if e["loc"][0] == name], body)
+    first = closest[0]
+    if first["type"] == "value_error":   # our validators' sentences
+        return APIError(400, f"{path} {first['ctx']['error']}", name, "invalid_value")
+    code = "invalid_type" if all(e["type"].endswith("_type") for e in closest) else "invalid_value"
+    if first["type"] == "missing":
+        detail, got = f"{path} needs {first['loc'][-1]}", _NOTHING
+    elif all(e["type"] in _TYPE_WORDS for e in closest):
+        detail, got = f"{path} must be {' or '.join(dict.fromkeys(_TYPE_WORDS[e['type']] for e in closest))}", value
+    elif len(closest) == 1 and first["msg"].startswith("Input should be "):   # a literal's values
+        detail, got = f"{path} must be {first['msg'].removeprefix('Input should be ')}", value
+    else:
+        detail, got, one_place = f"{path}: {'; '.join(dict.fromkeys(e['msg'] for e in closest))}", value, False
+    if info.description is None:
+        return APIError(400, detail + (f", got {brief_repr(got)}" if got is not _NOTHING else ""), name, code)
+    message = f"{name} must be {info.description}, got {brief_repr(body[name])}"
+    if one_place and path != name:   # one clear reason deeper down
+        message += f" ({detail})"
+    return APIError(400, message, name, code)
+
+
+def _closest(errors: list[dict], body: dict) -> tuple[str, Any, list[dict], bool]:
+    """Of one field's errors, those at the deepest place in the body (a union has one error per
+    member; the member that got furthest is the likeliest meant): (path, value there, errors,
+    whether all the deepest errors are at that one place)."""
+    walked = [(*_walk(e["loc"], body), e) for e in errors]
+    deepest = max(depth for _, _, depth, _ in walked)
+    places = [(path, value, e) for path, value, depth, e in walked if depth == deepest]
+    path, value, _ = places[0]
+    return path, value, [e for p, _, e in places if p == path], all(p == path for p, _, _ in places)
+
+
+def _log_unknown(request: _Request) -> None:
+    if request.model_extra:   # neither OpenAI's nor ours: ignored, as vLLM does, but said in the log
+        logger.warning("ignoring request fields this server does not know: %s", ", ".join(sorted(request.model_extra)))
+
+
+def _common(kind: str, body: dict, request: _Request, logprobs: int | None) -> ParsedRequest:
+    _log_unknown(request)
     param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    return ParsedRequest(kind, body, body.get("model"), bool(body.get("stream")),
-                         bool((body.get("stream_options") or {}).get("include_usage")), logprobs,
-                         body.get(param), param)
+    include_usage = bool(request.stream_options and request.stream_options.include_usage)
+    return ParsedRequest(kind, body, request.model, bool(request.stream), include_usage, logprobs, body.get(param),
+                         param)
 
 
 def parse_completion_request(body: dict) -> ParsedRequest:
-    _check_types(body, _COMPLETION_FIELDS, OPENAI_COMPLETION_FIELDS, "prompt")
-    req = _common("completion", body, body.get("logprobs"))
-    req.echo = bool(body.get("echo"))
-    req.prompts = _prompts(body["prompt"])
+    request = _validate(CompletionRequest, body)
+    req = _common("completion", body, request, request.logprobs)
+    req.echo = bool(request.echo)
+    prompt = request.prompt
+    req.prompts = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else list(prompt)
     return req
 
 
-def _prompts(value) -> list:
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, list) and value:
-        if all(isinstance(p, str) for p in value) or all(_ints(p) and p for p in value):
-            return list(value)
-        if _ints(value):
-            return [value]
-    raise APIError(400, "prompt must be a string, a non-empty list of strings, a list of token ids or a list "
-                        f"of token-id lists, got {brief_repr(value)}", "prompt", "invalid_type")
-
-
 def parse_chat_request(body: dict) -> ParsedRequest:
-    _check_types(body, _CHAT_FIELDS, OPENAI_CHAT_FIELDS, "messages")
-    top = body.get("top_logprobs")
-    if top is not None and not body.get("logprobs"):
-        raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs", "invalid_value")
-    req = _common("chat", body, (top or 0) if body.get("logprobs") else None)
-    req.messages = parse_messages(body["messages"])
+    request = _validate(ChatCompletionRequest, body)
+    req = _common("chat", body, request, (request.top_logprobs or 0) if request.logprobs else None)
+    req.messages = [_message_dict(m) for m in request.messages]
+    req.tools = _tool_dicts(request.tools)
+    choice = request.tool_choice
+    req.tool_choice = choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
+    req.parallel_tool_calls = request.parallel_tool_calls is not False
     return req
 
 
 def parse_messages(messages) -> list[dict]:
-    if not isinstance(messages, list) or not messages:
-        raise APIError(400, f"messages must be a non-empty list of messages, got {brief_repr(messages)}",
-                       "messages", "invalid_type")
-    parsed = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise APIError(400, f"messages[{i}] must be an object with a string role, got {brief_repr(message)}",
-                           "messages", "invalid_type")
-        content = message.get("content")
-        if isinstance(content, list):   # content parts: only text ones can be served
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise APIError(400, f"messages[{i}].content: only text parts are supported, got "
-                                    f"{brief_repr(content)}", "messages", "invalid_value")
-            content = "\n".join(p["text"] for p in content)
-        elif content is not None and not isinstance(content, str):
-            raise APIError(400, f"messages[{i}].content must be a string or a list of text parts, got "
-                                f"{brief_repr(content)}", "messages", "invalid_type")
-        parsed.append({"role": message["role"], "content": content or ""})
-    return parsed
+    """Chat messages as plain dicts: {"role", "content": str} and tool_calls / tool_call_id / name when given."""
+    return [_message_dict(m) for m in _validate(_Messages, {"messages": messages}).messages]
+
+
+def parse_tools(tools) -> list[dict] | None:
+    """Tool definitions as plain dicts in OpenAI's shape, as the client sent them; None when not given."""
+    return _tool_dicts(_validate(_Tools, {"tools": tools}).tools)
+
+
+def _tool_dicts(tools: list[Tool] | None) -> list[dict] | None:
+    return None if tools is None else [tool.model_dump(exclude_unset=True) for tool in tools]
+
+
+def _message_dict(message: Message) -> dict:
+    content = message.content
+    if isinstance(content, list):
+        content = "\n".join(part.text for part in content)
+    out = {"role": message.role, "content": content or ""}
+    if message.name is not None:
+        out["name"] = message.name
+    if message.tool_calls is not None:
+        out["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+_SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                  "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
+                  "include_stop_str_in_output", "skip_special_tokens", "logit_bias")
 
 
 def build_sampling_params(req: ParsedRequest, prompt_len: int, max_model_len: int) -> SamplingParams:
@@ -246,7 +229,7 @@ def build_sampling_params(req: ParsedRequest, prompt_len: int, max_model_len: in
     max_tokens = req.max_tokens
     if max_tokens is None:
         max_tokens = min(COMPLETIONS_DEFAULT_MAX_TOKENS, room) if req.kind == "completion" else room
-    elif _int(max_tokens) and max_tokens > room:
+    elif max_tokens > room:
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
                             f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the {prompt_param}, "
                             f"{max_tokens} in the completion). Reduce the length of the {prompt_param} or "
@@ -264,7 +247,7 @@ def build_sampling_params(req: ParsedRequest, prompt_len: int, max_model_len: in
 
 
 def _structured_outputs(body: dict) -> dict | None:
-    """vLLM's structured_outputs field, or OpenAI's response_format (chat) as one."""
+    """vLLM's structured_outputs field, or OpenAI's response_format (chat, validated already) as one."""
     structured, response_format = body.get("structured_outputs"), body.get("response_format")
     kind = (response_format or {}).get("type", "text")
     if kind == "text":
@@ -274,11 +257,7 @@ def _structured_outputs(body: dict) -> dict | None:
                        "response_format", "invalid_value")
     if kind == "json_object":
         return {"json_object": True}
-    spec = response_format.get("json_schema")
-    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-        raise APIError(400, 'response_format.json_schema must be an object {"name", "schema", "strict"}, got '
-                            f"{brief_repr(spec)}", "response_format", "invalid_type")
-    return {"json": spec.get("schema", {})}
+    return {"json": response_format["json_schema"].get("schema") or {}}
 
 
 def bad_request(exc: ValueError, req: ParsedRequest) -> APIError:
@@ -289,12 +268,11 @@ def bad_request(exc: ValueError, req: ParsedRequest) -> APIError:
         name = {"max_tokens": req.max_tokens_param, "prompt_logprobs": "logprobs", "logprobs": "top_logprobs"}[name]
     elif name == "prompt" and req.kind == "chat":
         name = "messages"
-    elif name not in _CHAT_FIELDS and name not in _COMPLETION_FIELDS:
+    elif name not in ChatCompletionRequest.model_fields and name not in CompletionRequest.model_fields:
         name = None
     return APIError(400, str(exc), name, "invalid_value")
 
 
-# ---- response pieces -------------------------------------------------------------------------
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
@@ -345,9 +323,17 @@ def chat_logprobs(token_ids: list[int], entries: list, top_n: int, decode) -> di
 
 def response(kind: str, request_id: str, created: int, model: str, choices: list, usage_: dict | None = None,
              chunk: bool = False) -> dict:
-    obj = ("text_completion" if kind == "completion" else
-           "chat.completion.chunk" if chunk else "chat.completion")
+    """The response (or stream chunk) as a plain dict, checked against its model; the keys given stay,
+    nulls included (OpenAI sends "logprobs": null), and a chunk has "usage" only when given."""
+    if kind == "completion":
+        shape, obj = CompletionResponse, "text_completion"
+    else:
+        shape, obj = (ChatCompletionChunk, "chat.completion.chunk") if chunk else (ChatCompletionResponse,
+                                                                                  "chat.completion")
     body = {"id": request_id, "object": obj, "created": created, "model": model, "choices": choices}
     if usage_ is not None or not chunk:
         body["usage"] = usage_
-    return body
+    try:
+        return shape.model_validate(body).model_dump(mode="json", exclude_unset=True)
+    except ValidationError as exc:   # the server's own mistake: not a ValueError, which would read as a 400
+        raise RuntimeError(f"the server built a response that is no {shape.__name__}: {exc}") from None

@@ -69,16 +69,24 @@ class _Cursor:
     tokens: int = 0
     started: bool = False
     done: bool = False
+    reader: object = None   # ToolCallReader of a request with tools (it holds back partial calls)
 
 
 class Reply:
     """One response, whole or streamed, built from the RequestOutputs of its prompts."""
 
-    def __init__(self, server, req: P.ParsedRequest, model: str, request_id: str, params):
+    def __init__(self, server, req: P.ParsedRequest, model: str, request_id: str, params, tool_reader=None):
         self.server, self.req, self.model, self.request_id = server, req, model, request_id
         self.created = int(time.time())
         self.n = params.n
         self.cursors: dict[int, _Cursor] = {}
+        self.tool_reader = tool_reader   # () -> ToolCallReader when the request's tools may be called
+        # parallel_tool_calls false: only a first call counts ("required" is held to one by its grammar)
+        self.max_calls = None if req.parallel_tool_calls else 1
+
+    def _finish_reason(self, c, reader) -> str | None:
+        return "tool_calls" if reader is not None and reader.called_tools and c.finish_reason == "stop" \
+            else c.finish_reason
 
     def _choice(self, i: int, out, c, text: str, token_ids: list, entries: list, offset: int, echo: bool,
                 done: bool, started: bool = True) -> dict:
@@ -94,7 +102,16 @@ class Reply:
                 if text or not started:
                     delta["content"] = text
                 return {"index": index, "delta": delta, "logprobs": lps, **finish}
-            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lps, **finish}
+            message = {"role": "assistant", "content": text}
+            if self.tool_reader is not None:
+                reader = self.tool_reader()
+                extracted = reader.extract(text)
+                calls = extracted.tool_calls[:self.max_calls]
+                message = {"role": "assistant", "content": extracted.content if calls else text}
+                if calls:
+                    message["tool_calls"] = [call.to_openai() for call in calls]
+                finish["finish_reason"] = self._finish_reason(c, reader) if done else None
+            return {"index": index, "message": message, "logprobs": lps, **finish}
         if echo:
             text = self.server.prompt_text(out) + text
             if want:
@@ -116,6 +133,33 @@ class Reply:
             choices += [self._choice(i, out, c, c.text, c.token_ids, c.logprobs or [], 0, self.req.echo, True)
                         for c in out.outputs]
         return P.response(self.req.kind, self.request_id, self.created, self.model, choices, self._usage(finals))
+
+    def _tool_deltas(self, i: int, c, cursor: _Cursor) -> list[dict]:
+        """A streamed choice of a request with tools: the reader's content and tool-call fragments
+        (a possible call is held back until it is known), each as one chunk's choice."""
+        if cursor.done:
+            return []
+        if cursor.reader is None:
+            cursor.reader = self.tool_reader()
+        done = c.finish_reason is not None
+        token_ids = c.token_ids[cursor.tokens:]
+        entries = (c.logprobs or [])[cursor.tokens:len(c.token_ids)]
+        fragments = [f for f in cursor.reader.feed(c.text, done)
+                     if self.max_calls is None or all(t["index"] < self.max_calls for t in f.get("tool_calls", []))]
+        if not fragments and (done or not cursor.started or (self.req.logprobs is not None and token_ids)):
+            fragments = [{}]
+        choices = []
+        for fragment in fragments:
+            delta = fragment if cursor.started else {"role": "assistant", **fragment}
+            choices.append({"index": i * self.n + c.index, "delta": delta, "logprobs": None,
+                            "finish_reason": None, "stop_reason": None})
+            cursor.started = True
+        if choices and self.req.logprobs is not None and token_ids:
+            choices[0]["logprobs"] = P.chat_logprobs(token_ids, entries, self.req.logprobs, self.server.decode_token)
+        if done and choices:
+            choices[-1].update(finish_reason=self._finish_reason(c, cursor.reader), stop_reason=c.stop_reason)
+        cursor.chars, cursor.tokens, cursor.done = len(c.text), len(c.token_ids), done
+        return choices
 
     def _delta(self, i: int, out, c) -> dict | None:
         cursor = self.cursors.setdefault(i * self.n + c.index, _Cursor())
@@ -143,8 +187,12 @@ class Reply:
                     finals[i] = out
                     self.server.observe(out)
                 for c in out.outputs:
-                    choice = self._delta(i, out, c)
-                    if choice is not None:
+                    if self.tool_reader is not None:
+                        choices = self._tool_deltas(i, c, self.cursors.setdefault(i * self.n + c.index, _Cursor()))
+                    else:
+                        choice = self._delta(i, out, c)
+                        choices = [] if choice is None else [choice]
+                    for choice in choices:
                         yield event(P.response(self.req.kind, self.request_id, self.created, self.model, [choice],
                                                 chunk=True))
             if self.req.include_usage:

@@ -51,6 +51,7 @@ class StepClock:
     def __init__(self, runner):
         self.steps, self.fetch_s = 0, 0.0
         dispatch, fetch = runner.dispatch, runner.fetch
+        self.originals = (dispatch, fetch)   # to undo the wrapping
 
         def counted_dispatch(*args, **kwargs):
             self.steps += 1

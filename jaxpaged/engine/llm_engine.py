@@ -297,13 +297,14 @@ class LLMEngine:
 
     def _advance_grammar(self, request, stop):
         """Feed a constrained request's new token to its matcher; a grammar that admits nothing
-        more (a choice made, a closed JSON value) ends the request as a stop."""
+        more (a choice made, a closed JSON value) ends the request as a stop, also on its last
+        allowed token (the output is whole: not "length")."""
         token = request.output_token_ids[-1]
         eos = token in request.eos_token_ids
         if not eos and not request.matcher.consume_token(token):
             logger.error("request %s: token %d is outside its grammar (%s)", request.request_id, token,
                          request.matcher.get_error())
-        if stop is None and request.matcher.is_stopped():
+        if (stop is None or stop[0] == RequestStatus.FINISHED_LENGTH) and request.matcher.is_stopped():
             return RequestStatus.FINISHED_STOPPED, None
         return stop
 

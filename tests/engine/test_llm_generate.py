@@ -171,3 +171,18 @@ def test_bad_prompts_raise_and_leave_the_engine_usable():
     out = llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
     assert llm.get_metrics()["jaxpaged:kv_cache_usage_perc"] == 0.0
+
+
+def test_chat_tools_go_through_the_template():
+    from tests.server.test_tool_calls import TEMPLATE, TOOLS
+    llm = LLM(tiny_checkpoint("llama", max_position_embeddings=1024), dtype="float32", max_model_len=1024,
+              num_gpu_blocks_override=256, compile_on_startup=False)
+    history = [{"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "20C"}]
+    out = llm.chat(history, SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False, chat_template=TEMPLATE,
+                   tools=TOOLS)[0]
+    assert out.prompt.startswith("<tools>") and '"name": "get_time"' in out.prompt
+    # arguments sent as a JSON string reach the template as an object, as in the server
+    assert '"arguments": {"city": "Rome"}}</tool_call>' in out.prompt

@@ -106,6 +106,9 @@ def test_serving(record_property):
         streamed = re.search(r"(\d+) chunks; the whole answer: '(.*)'", text)
         assert streamed and int(streamed.group(1)) > 1 and streamed.group(2).strip()
         assert "Paris" in streamed.group(2)
+        assert re.search(r"^JSON answer: \{'city': '.*', 'country': '.*'\}$", text, re.M)
+        assert "finish_reason: tool_calls" in text and re.search(r'^tool call: get_weather \{"city":', text, re.M)
+        assert re.search(r"^answer: \S", text, re.M)
         assert "12 concurrent requests finished" in text
         assert _num_images(nb) >= 1, "the latency plots are missing"
         assert "jaxpaged:request_success_total" in text

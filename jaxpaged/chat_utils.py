@@ -1,0 +1,34 @@
+"""Chat messages through a chat template, the same way for `LLM.chat` and the server."""
+
+import json
+
+
+def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None, chat_template: str | None = None,
+                add_generation_prompt: bool = True) -> str:
+    """The prompt text of a conversation; `tools` (OpenAI function tools) go to the template as vLLM
+    passes them. Raises what the template raises (no template, its own checks of roles and order)."""
+    return tokenizer.apply_chat_template(template_messages(messages), tools=tools or None, tokenize=False,
+                                         chat_template=chat_template, add_generation_prompt=add_generation_prompt)
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """Messages as chat templates expect them: a tool call's arguments as an object (OpenAI sends
+    a JSON string; Hermes-style templates apply `tojson` to it)."""
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if calls:
+            message = {**message, "tool_calls": [_template_call(c) for c in calls]}
+        out.append(message)
+    return out
+
+
+def _template_call(call: dict) -> dict:
+    function = call.get("function") or {}
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass   # a template gets what the client sent
+    return {**call, "function": {**function, "arguments": arguments}}

@@ -1,0 +1,416 @@
+"""The OpenAI protocol's types as pydantic models: the one definition of the wire format.
+
+Requests are validated by them (protocol.py turns their errors into OpenAI error objects),
+responses are passed through them, and /openapi.json is generated from them.
+"""
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic.json_schema import models_json_schema
+
+import jaxpaged
+
+# OpenAI's request fields, as the `openai` package lists them (a test keeps these in step with the installed
+# one). Each is a field of its route's request model: implemented, or declared with `_unsupported` so that
+# only the values asking for nothing pass and a client never believes e.g. audio output was honoured.
+OPENAI_CHAT_FIELDS = (
+    "tools", "functions", "tool_choice", "function_call", "parallel_tool_calls", "response_format", "audio",
+    "modalities", "prediction", "reasoning_effort", "verbosity", "service_tier", "store", "moderation",
+    "web_search_options", "messages", "model", "frequency_penalty", "logit_bias", "logprobs",
+    "max_completion_tokens", "max_tokens", "metadata", "n", "presence_penalty", "prompt_cache_key",
+    "prompt_cache_options", "prompt_cache_retention", "safety_identifier", "seed", "stop", "stream",
+    "stream_options", "temperature", "top_logprobs", "top_p", "user")
+OPENAI_COMPLETION_FIELDS = (
+    "best_of", "suffix", "model", "prompt", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens",
+    "n", "presence_penalty", "seed", "stop", "stream", "stream_options", "temperature", "top_p", "user")
+_UNSUPPORTED = "x-unsupported"   # schema key of an unimplemented field: the values it accepts, for the 400
+
+
+def _unsupported(accepts: str = "") -> Any:
+    """An OpenAI field this server does not implement; its type admits only values asking for nothing."""
+    note = f" (it accepts only {accepts})" if accepts else ""
+    return Field(None, description=f"not supported by this server{note}", json_schema_extra={_UNSUPPORTED: accepts})
+
+
+# ---- requests ------------------------------------------------------------------------------
+class _Strict(BaseModel):
+    # nested objects: keys beyond OpenAI's are dropped (clients echo whole response messages back)
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str   # JSON, as the model wrote it
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Strict):
+    role: str
+    content: str | list[TextPart] | None = None   # only text parts can be served
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None      # an assistant's earlier calls
+    tool_call_id: str | None = None               # a tool message: the call it answers
+
+    @model_validator(mode="after")
+    def _tool_answers_a_call(self):
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError('(role "tool") needs tool_call_id, the id of the call it answers')
+        return self
+
+
+class FunctionDefinition(_Strict):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None   # a JSON schema of the arguments
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class JsonSchemaSpec(_Strict):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class TextFormat(_Strict):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Strict):
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(_Strict):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+_MessageList = Annotated[list[Message], Field(min_length=1, description='a non-empty list of messages {"role", '
+                                                                         '"content", "name"?, "tool_calls"?, '
+                                                                         '"tool_call_id"?}')]
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+class _Request(_Strict):
+    """Fields both routes share; a key in neither OpenAI's list nor ours stays in model_extra."""
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    model: str | None = None
+    user: str | None = None   # bookkeeping for OpenAI, accepted and ignored
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    n: int | None = None
+    seed: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stop: str | list[str] | None = Field(None, description="a string or a list of strings")
+    logit_bias: dict[str, float] | None = Field(None, description="an object mapping token ids to biases")
+    # vLLM's
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    # requests share prefix-cache blocks only under the same salt (tenants never see each other's)
+    cache_salt: Annotated[str, Field(min_length=1)] | None = Field(None, description="a non-empty string")
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description='{"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ...} | '
+                          '{"json_object": true}')
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, value, info: ValidationInfo):
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("is only allowed when stream is true")
+        return value
+
+
+class CompletionRequest(_Request):
+    prompt: str | Annotated[list[str], Field(min_length=1)] | Annotated[list[int], Field(min_length=1)] | \
+        Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)] = Field(
+            description="a string, a non-empty list of strings, a list of token ids or a list of token-id lists")
+    echo: bool | None = None
+    logprobs: int | None = None
+    best_of: int | None = _unsupported("1 or the value of n")
+    suffix: Literal[""] | None = _unsupported('""')
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_sample_each(cls, value, info: ValidationInfo):
+        if value is not None and value not in (1, info.data.get("n") or 1):
+            raise ValueError("asks for more samples than n")
+        return value
+
+
+class ChatCompletionRequest(_Request):
+    messages: _MessageList
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    add_generation_prompt: bool | None = None   # vLLM's
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description='"none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
+    parallel_tool_calls: bool | None = None
+    response_format: TextFormat | JsonObjectFormat | JsonSchemaFormat | None = Field(
+        None, discriminator="type", description='{"type": "text"}, {"type": "json_object"} or '
+                                                '{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}')
+    # OpenAI's that change no generated token, accepted and ignored: bookkeeping (metadata only matters
+    # with store, which is refused) and hints for a prefix cache that is automatic here
+    metadata: dict[str, str] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    prompt_cache_retention: str | None = None
+    functions: Annotated[list[Any], Field(max_length=0)] | None = _unsupported("[]")
+    function_call: Literal["none", "auto"] | None = _unsupported('"none" or "auto" without functions')
+    audio: None = _unsupported()
+    modalities: list[Literal["text"]] | None = _unsupported('["text"]')
+    prediction: None = _unsupported()
+    reasoning_effort: Literal["none"] | None = _unsupported('"none"')
+    verbosity: Literal["medium"] | None = _unsupported('"medium" (the default)')
+    service_tier: Literal["auto", "default"] | None = _unsupported('"auto" or "default"')
+    store: Literal[False] | None = _unsupported("false")
+    moderation: None = _unsupported()
+    web_search_options: None = _unsupported()
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value, info: ValidationInfo):
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs to be true")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _among_the_tools(cls, value, info: ValidationInfo):
+        if "tools" not in info.data:   # tools failed validation: that error is the one reported
+            return value
+        names = [t.function.name for t in info.data["tools"] or []]
+        if isinstance(value, NamedToolChoice) and value.function.name not in names:
+            offered = ", ".join(names) if names else "none (tools is empty)"
+            raise ValueError(f"names the function {value.function.name!r}, which is not among the tools "
+                             f"(offered: {offered})")
+        if value == "required" and not names:
+            raise ValueError('"required" needs tools to call')
+        return value
+
+
+class _Messages(_Strict):   # /tokenize takes messages and tools without a chat request
+    messages: _MessageList
+
+
+class _Tools(_Strict):
+    tools: list[Tool] | None = None
+
+
+# ---- responses -----------------------------------------------------------------------------
+class _Out(BaseModel):
+    # a key the server sends must be declared here: the schema then documents every one
+    model_config = ConfigDict(extra="forbid")
+
+
+FinishReason = Literal["stop", "length", "tool_calls", "abort"]
+
+
+class PromptTokensDetails(_Out):
+    cached_tokens: int   # prompt tokens served from the prefix cache
+
+
+class Usage(_Out):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(_Out):
+    tokens: list[str]
+    token_logprobs: list[float | None]   # None: the first prompt token (echo) has none
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Out):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None   # vLLM's: the stop token id or stop string that ended it
+
+
+class CompletionResponse(_Out):
+    """A /v1/completions response, and (without usage until the last) each of its stream's chunks."""
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(_Out):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Out):
+    content: list[TokenLogprob] | None = None
+
+
+class ChatMessage(_Out):
+    role: Literal["assistant"]
+    content: str | None = None   # None: only tool calls
+    tool_calls: list[ToolCall] | None = None
+
+
+class ChatChoice(_Out):
+    index: int
+    message: ChatMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(_Out):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class DeltaFunctionCall(_Out):
+    name: str | None = None
+    arguments: str | None = None   # a piece of the JSON; the pieces of one call concatenate to it
+
+
+class DeltaToolCall(_Out):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
+class Delta(_Out):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+
+class ChunkChoice(_Out):
+    index: int
+    delta: Delta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(_Out):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None   # only in the last chunk, with stream_options.include_usage
+
+
+class ErrorInfo(_Out):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(_Out):
+    error: ErrorInfo
+
+
+class ModelCard(_Out):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(_Out):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ---- OpenAPI -------------------------------------------------------------------------------
+_REF = "#/components/schemas/{model}"
+
+
+def openapi_schema() -> dict:
+    """The OpenAPI 3.1 document of the /v1 routes, generated from the models above."""
+    models = [(CompletionRequest, "validation"), (ChatCompletionRequest, "validation"),
+              (CompletionResponse, "serialization"), (ChatCompletionResponse, "serialization"),
+              (ChatCompletionChunk, "serialization"), (ModelList, "serialization"), (ErrorResponse, "serialization")]
+    refs, defs = models_json_schema(models, ref_template=_REF)
+
+    def ref(model) -> dict:
+        return refs[(model, "validation" if model.__name__.endswith("Request") else "serialization")]
+
+    def post(request, ok, chunk, summary: str) -> dict:
+        return {"post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": ref(request)}}},
+            "responses": {
+                "200": {"description": "the response; with stream true, Server-Sent Events of chunks, then "
+                                       "`data: [DONE]`",
+                        "content": {"application/json": {"schema": ref(ok)},
+                                    "text/event-stream": {"schema": ref(chunk)}}},
+                "400": {"description": "a bad request; `param` names the field",
+                        "content": {"application/json": {"schema": ref(ErrorResponse)}}}}}}
+
+    models = {"200": {"description": "the served model names",
+                      "content": {"application/json": {"schema": ref(ModelList)}}}}
+    paths = {"/v1/completions": post(CompletionRequest, CompletionResponse, CompletionResponse, "Complete prompts"),
+             "/v1/chat/completions": post(ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk,
+                                          "Answer a conversation"),
+             "/v1/models": {"get": {"summary": "List the served models", "responses": models}}}
+    return {"openapi": "3.1.0", "info": {"title": "jaxpaged", "version": getattr(jaxpaged, "__version__", "0.1.0")},
+            "paths": paths, "components": {"schemas": defs.get("$defs", {})}}
