@@ -77,7 +77,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     import server
     return server.run_server(args, host=ns.host, port=ns.port, api_key=ns.api_key, served_model_names=names,
                              log_level=ns.uvicorn_log_level, enable_auto_tool_choice=ns.enable_auto_tool_choice,
-                             tool_call_parser=ns.tool_call_parser, chat_template=ns.chat_template)
+                             tool_call_parser=ns.tool_call_parser, chat_template=ns.chat_template,
+                             vllm_metric_names=ns.vllm_metric_names)
 
 
 def add_serve_parser(sub) -> None:
@@ -100,6 +101,8 @@ def add_serve_parser(sub) -> None:
                        help="how the model writes tool calls: hermes (Qwen2.5, Qwen3, Hermes), llama3_json")
     serve.add_argument("--chat-template", default=None,
                        help="a Jinja chat template, or a file holding one, to use instead of the tokenizer's")
+    serve.add_argument("--vllm-metric-names", action="store_true",
+                       help="/metrics also exports vLLM's names (vllm:num_requests_running, ...) for its dashboards")
     serve.set_defaults(func=cmd_serve)
 
 

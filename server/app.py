@@ -51,13 +51,14 @@ async def _disconnected(request: Request) -> None:
 
 class _Server:
     def __init__(self, engine: AsyncLLM, names: list[str] | None, api_key: str | None,
-                 tool_settings: ToolSettings | None = None, chat_template: str | None = None):
+                 tool_settings: ToolSettings | None = None, chat_template: str | None = None,
+                 vllm_metric_names: bool = False):
         self.engine, self.api_key = engine, api_key
         self.tool_settings = tool_settings or ToolSettings()
         self.chat_template = chat_template   # None: the tokenizer's own
         self.names = list(names or [engine.model_name])
         self.tokenizer = engine.get_tokenizer()
-        self.metrics = MetricsExporter(engine, self.names[0])
+        self.metrics = MetricsExporter(engine, self.names[0], vllm_metric_names)
         self.created = int(time.time())
         self.openapi_doc = None
 
@@ -230,11 +231,12 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
 
 
 def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, api_key: str | None = None,
-              tool_settings: ToolSettings | None = None, chat_template: str | None = None) -> Starlette:
+              tool_settings: ToolSettings | None = None, chat_template: str | None = None,
+              vllm_metric_names: bool = False) -> Starlette:
     """The Starlette app serving `engine`; the first served name is the one responses report.
     `tool_settings`: --enable-auto-tool-choice / --tool-call-parser; `chat_template`: a Jinja
-    template replacing the tokenizer's."""
-    server = _Server(engine, served_model_names, api_key, tool_settings, chat_template)
+    template replacing the tokenizer's; `vllm_metric_names`: /metrics also under vLLM's names."""
+    server = _Server(engine, served_model_names, api_key, tool_settings, chat_template, vllm_metric_names)
     table = [("/v1/completions", server.completions, "POST"), ("/v1/chat/completions", server.chat, "POST"),
              ("/v1/models", server.models, "GET"), ("/health", server.health, "GET"),
              ("/metrics", server.metrics_text, "GET"), ("/tokenize", server.tokenize, "POST"),

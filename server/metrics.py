@@ -2,6 +2,10 @@
 
 Each app gets its own CollectorRegistry, so several servers (or tests) can run in one
 process without clashing over metric names in the global registry.
+
+With `vllm_names` (`jaxpaged serve --vllm-metric-names`) every metric that vLLM V1 also exports
+is exported a second time under vLLM's name (VLLM_NAMES), so dashboards built for vLLM work
+unchanged: same labels (`model_name`), same units, same histogram buckets.
 """
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
@@ -23,6 +27,23 @@ _HELP = {
     "prefix_cache_hits_total": "Prompt tokens served from the prefix cache.",
     "swapped_out_blocks_total": "KV blocks swapped out to host memory.",
     "swapped_in_blocks_total": "KV blocks swapped back in to the device.",
+}
+# jaxpaged name -> vLLM V1's (counters without their _total, as prometheus_client adds it)
+VLLM_NAMES = {
+    "num_requests_running": "vllm:num_requests_running",
+    "num_requests_waiting": "vllm:num_requests_waiting",
+    "kv_cache_usage_perc": "vllm:kv_cache_usage_perc",
+    "num_preemptions_total": "vllm:num_preemptions_total",
+    "prompt_tokens_total": "vllm:prompt_tokens_total",
+    "generation_tokens_total": "vllm:generation_tokens_total",
+    "request_success_total": "vllm:request_success_total",
+    "prefix_cache_queries_total": "vllm:prefix_cache_queries_total",
+    "prefix_cache_hits_total": "vllm:prefix_cache_hits_total",
+    "time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+    "time_per_output_token_seconds": "vllm:time_per_output_token_seconds",
+    "e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
+    "request_prompt_tokens": "vllm:request_prompt_tokens",
+    "request_generation_tokens": "vllm:request_generation_tokens",
 }
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                  20.0, 40.0, 80.0, 160.0)
@@ -47,8 +68,8 @@ def _token_buckets(max_model_len: int) -> list[float]:
 class _EngineCollector:
     """Reads `engine.get_metrics()` at scrape time; `_total` names are counters, the rest gauges."""
 
-    def __init__(self, engine, model_name: str):
-        self.engine, self.model_name = engine, model_name
+    def __init__(self, engine, model_name: str, vllm_names: bool = False):
+        self.engine, self.model_name, self.vllm_names = engine, model_name, vllm_names
 
     def collect(self):
         per_rank = self.engine.get_metrics_per_rank()
@@ -57,22 +78,36 @@ class _EngineCollector:
         labels = _LABELS if len(per_rank) == 1 else _LABELS + ["data_rank"]
         for name in per_rank[0]:
             short = name.split(":", 1)[-1]
-            family = CounterMetricFamily if short.endswith("_total") else GaugeMetricFamily
-            metric = family(name, _HELP.get(short, short.replace("_", " ")), labels=labels)
-            for rank, metrics in enumerate(per_rank):
-                metric.add_metric([self.model_name] if len(per_rank) == 1 else [self.model_name, str(rank)],
-                                  float(metrics[name]))
-            yield metric
+            names = [name] + ([VLLM_NAMES[short]] if self.vllm_names and short in VLLM_NAMES else [])
+            for exported in names:
+                family = CounterMetricFamily if short.endswith("_total") else GaugeMetricFamily
+                metric = family(exported, _HELP.get(short, short.replace("_", " ")), labels=labels)
+                for rank, metrics in enumerate(per_rank):
+                    metric.add_metric([self.model_name] if len(per_rank) == 1 else [self.model_name, str(rank)],
+                                      float(metrics[name]))
+                yield metric
+
+
+class _Histograms:
+    """One histogram under each exported name; observe() records into all."""
+
+    def __init__(self, histograms):
+        self.histograms = histograms
+
+    def observe(self, value: float) -> None:
+        for histogram in self.histograms:
+            histogram.observe(value)
 
 
 class MetricsExporter:
-    def __init__(self, engine, model_name: str):
+    def __init__(self, engine, model_name: str, vllm_names: bool = False):
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine, model_name))
+        self.registry.register(_EngineCollector(engine, model_name, vllm_names))
 
-        def histogram(name: str, doc: str, buckets):
-            return Histogram("jaxpaged:" + name, doc, _LABELS, registry=self.registry,
-                             buckets=buckets).labels(model_name)
+        def histogram(name: str, doc: str, buckets) -> _Histograms:
+            names = ["jaxpaged:" + name] + ([VLLM_NAMES[name]] if vllm_names else [])
+            return _Histograms([Histogram(n, doc, _LABELS, registry=self.registry, buckets=buckets).labels(model_name)
+                                for n in names])
 
         tokens = _token_buckets(engine.max_model_len)
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token, from arrival.", _TTFT_BUCKETS)

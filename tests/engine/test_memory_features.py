@@ -108,3 +108,53 @@ def test_n4_samples_share_the_prompt_blocks(caching):
     sampled = llm.generate(prompt, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=12, ignore_eos=True),
                            use_tqdm=False)[0]
     assert len({tuple(c.token_ids) for c in sampled.outputs}) > 1
+
+
+# Structured outputs under the same memory features: a request's grammar matcher is kept across
+# preemption (recompute re-prefills tokens it has already consumed), so constrained greedy
+# outputs are the same token for token and stay valid.
+WORDS = r"[a-z]{2,6}( [a-z]{2,6}){2,4}"
+NUMBERS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 2, "maxItems": 4,
+           "x-guidance": {"whitespace_flexible": False}}
+
+
+@functools.cache
+def constrained_workload():
+    from jaxpaged import StructuredOutputsParams
+    prompts, _ = workload()
+    kinds = [dict(regex=WORDS), dict(json=NUMBERS), dict(choice=["alpha", "beta gamma"])]
+    params = [SamplingParams(temperature=0.0, max_tokens=48, stop=[" "] if i % 4 == 3 else None,
+                             structured_outputs=StructuredOutputsParams(**kinds[i % 3])) for i in range(len(prompts))]
+    return prompts, params
+
+
+def run_constrained(llm: LLM) -> list[tuple[str, str]]:
+    import json
+    import re
+    prompts, params = constrained_workload()
+    outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert llm.get_metrics()["jaxpaged:kv_cache_usage_perc"] == 0.0, "blocks leaked"
+    for out, p in zip(outs, params):
+        so = p.structured_outputs
+        assert out.finish_reason == "stop", (out.text, so)
+        if so.regex:   # with the stop string " ": its first word
+            assert re.fullmatch(r"[a-z]{2,6}" if p.stop else WORDS, out.text), out.text
+        elif so.json:
+            value = json.loads(out.text)
+            assert 2 <= len(value) <= 4 and all(0 <= v <= 99 for v in value), out.text
+        else:
+            assert out.text in (["alpha", "beta"] if p.stop else so.choice), out.text
+    return [(out.text, tuple(out.token_ids)) for out in outs]
+
+
+@pytest.mark.parametrize("opts", [
+    dict(enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=32),
+    dict(num_gpu_blocks_override=24, enable_prefix_caching=False, preemption_mode="swap", swap_space=0.001),
+    dict(num_gpu_blocks_override=24, enable_prefix_caching=False, preemption_mode="recompute"),
+], ids=["prefix-chunked", "swap", "recompute"])
+def test_constrained_outputs_are_kept_by_every_memory_feature(opts):
+    plain = run_constrained(make_llm(enable_prefix_caching=False, enable_chunked_prefill=False))
+    llm = make_llm(**opts)
+    assert run_constrained(llm) == plain
+    if "preemption_mode" in opts:
+        assert llm.get_metrics()["jaxpaged:num_preemptions_total"] > 0
