@@ -1,0 +1,60 @@
+"""Bad input fuzzed: schemathesis draws request bodies from the server's own OpenAPI document,
+valid by its schemas (positive) and breaking them (negative), and sends them to a running
+server. No 5xx; every 4xx is an OpenAI error object; afterwards the engine serves a normal
+request and holds no KV block. Bounded: a fixed number of examples per route and mode."""
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis import GenerationMode
+
+from jaxpaged import AsyncLLM
+from server import build_app
+from server import protocol as P
+from tests.server.test_async_llm import tiny_engine_args
+from tests.server.test_openai_server import metrics, start, wait_idle
+
+MODEL = "tiny-llama"
+EXAMPLES = 60   # per route and mode: 240 requests in all
+SCHEMA = schemathesis.openapi.from_dict(P.openapi_schema())
+
+
+@pytest.fixture(scope="module")
+def url():
+    engine = AsyncLLM.from_engine_args(tiny_engine_args(max_num_seqs=8), use_tqdm=False)
+    server, thread, url = start(build_app(engine, [MODEL]))
+    yield url
+    server.should_exit = True
+    thread.join(10)
+    engine.shutdown()
+
+
+def send(url: str, case) -> httpx.Response:
+    kwargs = {"content": case.body} if isinstance(case.body, bytes) else {"json": case.body}
+    return httpx.post(url + case.path, timeout=60, **kwargs)
+
+
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=lambda m: m.value)
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_fuzzed_requests_get_answers_or_openai_errors(url, path, mode):
+    seen = []
+
+    @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(case=SCHEMA[path]["POST"].as_strategy(generation_mode=mode))
+    def check(case):
+        response = send(url, case)
+        seen.append(response.status_code)
+        assert response.status_code < 500, (case.body, response.text)
+        if response.status_code >= 400:
+            error = response.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["message"], response.text
+
+    check()
+    print(path, mode.value, {status: seen.count(status) for status in sorted(set(seen))})
+    assert len(seen) >= EXAMPLES // 2
+    wait_idle(url)
+    answer = httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 3}, timeout=60)
+    assert answer.status_code == 200 and answer.json()["choices"][0]["finish_reason"] == "length"
+    assert metrics(url)[f'jaxpaged:kv_cache_usage_perc{{model_name="{MODEL}"}}'] == 0.0
