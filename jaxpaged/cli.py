@@ -78,7 +78,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     return server.run_server(args, host=ns.host, port=ns.port, api_key=ns.api_key, served_model_names=names,
                              log_level=ns.uvicorn_log_level, enable_auto_tool_choice=ns.enable_auto_tool_choice,
                              tool_call_parser=ns.tool_call_parser, chat_template=ns.chat_template,
-                             vllm_metric_names=ns.vllm_metric_names)
+                             vllm_metric_names=ns.vllm_metric_names, max_num_waiting=ns.max_num_waiting,
+                             shutdown_timeout=ns.shutdown_timeout)
 
 
 def add_serve_parser(sub) -> None:
@@ -103,6 +104,11 @@ def add_serve_parser(sub) -> None:
                        help="a Jinja chat template, or a file holding one, to use instead of the tokenizer's")
     serve.add_argument("--vllm-metric-names", action="store_true",
                        help="/metrics also exports vLLM's names (vllm:num_requests_running, ...) for its dashboards")
+    serve.add_argument("--max-num-waiting", type=int, default=None,
+                       help="refuse new requests with a 503 (Retry-After) while this many wait for a seat in the "
+                            "batch (default: queue without bound)")
+    serve.add_argument("--shutdown-timeout", type=float, default=10.0,
+                       help="seconds that streams in flight get to finish after Ctrl-C or SIGTERM (default 10)")
     serve.set_defaults(func=cmd_serve)
 
 

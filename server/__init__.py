@@ -2,16 +2,22 @@
 
 `build_app(engine)` gives the Starlette app for an AsyncLLM (tests start it on a port of
 their own); `run_server` loads the model, warms the step's shape buckets, logs what it
-serves and runs uvicorn until interrupted.
+serves and runs uvicorn (`serve`) until interrupted.
+
+How it ends: Ctrl-C or SIGTERM stops accepting connections, gives the streams in flight
+`shutdown_timeout` seconds to finish, aborts the rest and exits 0; an engine loop that dies
+turns /health to 503 at once and the process exits 1 (for a supervisor to restart it).
 """
 
 import logging
+import signal
+import threading
 
 from jaxpaged.engine.arg_utils import EngineArgs
 from server.app import build_app
 from server.tools import ToolSettings
 
-__all__ = ["build_app", "run_server"]
+__all__ = ["build_app", "run_server", "serve"]
 
 logger = logging.getLogger("server")
 
@@ -19,9 +25,11 @@ logger = logging.getLogger("server")
 def run_server(args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                served_model_names: list[str] | None = None, log_level: str = "info",
                enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-               chat_template: str | None = None, vllm_metric_names: bool = False) -> int:
+               chat_template: str | None = None, vllm_metric_names: bool = False,
+               max_num_waiting: int | None = None, shutdown_timeout: float = 10.0) -> int:
     """Serve `args`' model until interrupted; returns the exit status. `chat_template`: a Jinja
-    template, or the path of a file holding one, instead of the tokenizer's."""
+    template, or the path of a file holding one, instead of the tokenizer's; `max_num_waiting`:
+    new requests get a 503 (Retry-After) while this many wait for a seat in the batch."""
     import os
 
     import uvicorn
@@ -30,6 +38,8 @@ def run_server(args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, api_
 
     if not 0 <= port <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {port}")
+    if not shutdown_timeout >= 0:
+        raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {shutdown_timeout!r}")
     tool_settings = ToolSettings(enable_auto_tool_choice, tool_call_parser)   # checked before the model loads
     if chat_template is not None and os.path.isfile(chat_template):
         with open(chat_template) as f:
@@ -41,7 +51,7 @@ def run_server(args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, api_
         from jaxpaged.engine.dp_engine import make_engine
         make_engine(args).follow()
         return 0
-    engine = AsyncLLM.from_engine_args(args)
+    engine = AsyncLLM.from_engine_args(args, max_num_waiting=max_num_waiting)
     try:
         app = build_app(engine, served_model_names, api_key, tool_settings, chat_template, vllm_metric_names)
         names = app.state.server.names
@@ -53,10 +63,39 @@ def run_server(args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, api_
         shown = "localhost" if host in ("0.0.0.0", "::") else host
         logger.info("serving on http://%s:%d (OpenAI API at http://%s:%d/v1%s)", shown, port, shown, port,
                     ", API key required" if api_key else "")
-        # the app has no startup/shutdown hooks; the engine's lifetime is this function's
-        uvicorn.run(app, host=host, port=port, log_level=log_level, lifespan="off")
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off",
+                                timeout_graceful_shutdown=shutdown_timeout)
+        return serve(uvicorn.Server(config), engine)
+    finally:
+        engine.shutdown()
+
+
+def serve(server, engine, poll_s: float = 0.1) -> int:
+    """Run the uvicorn `server` until a signal or the engine loop's death; returns the exit status
+    (0 after Ctrl-C or SIGTERM, 1 when the engine loop died). The app has no startup/shutdown
+    hooks: the engine's lifetime is the caller's."""
+    died = threading.Event()
+
+    def watch():
+        while not server.should_exit:
+            if not engine.is_running:
+                logging.getLogger("server").error("the engine loop is not running: shutting the server down")
+                died.set()
+                server.should_exit = True
+                return
+            died.wait(poll_s)
+
+    watchdog = threading.Thread(target=watch, name="jaxpaged-watchdog", daemon=True)
+    watchdog.start()
+    # uvicorn re-raises the signal that stopped it once it is done; a handler of ours makes that a
+    # plain return (exit 0) instead of a death by SIGTERM
+    previous = signal.signal(signal.SIGTERM, lambda *_: None) if threading.current_thread() is threading.main_thread() \
+        else None
+    try:
+        server.run()
     except KeyboardInterrupt:   # uvicorn re-raises Ctrl-C after its graceful shutdown
         pass
     finally:
-        engine.shutdown()
-    return 0
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    return 1 if died.is_set() else 0

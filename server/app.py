@@ -6,6 +6,7 @@ client sent, 500 for a failure inside one request, which leaves the engine loop 
 """
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
@@ -21,6 +22,7 @@ from starlette.routing import Route
 import jaxpaged
 from jaxpaged import AsyncLLM
 from jaxpaged.chat_utils import render_chat
+from jaxpaged.engine.async_llm import EngineOverloadedError
 from server import protocol as P
 from server.metrics import MetricsExporter
 from server.responses import Reply, internal_error, prepend
@@ -29,9 +31,9 @@ from server.tools import ToolSettings, plan_tools
 logger = logging.getLogger(__name__)
 
 
-def _json(body: dict, status: int = 200) -> Response:
+def _json(body: dict, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     text = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
-    return Response(text, status_code=status, media_type="application/json")
+    return Response(text, status_code=status, media_type="application/json", headers=headers)
 
 
 async def _last_outputs(streams) -> list:
@@ -47,6 +49,24 @@ async def _disconnected(request: Request) -> None:
     """Returns when the client hangs up (the body is already read, so nothing else arrives)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+async def _unless_disconnected(request: Request, awaitable) -> tuple[bool, object]:
+    """(False, its result), or (True, None) when the client hangs up first: then `awaitable` is
+    cancelled, and so are the request streams it reads (which aborts them in the engine)."""
+    work = asyncio.ensure_future(awaitable)
+    gone = asyncio.ensure_future(_disconnected(request))
+    await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+    gone.cancel()
+    if work.done():
+        return False, work.result()
+    work.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await work
+    return True, None
+
+
+ENGINE_DEAD = P.APIError(503, "the engine loop is not running", code="engine_dead", type="server_error")
 
 
 class _Server:
@@ -136,27 +156,33 @@ class _Server:
             inputs = [({**prompt, "cache_salt": salt}, ids) for prompt, ids in inputs]
         gens = [self.engine.generate(prompt, sp, f"{request_id}-{i}", output_kind="cumulative")
                 for i, ((prompt, _), sp) in enumerate(zip(inputs, params))]
-        firsts = await asyncio.gather(*(anext(g) for g in gens), return_exceptions=True)
+        # a client that hangs up before its first token (a long prefill) aborts its requests then
+        gone, firsts = await _unless_disconnected(request, asyncio.gather(*(anext(g) for g in gens),
+                                                                          return_exceptions=True))
+        if gone:
+            for gen in gens:
+                await gen.aclose()
+            return Response(status_code=499)
         error = next((f for f in firsts if isinstance(f, BaseException)), None)
         if error is not None:
             for gen in gens:
                 await gen.aclose()
             if isinstance(error, ValueError):
                 raise P.bad_request(error, req)
+            if isinstance(error, EngineOverloadedError):   # --max-num-waiting: come back later, not a failure
+                raise P.APIError(503, str(error), None, "overloaded", "server_error", {"Retry-After": "1"})
+            if not self.engine.is_running:
+                raise ENGINE_DEAD
             raise error
         streams = [prepend(first, gen) for first, gen in zip(firsts, gens)]
         reply = Reply(self, req, model, request_id, params[0], tool_reader)
         if req.stream:
             return StreamingResponse(reply.events(streams), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        collect = asyncio.ensure_future(_last_outputs(streams))
-        gone = asyncio.ensure_future(_disconnected(request))
-        await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
-        gone.cancel()
-        if not collect.done():   # nobody will read the answer: free the blocks now
-            collect.cancel()
+        gone, finals = await _unless_disconnected(request, _last_outputs(streams))
+        if gone:   # nobody will read the answer: its blocks are free now
             return Response(status_code=499)
-        return _json(reply.whole(collect.result()))
+        return _json(reply.whole(finals))
 
     # ---- the other routes ----------------------------------------------------------------
     async def models(self, request: Request) -> Response:
@@ -193,8 +219,7 @@ class _Server:
     async def health(self, request: Request) -> Response:
         if self.engine.is_running:
             return Response(status_code=200)
-        return _json(P.APIError(503, "the engine loop is not running", code="engine_dead",
-                                type="server_error").to_dict(), 503)
+        return _json(ENGINE_DEAD.to_dict(), 503)
 
     async def metrics_text(self, request: Request) -> Response:
         body, content_type = self.metrics.render()
@@ -216,7 +241,7 @@ def _endpoint(server: _Server, handler, guarded: bool):
                 server.check_key(request)
             return await handler(request)
         except P.APIError as exc:
-            return _json(exc.to_dict(), exc.status)
+            return _json(exc.to_dict(), exc.status, exc.headers)
         except ValueError as exc:   # a user-triggered check deeper down
             return _json(P.APIError(400, str(exc), code="invalid_value").to_dict(), 400)
         except Exception as exc:

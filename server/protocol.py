@@ -33,9 +33,10 @@ _LOGPROB_FLOOR = -9999.0
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error"):
+                 type: str = "invalid_request_error", headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.headers = headers   # HTTP headers of the error response (Retry-After of a 503)
 
     def to_dict(self) -> dict:
         info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)

@@ -9,6 +9,7 @@ get a separate copy of the tokenizer for the same reason.
 """
 
 import asyncio
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -29,6 +30,10 @@ _CLOSED = object()   # queued when a request is aborted: its stream ends without
 
 class EngineRequestError(RuntimeError):
     """An internal failure while the engine processed a request (not a bad input)."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """A request refused because `max_num_waiting` requests already wait for a seat in the batch."""
 
 
 @dataclasses.dataclass
@@ -88,11 +93,20 @@ def _merge(older: RequestOutput | None, newer: RequestOutput) -> RequestOutput:
     return dataclasses.replace(newer, outputs=[merged[i] for i in sorted(merged)], prompt_logprobs=prompt_logprobs)
 
 
+def _check_max_num_waiting(value) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"max_num_waiting must be an integer >= 1 or None, got {value!r}")
+
+
 class AsyncLLM:
     """Serve many concurrent callers from one continuously batched engine."""
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, max_num_waiting: int | None = None):
+        """`max_num_waiting`: refuse a new request (EngineOverloadedError) while this many wait to
+        be scheduled; None: queue without bound."""
+        _check_max_num_waiting(max_num_waiting)
         self.engine = engine
+        self.max_num_waiting = max_num_waiting
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
         self.num_blocks = engine.num_blocks
@@ -111,9 +125,11 @@ class AsyncLLM:
         self._thread.start()
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, use_tqdm: bool = True) -> "AsyncLLM":
+    def from_engine_args(cls, args: EngineArgs, use_tqdm: bool = True,
+                         max_num_waiting: int | None = None) -> "AsyncLLM":
         from jaxpaged.engine.dp_engine import make_engine
-        return cls(make_engine(args, use_tqdm=use_tqdm))
+        _check_max_num_waiting(max_num_waiting)
+        return cls(make_engine(args, use_tqdm=use_tqdm), max_num_waiting)
 
     # ---- the caller's side ---------------------------------------------------------------
     async def generate(self, prompt: str | list[int] | dict, sampling_params: SamplingParams | None = None,
@@ -128,8 +144,8 @@ class AsyncLLM:
         and this stream joins them. While a stop string may still complete, its possible start
         is held back from the text until the next output.
 
-        Bad input raises ValueError before any output. An internal failure raises
-        EngineRequestError in this request only. Closing or cancelling the consumer aborts
+        Bad input raises ValueError before any output; a full queue (max_num_waiting) raises
+        EngineOverloadedError. An internal failure raises EngineRequestError in this request only. Closing or cancelling the consumer aborts
         the request; an abort from elsewhere ends the stream without a finished output.
         """
         if not self.is_running:
@@ -235,8 +251,13 @@ class AsyncLLM:
                     self._cond.wait()
                 commands, self._commands = self._commands, []
                 stopping = self._stopping
-            for command in commands:
-                self._apply(command, stopping)
+            for i, command in enumerate(commands):
+                try:
+                    self._apply(command, stopping)
+                except BaseException:   # the loop dies: _run answers this command and the rest
+                    with self._cond:
+                        self._commands[:0] = commands[i:]
+                    raise
             if stopping:
                 return
             if self.engine.has_unfinished_requests():
@@ -247,6 +268,12 @@ class AsyncLLM:
             _, stream, request_id, prompt, params = command
             if stopping:
                 stream.resolve_added(RuntimeError("AsyncLLM is shut down"))
+                return
+            queued = self._num_queued()
+            if self.max_num_waiting is not None and queued >= self.max_num_waiting:
+                stream.resolve_added(EngineOverloadedError(
+                    f"the server is overloaded: {queued} requests wait for a seat in the batch "
+                    f"(max_num_waiting {self.max_num_waiting}); retry later"))
                 return
             try:
                 self.engine.add_request(request_id, prompt, params, arrival_time=stream.arrival_monotonic)
@@ -271,6 +298,14 @@ class AsyncLLM:
                 self._publish_metrics()
             if ack is not None:
                 _resolve(*ack)
+
+    def _num_queued(self) -> int:
+        """Waiting requests beyond the batch's free seats: those the next step cannot take either.
+        Counted on the engine thread, where adds are applied one at a time, so a burst is exact."""
+        metrics = self.engine.get_metrics()
+        seats = self.args.max_num_seqs * len(self.engine.replicas())
+        free = max(0, seats - int(metrics["jaxpaged:num_requests_running"]))
+        return max(0, int(metrics["jaxpaged:num_requests_waiting"]) - free)
 
     def _step(self) -> None:
         try:
@@ -321,6 +356,8 @@ class AsyncLLM:
             except Exception:
                 logger.exception("aborting request %s failed", request_id)
             if stream is not None:
+                with contextlib.suppress(RuntimeError):   # its add was cut short: the error follows in the queue
+                    stream.resolve_added(None)
                 self._deliver(stream, error)
         self._publish_metrics()
 
