@@ -327,15 +327,18 @@ def test_a_step_failing_in_the_runner_is_a_500_and_poisons_no_prefix(urls, engin
 
 
 def test_64_streams_where_a_quarter_walk_away(urls):
-    """Completers finish; walkers disconnect after their first chunk and are aborted."""
+    """Completers finish with the text they get alone; walkers disconnect after their first chunk
+    and are aborted."""
     url = urls[0]
+    body = lambda i, walker: {"model": MODEL, "prompt": [3 + i, 7, 11], "temperature": 0.0,  # noqa: E731
+                              "max_tokens": 240 if walker else 5, "ignore_eos": True}
+    alone = {i: httpx.post(url + "/v1/completions", json=body(i, False)).json()["choices"][0]["text"]
+             for i in range(64) if i % 4}
     before = wait_idle(url)
 
     async def client_task(http, i):
         walker = i % 4 == 0
-        body = {"model": MODEL, "prompt": [3 + i, 7, 11], "stream": True, "temperature": 0.0,
-                "max_tokens": 240 if walker else 5, "ignore_eos": True}
-        async with http.stream("POST", url + "/v1/completions", json=body) as response:
+        async with http.stream("POST", url + "/v1/completions", json={**body(i, walker), "stream": True}) as response:
             assert response.status_code == 200
             events = []
             async for line in response.aiter_lines():
@@ -345,6 +348,7 @@ def test_64_streams_where_a_quarter_walk_away(urls):
                         return None
         assert events[-1] == "[DONE]"
         chunks = [json.loads(e) for e in events[:-1]]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == alone[i]
         return chunks[-1]["choices"][0]["finish_reason"]
 
     async def main():
