@@ -13,7 +13,7 @@ from jaxpaged import AsyncLLM
 from server import build_app
 from server import protocol as P
 from tests.server.test_async_llm import tiny_engine_args
-from tests.server.test_openai_server import metrics, start, wait_idle
+from tests.server.test_openai_server import metrics, serving, wait_idle
 
 MODEL = "tiny-llama"
 EXAMPLES = 60   # per route and mode: 240 requests in all
@@ -23,10 +23,8 @@ SCHEMA = schemathesis.openapi.from_dict(P.openapi_schema())
 @pytest.fixture(scope="module")
 def url():
     engine = AsyncLLM.from_engine_args(tiny_engine_args(max_num_seqs=8), use_tqdm=False)
-    server, thread, url = start(build_app(engine, [MODEL]))
-    yield url
-    server.should_exit = True
-    thread.join(10)
+    with serving(build_app(engine, [MODEL])) as urls:
+        yield urls[0]
     engine.shutdown()
 
 

@@ -18,7 +18,7 @@ import uvicorn
 from jaxpaged import AsyncLLM
 from server import build_app, serve
 from tests.server.test_async_llm import tiny_engine_args
-from tests.server.test_openai_server import gauge, start, wait_idle
+from tests.server.test_openai_server import serving, wait_idle
 from tests.tiny_models import tiny_checkpoint
 
 MODEL = "tiny-llama"
@@ -35,10 +35,8 @@ def engine():
 
 @pytest.fixture(scope="module")
 def url(engine):
-    server, thread, url = start(build_app(engine, [MODEL]))
-    yield url
-    server.should_exit = True
-    thread.join(10)
+    with serving(build_app(engine, [MODEL])) as urls:
+        yield urls[0]
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 official `openai` client and by plain HTTP for what the client hides (errors, SSE, metrics)."""
 
 import asyncio
+import contextlib
 import json
 import logging
 import socket
@@ -35,6 +36,18 @@ def start(app) -> tuple[uvicorn.Server, threading.Thread, str]:
     return server, thread, f"http://127.0.0.1:{port}"
 
 
+@contextlib.contextmanager
+def serving(*apps):
+    """The apps served by uvicorn on free loopback ports, stopped on exit; yields their URLs."""
+    servers = [start(app) for app in apps]
+    try:
+        yield [url for _, _, url in servers]
+    finally:
+        for server, thread, _ in servers:
+            server.should_exit = True
+            thread.join(10)
+
+
 @pytest.fixture(scope="module")
 def engine():
     llm = AsyncLLM.from_engine_args(tiny_engine_args(), use_tqdm=False)
@@ -45,11 +58,8 @@ def engine():
 @pytest.fixture(scope="module")
 def urls(engine):
     """Two apps on one engine: an open one and one that wants an API key."""
-    servers = [start(build_app(engine, [MODEL, "alias"])), start(build_app(engine, [MODEL], api_key=KEY))]
-    yield servers[0][2], servers[1][2]
-    for server, thread, _ in servers:
-        server.should_exit = True
-        thread.join(10)
+    with serving(build_app(engine, [MODEL, "alias"]), build_app(engine, [MODEL], api_key=KEY)) as urls:
+        yield urls
 
 
 @pytest.fixture(scope="module")

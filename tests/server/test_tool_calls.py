@@ -13,7 +13,7 @@ from jaxpaged import AsyncLLM
 from server import build_app
 from server.tools import ToolSettings
 from tests.server.test_async_llm import tiny_engine_args
-from tests.server.test_openai_server import start
+from tests.server.test_openai_server import serving
 from tests.tiny_models import tiny_checkpoint
 
 MODEL = "tiny-llama"
@@ -48,12 +48,9 @@ def engine():
 @pytest.fixture(scope="module")
 def urls(engine):
     """One app with auto tool choice (Hermes parser) and one without."""
-    servers = [start(build_app(engine, [MODEL], tool_settings=ToolSettings(True, "hermes"), chat_template=TEMPLATE)),
-               start(build_app(engine, [MODEL], chat_template=TEMPLATE))]
-    yield [url for _, _, url in servers]
-    for server, thread, _ in servers:
-        server.should_exit = True
-        thread.join(10)
+    with serving(build_app(engine, [MODEL], tool_settings=ToolSettings(True, "hermes"), chat_template=TEMPLATE),
+                 build_app(engine, [MODEL], chat_template=TEMPLATE)) as urls:
+        yield urls
 
 
 @pytest.fixture(scope="module")
