@@ -11,6 +11,12 @@ t's output on the device. A request that stops at step t wastes its slot in step
 min_tokens masks and step counters live on the device (the runner's persistent batch), and
 n > 1 forks start when their first token is dispatched. Steps run one at a time instead
 (schedule, dispatch, fetch) only when async scheduling is off.
+
+Structured outputs keep the overlap: a step with a constrained request dispatches only its
+forward, then step t is fetched and applied (its tokens advance the grammar matchers), and
+only then is step t+1's bitmask filled and its sampler queued:
+
+    step():  schedule t+1  ->  forward t+1  ->  fetch t  ->  tokens of t  ->  mask, sample t+1
 """
 
 import atexit
@@ -74,7 +80,6 @@ class LLMEngine:
         self._in_flight = collections.deque()           # (plan, pending) dispatched, not fetched, oldest first
         self._ids = itertools.count()
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)   # structured outputs
-        self._constrained: set[str] = set()   # sequence ids with a grammar (pruned to the live ones each step)
         if self.runner.channel is not None and self.runner.channel.is_leader:
             atexit.register(self.shutdown)   # followers must not wait forever for a step
 
@@ -113,8 +118,6 @@ class LLMEngine:
             request = Request(core_id, token_ids, params, self.eos_token_ids, arrival_time, seed, max_tokens,
                               cache_salt)
             request.matcher = matchers[i]
-            if request.matcher is not None:
-                self._constrained.add(core_id)
             sequences.append(SequenceState(request, i, self.tokenizer, request_id))
         state = RequestState(request_id, text, token_ids, sequences)
         # n > 1: one sequence prefills; the others fork off it (sharing its blocks) when it samples
@@ -201,10 +204,7 @@ class LLMEngine:
         With async scheduling the outputs are those of the previous device step, whose
         tokens are fetched while this call's step runs.
         """
-        # A constrained request's next mask needs its last token on the host: while any runs, each
-        # step is fetched before the next is planned.
-        self._constrained &= self._seqs.keys()   # O(constrained sequences), not O(all) per step
-        overlap = self.args.async_scheduling and not self._constrained
+        overlap = self.args.async_scheduling
         outputs = []
         while len(self._in_flight) > (1 if overlap else 0):   # plan with at most one step unfetched
             outputs += self._complete()
@@ -220,6 +220,14 @@ class LLMEngine:
                 raise self._fail_steps([plan], exc) from exc
             self.scheduler.commit(plan)
             self._in_flight.append((plan, pending))
+            if not pending.is_sampled:   # a constrained row: its mask needs the step in flight applied
+                while len(self._in_flight) > 1:
+                    outputs += self._complete()
+                try:
+                    self.runner.sample(pending)
+                except Exception as exc:
+                    self._in_flight.clear()
+                    raise self._fail_steps([plan], exc) from exc
         else:
             self.runner.move_blocks(plan)
         # with overlap, step t's tokens while step t+1 runs; else this step's own

@@ -158,16 +158,19 @@ def largest_buckets(shapes) -> list:
 
 
 def step_memory(runner, shape) -> StepMemory:
-    """Memory analysis of `runner`'s step compiled for `shape` (compiles; runs nothing)."""
-    analysis = runner.compile_step(shape).memory_analysis()
-    if analysis is None:
+    """Memory analysis of `runner`'s step compiled for `shape`, its forward and sampler together
+    (compiles; runs nothing). They run one after the other: the larger temporaries count."""
+    forward, sampler = (c.memory_analysis() for c in runner.compile_step(shape))
+    if forward is None or sampler is None:
         raise ValueError("this backend gives no memory analysis of the compiled step: pass "
                          "kv_cache_memory_bytes or num_gpu_blocks_override")
     weights = sum(x.nbytes for x in jax.tree.leaves(runner.state) if hasattr(x, "nbytes"))
     state = runner.slot_state.nbytes
-    inputs = analysis.argument_size_in_bytes - weights - runner.kv_pool.nbytes - state
-    outputs = analysis.output_size_in_bytes - analysis.alias_size_in_bytes
-    return StepMemory(analysis.temp_size_in_bytes, max(inputs, 0), max(outputs, 0), state)
+    # the sampler's inputs besides the weights and the persistent batch are the forward's outputs
+    inputs = forward.argument_size_in_bytes - weights - runner.kv_pool.nbytes - state
+    outputs = sum(a.output_size_in_bytes - a.alias_size_in_bytes for a in (forward, sampler))
+    temp = max(forward.temp_size_in_bytes, sampler.temp_size_in_bytes)
+    return StepMemory(temp, max(inputs, 0), max(outputs, 0), state)
 
 
 def step_reserve_bytes(runner) -> int:

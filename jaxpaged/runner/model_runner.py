@@ -1,7 +1,8 @@
-"""The model runner: a scheduler plan in, sampled tokens out, through one jitted step.
+"""The model runner: a scheduler plan in, sampled tokens out, through one step in two executables.
 
-    step(weights, kv_pool, slots, buffer, prev_tokens) -> (kv_pool, slots, packed, ...)
-                                                        kv_pool and slots donated
+    forward(weights, kv_pool, slots, buffer, prev_tokens) -> (kv_pool, slots, rows, ...)
+    sample(weights, slots, rows, bitmask)                 -> (slots, packed, tokens)
+                                                 kv_pool and slots donated; rows stay on the device
 
 `buffer` is one i32 vector holding every per-step input (StepLayout), so each step costs one
 host->device copy; `slots` is the persistent batch (persistent_batch.py): block tables,
@@ -11,12 +12,19 @@ each step costs exactly one device->host copy. `dispatch` returns as soon as the
 queued (JAX dispatch is asynchronous) so the engine can do host work while it runs;
 `fetch` blocks on that one copy.
 
+Structured outputs: `dispatch` queues the forward and, when no sample row is constrained, the
+sampler right behind it (with a resident all-ones bitmask: nothing more moves). A step with
+constrained rows waits for `sample(pending)`: the engine first applies the previous step's
+tokens to the rows' grammar matchers, so the host fills this step's bitmask while its forward
+runs on the device.
+
 Async scheduling: a step may be dispatched before the previous one is fetched. A request
 whose last token is still on the device (a placeholder, see Request.num_placeholders)
 takes it from the previous step's sampled tokens, inside the step.
 
-The compiled step is a closed set: one executable per shape bucket (`warmup_shapes`),
-compiled at start-up; every sampling feature changes input values, never the executable.
+The compiled step is a closed set: one forward per shape bucket (`warmup_shapes`) and one
+sampler per sample-row count (and kind of bucket), compiled at start-up; every sampling feature
+changes input values, never the executable.
 """
 
 import concurrent.futures
@@ -35,11 +43,11 @@ from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.parallel import POOL_SPEC
 from jaxpaged.runner.batch_builder import PREFILL_Q_TILE, BatchShape, SeqChunk, choose_shape, next_bucket
 from jaxpaged.runner.block_ops import HostSwapSpace, committed, copy_blocks, warm_up_block_moves
-from jaxpaged.runner.multihost import (OP_MOVE, OP_STEP, OP_STOP, OP_UPDATES, StepChannel, is_multihost,
-                                       pairs_payload, split_pairs)
+from jaxpaged.runner.multihost import (OP_MOVE, OP_SAMPLE, OP_STEP, OP_STOP, OP_UPDATES, StepChannel,
+                                       is_multihost, pairs_payload, split_pairs)
 from jaxpaged.runner.persistent_batch import (SlotState, SlotTable, StepLayout, apply_updates, pack_updates,
                                               warm_up_updates)
-from jaxpaged.runner.step import StepStatics, step_fn
+from jaxpaged.runner.step import SampleStatics, StepStatics, forward_fn, sample_fn
 from jaxpaged.runner.structured_outputs import bitmask_words, fill_bitmask
 from jaxpaged.sampling_params import MAX_LOGPROBS
 from pallas_kernels import kv_pool_shape
@@ -78,13 +86,19 @@ class StepResult:
 
 @dataclasses.dataclass
 class _Pending:
-    packed: jax.Array                                 # f32[S * (3 + 2K)]: one row per sample row
+    shape: BatchShape
+    sample_rows: object | None                        # SampleRows on the device until the sampler is queued
+    constrained: list[tuple[int, object]]             # (sample row, Request with a grammar matcher)
     prompt_packed: jax.Array | None                   # f32[T * (2 + 2K)]; None: no prompt logprobs asked
-    tokens: jax.Array                                 # i32[MAX_ROWS]: sampled tokens, for the next step
     rows: list[tuple[str, int]]                       # (request_id, sample row)
     lp_rows: list[tuple[str, int, int, int]]          # (request_id, first flat token, count, start position)
-    num_seqs: int
     num_logprobs: int
+    packed: jax.Array | None = None                   # f32[S * (3 + 2K)]: one row per sample row (once sampled)
+    tokens: jax.Array | None = None                   # i32[MAX_ROWS]: sampled tokens, for the next step
+
+    @property
+    def is_sampled(self) -> bool:
+        return self.sample_rows is None
 
 
 class ModelRunner:
@@ -108,7 +122,8 @@ class ModelRunner:
         self.bitmask_words = bitmask_words(cfg.vocab_size)   # structured outputs: i32 words per mask row
         self._all_allowed = {}              # sample rows -> a device bitmask of all ones (no transfer per step)
         self.max_moved_blocks = next_bucket(self.max_blocks_per_seq, 4)   # per swap or copy call
-        self._compiled = {}                 # BatchShape -> the step compiled for it
+        self._compiled = {}                 # BatchShape -> the forward compiled for it
+        self._samplers = {}                 # (sample rows, skip_padding) -> the sampler compiled for them
         self._warmed_up = False             # warmup() ran: a later compile is a missing bucket
         # the persistent batch: one slot per sequence a step can hold
         self.slot_table = SlotTable(max_num_seqs, cfg.vocab_size)
@@ -156,8 +171,14 @@ class ModelRunner:
         to what changed: new tokens, appended blocks, requests taking a slot.
 
         `prev` is the step still in flight, if any: a request whose last token it is sampling
-        (a placeholder) reads that token from prev's device output, inside this step.
+        (a placeholder) reads that token from prev's device output, inside this step (prev's
+        sampler is queued first if it was not).
+
+        With a constrained sample row (structured outputs) only the forward is queued: call
+        `sample(pending)` once the rows' matchers have their previous tokens (fetch does, if not).
         """
+        if prev is not None and not prev.is_sampled:
+            self.sample(prev)
         self.move_blocks(plan)
         slots = self.slot_table
         slots.begin_step(plan.preempted)
@@ -167,7 +188,7 @@ class ModelRunner:
         chunks, rows, lp_rows, lp_targets = [], [], [], []
         seq_slots, row_slots, count_slots = [], [], []
         sample_tokens = []  # per sample row: the flat index of the token whose logits it samples from
-        constrained = []    # (sample row, grammar matcher): structured outputs
+        constrained = []    # (sample row, request with a grammar matcher): structured outputs
         for chunk in plan.chunks:
             request = chunk.request
             n = chunk.num_new_tokens
@@ -186,7 +207,7 @@ class ModelRunner:
             if chunk.samples:
                 rows.append((request.request_id, len(sample_tokens)))
                 if request.matcher is not None:
-                    constrained.append((len(sample_tokens), request.matcher))
+                    constrained.append((len(sample_tokens), request))
             sample_tokens.append(flat + n - 1)
             seq_slots.append(slot)
             row_slots.append(slot)
@@ -198,7 +219,7 @@ class ModelRunner:
                 slot = slots.slot_for(child)
                 rows.append((child.request_id, len(sample_tokens)))
                 if child.matcher is not None:
-                    constrained.append((len(sample_tokens), child.matcher))
+                    constrained.append((len(sample_tokens), child))
                 sample_tokens.append(sample_tokens[i])
                 row_slots.append(slot)
                 count_slots.append(slot)
@@ -226,21 +247,37 @@ class ModelRunner:
             v["prev_index"][:len(from_prev)], v["prev_source"][:len(from_prev)] = zip(*from_prev)
         pack_updates(in_step, layout.num_updates, v["updates"])
         prev_tokens = prev.tokens if prev is not None else self._no_prev_tokens
-        bitmask = None
-        if constrained:   # the host fills the rows of constrained requests; the rest allow everything
-            bitmask = np.full((shape.num_logits, self.bitmask_words), -1, np.int32)
-            for row, matcher in constrained:
-                fill_bitmask(bitmask, row, matcher)
         if self.channel is not None:
             self.channel.send(OP_STEP, (shape.num_tokens, shape.num_seqs, shape.num_logits, shape.q_tile,
-                                        int(prev is not None), int(bitmask is not None)),
-                              buffer if bitmask is None else np.concatenate([buffer, bitmask.reshape(-1)]))
-        self.kv_pool, self.slot_state, packed, prompt_packed, tokens_out = self._step(
-            shape, self.state, self.kv_pool, self.slot_state, self.plan.put(buffer), prev_tokens,
-            self._bitmask_arg(shape, bitmask))
+                                        int(prev is not None)), buffer)
+        forward, _ = self._executables(shape)
+        self.kv_pool, self.slot_state, sample_rows, prompt_packed = forward(
+            self.state, self.kv_pool, self.slot_state, self.plan.put(buffer), prev_tokens)
         self.steps_run += 1
-        return _Pending(packed, prompt_packed if lp_rows else None, tokens_out, rows, lp_rows, shape.num_seqs,
-                        self.max_logprobs)
+        pending = _Pending(shape, sample_rows, constrained, prompt_packed if lp_rows else None, rows, lp_rows,
+                           self.max_logprobs)
+        if not constrained:
+            self.sample(pending)
+        return pending
+
+    def sample(self, pending: _Pending) -> None:
+        """Queue the sampler of a dispatched step (no-op if queued). Its constrained rows' bitmask is
+        filled now, from their matchers: each must have consumed every token before this step's.
+        A row whose request finished meanwhile allows everything (its token is dropped)."""
+        if pending.is_sampled:
+            return
+        bitmask = None
+        if pending.constrained:   # the host fills the rows of constrained requests; the rest allow everything
+            bitmask = np.full((pending.shape.num_logits, self.bitmask_words), -1, np.int32)
+            for row, request in pending.constrained:
+                if not request.is_finished:
+                    fill_bitmask(bitmask, row, request.matcher)
+        if self.channel is not None:
+            self.channel.send(OP_SAMPLE, (int(bitmask is not None),), bitmask)
+        _, sampler = self._executables(pending.shape)
+        self.slot_state, pending.packed, pending.tokens = sampler(
+            self.state, self.slot_state, pending.sample_rows, self._bitmask_arg(pending.shape, bitmask))
+        pending.sample_rows = None
 
     def _bitmask_arg(self, shape: BatchShape, bitmask: np.ndarray | None):
         """The step's bitmask input: sent when some row is constrained, else kept on the device."""
@@ -253,27 +290,41 @@ class ModelRunner:
             self._all_allowed[shape.num_logits] = allowed
         return allowed
 
-    def _step(self, shape: BatchShape, *args):
-        """Run the step compiled for `shape` (compiling it first if start-up did not)."""
-        compiled = self._compiled.get(shape)
-        if compiled is None:   # expected only without compile_on_startup
+    def _executables(self, shape: BatchShape):
+        """The forward and sampler compiled for `shape` (compiling them first if start-up did not)."""
+        forward, sampler = self._compiled.get(shape), self._samplers.get(_sampler_key(shape))
+        if forward is None or sampler is None:   # expected only without compile_on_startup
             log = logger.warning if self._warmed_up else logger.debug
             log("compiling a step variant not compiled at start-up: %s", shape)
-            compiled = self.compile_step(shape)
-        return compiled(*args)
+            forward, sampler = self.compile_step(shape)
+        return forward, sampler
 
     def compile_step(self, shape: BatchShape):
-        """Compile (and keep) the step for `shape`; returns the jax.stages.Compiled."""
-        layout = StepLayout(shape.num_tokens, shape.num_seqs)
-        statics = StepStatics(self.graphdef, layout, shape.q_tile, self.block_size, self.max_logprobs, self.plan)
-        buffer = layout.empty(self.slot_table.pad_slot)[0]   # its shape only: nothing moves while compiling
-        replicated = self.plan.array_sharding(P())
-        args = (self.state, self.kv_pool, self.slot_state,
-                jax.ShapeDtypeStruct(buffer.shape, buffer.dtype, sharding=replicated), self._no_prev_tokens,
-                jax.ShapeDtypeStruct((shape.num_logits, self.bitmask_words), jnp.int32, sharding=replicated))
-        compiled = step_fn.lower(statics, *args).compile()
-        self._compiled[shape] = compiled
-        return compiled
+        """Compile (and keep) the forward for `shape` and, unless kept already, its sampler;
+        returns both jax.stages.Compiled."""
+        forward = self._compiled.get(shape)
+        if forward is None:
+            layout = StepLayout(shape.num_tokens, shape.num_seqs)
+            statics = StepStatics(self.graphdef, layout, shape.q_tile, self.block_size, self.max_logprobs,
+                                  self.plan)
+            buffer = layout.empty(self.slot_table.pad_slot)[0]   # its shape only: nothing moves while compiling
+            args = (self.state, self.kv_pool, self.slot_state,
+                    jax.ShapeDtypeStruct(buffer.shape, buffer.dtype, sharding=self.plan.array_sharding(P())),
+                    self._no_prev_tokens)
+            forward = self._compiled[shape] = forward_fn.lower(statics, *args).compile()
+        key = _sampler_key(shape)
+        sampler = self._samplers.get(key)
+        if sampler is None:
+            # the forward's rows come replicated, like the bitmask (one device: no sharding is
+            # declared, which would commit the sampler's outputs and miss jit caches downstream)
+            replicated = self.plan.array_sharding(P())
+            rows = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
+                                forward.out_info[2])
+            statics = SampleStatics(self.graphdef, key[1], self.max_logprobs, self.max_num_seqs, self.plan)
+            bitmask = jax.ShapeDtypeStruct((shape.num_logits, self.bitmask_words), jnp.int32, sharding=replicated)
+            sampler = self._samplers[key] = sample_fn.lower(statics, self.state, self.slot_state, rows,
+                                                            bitmask).compile()
+        return forward, sampler
 
     # ---- several hosts ----------------------------------------------------------------------
     def follow(self) -> int:
@@ -294,12 +345,14 @@ class ModelRunner:
             elif op == OP_STEP:
                 shape = BatchShape(*args[:4])
                 prev_tokens = last_tokens if args[4] else self._no_prev_tokens
-                size = StepLayout(shape.num_tokens, shape.num_seqs).size
-                bitmask = payload[size:].reshape(shape.num_logits, self.bitmask_words) if args[5] else None
-                self.kv_pool, self.slot_state, _, _, last_tokens = self._step(
-                    shape, self.state, self.kv_pool, self.slot_state, self.plan.put(payload[:size]), prev_tokens,
-                    self._bitmask_arg(shape, bitmask))
+                forward, sampler = self._executables(shape)
+                self.kv_pool, self.slot_state, sample_rows, _ = forward(
+                    self.state, self.kv_pool, self.slot_state, self.plan.put(payload), prev_tokens)
                 self.steps_run += 1
+            elif op == OP_SAMPLE:   # the sampler of the last step run
+                bitmask = payload.reshape(shape.num_logits, self.bitmask_words) if args[0] else None
+                self.slot_state, _, last_tokens = sampler(self.state, self.slot_state, sample_rows,
+                                                          self._bitmask_arg(shape, bitmask))
             else:
                 raise RuntimeError(f"unknown operation {op} from rank 0")
 
@@ -309,9 +362,11 @@ class ModelRunner:
             self.channel.send(OP_STOP)
 
     def fetch(self, pending: _Pending) -> StepResult:
-        """Block on the step's device->host copy (two with prompt logprobs) and unpack it."""
+        """Block on the step's device->host copy (two with prompt logprobs) and unpack it (its
+        sampler is queued first if it was not)."""
+        self.sample(pending)
         flat = _to_host(pending.packed)
-        S, K = pending.num_seqs, pending.num_logprobs
+        S, K = pending.shape.num_logits, pending.num_logprobs
         width = 3 + 2 * K
         main = flat.reshape(S, width)
         as_int = lambda a: a.view(np.int32)  # noqa: E731
@@ -341,17 +396,19 @@ class ModelRunner:
         return shapes
 
     def warmup(self, shapes: list[BatchShape], progress=None) -> None:
-        """Compile the step for every shape in `shapes` (nothing runs), and the block moves for
-        every bucket (each runs once, moving nothing)."""
+        """Compile the forward and the sampler for every shape in `shapes` (nothing runs), and the
+        block moves for every bucket (each runs once, moving nothing)."""
         # XLA compiles outside the GIL: a few threads use the host's cores (each variant alone is
-        # mostly single-threaded).
+        # mostly single-threaded). Shapes sharing a sampler: the first compiles it, the rest after it.
         todo = [shape for shape in shapes if shape not in self._compiled]
+        firsts = list({_sampler_key(shape): shape for shape in reversed(todo)}.values())
         for shape in shapes:   # the all-allowed bitmasks, made here (not in the compile threads)
             self._bitmask_arg(shape, None)
-        with concurrent.futures.ThreadPoolExecutor(max(1, min(len(todo), os.cpu_count() or 1))) as pool:
-            for _ in pool.map(self.compile_step, todo):
-                if progress is not None:
-                    progress.update(1)
+        for batch in (firsts, [shape for shape in todo if shape not in firsts]):
+            with concurrent.futures.ThreadPoolExecutor(max(1, min(len(batch), os.cpu_count() or 1))) as pool:
+                for _ in pool.map(self.compile_step, batch):
+                    if progress is not None:
+                        progress.update(1)
         if progress is not None:
             progress.update(len(shapes) - len(todo))
         self._warmed_up = True
@@ -359,8 +416,14 @@ class ModelRunner:
                                            self.swap_space)
         self.slot_state = warm_up_updates(self.slot_state, self.plan)
         if self.channel is not None:   # several hosts: the step inputs' broadcasts, up to the largest step's
-            self.channel.warm_up(max(StepLayout(s.num_tokens, s.num_seqs).size + s.num_logits * self.bitmask_words
+            self.channel.warm_up(max(max(StepLayout(s.num_tokens, s.num_seqs).size, s.num_logits * self.bitmask_words)
                                      for s in shapes))
+
+
+def _sampler_key(shape: BatchShape) -> tuple[int, bool]:
+    """What a sampler is compiled for: the sample-row count, and whether padding rows are skipped
+    (a prompt step's bucket is mostly padding; a decode bucket is at most half)."""
+    return shape.num_logits, shape.q_tile != 1
 
 
 def _to_host(x: jax.Array) -> np.ndarray:

@@ -7,7 +7,8 @@ same inputs, so:
 
 - rank 0 (the leader) owns the scheduler, the prefix cache and (serving) the HTTP server, and
   plans every step as with one host;
-- before each device operation of its runner (block moves, persistent-batch updates, a step)
+- before each device operation of its runner (block moves, persistent-batch updates, a
+  step's forward, its sampler with the bitmask)
   it broadcasts what the operation needs (`StepChannel`: a header and an i32 payload, through
   JAX's own cross-process collective, `multihost_utils.broadcast_one_to_all`);
 - every other rank (a follower) runs `ModelRunner.follow()`: it receives each operation and
@@ -25,7 +26,7 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-OP_STOP, OP_MOVE, OP_UPDATES, OP_STEP = range(4)
+OP_STOP, OP_MOVE, OP_UPDATES, OP_STEP, OP_SAMPLE = range(5)   # OP_STEP: a forward; OP_SAMPLE: its sampler
 HEADER_SIZE = 8
 PAYLOAD_FLOOR = 256   # payloads are padded to a power of two at least this long (few broadcast shapes)
 

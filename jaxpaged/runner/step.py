@@ -1,6 +1,10 @@
-"""The engine's jitted step: one executable per shape bucket (compiled by ModelRunner).
+"""The engine's jitted step, in two executables (compiled by ModelRunner):
 
-    step(weights, kv_pool, slots, buffer, prev_tokens, bitmask) -> (kv_pool, slots, packed, prompt_packed, tokens)
+    forward(weights, kv_pool, slots, buffer, prev_tokens) -> (kv_pool, slots, rows, prompt_packed)
+    sample(weights, slots, rows, bitmask)                 -> (slots, packed, tokens)
+
+one forward per shape bucket and one sampler per sample-row count. The split lets the host fill
+a structured-output bitmask while the forward runs (vLLM V1's execute_model / sample_tokens).
 
 Inputs and outputs are described in model_runner.py; this module holds the traced code only.
 """
@@ -57,7 +61,7 @@ def _row_logits(compute, rows, num_rows, axis: int):
 
 @dataclasses.dataclass(frozen=True)
 class StepStatics:
-    """What a compiled step is specialised on (besides its input shapes)."""
+    """What a compiled forward is specialised on (besides its input shapes)."""
 
     graphdef: object
     layout: StepLayout
@@ -67,15 +71,36 @@ class StepStatics:
     plan: ShardPlan
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2, 3))
-def step_fn(statics: StepStatics, state, kv_pool, slots: SlotState, buffer, prev_tokens, bitmask):
-    """One engine step. buffer: i32[layout.size], every per-step input (StepLayout); slots: the
-    persistent batch (block tables, sampling parameters and penalty state, donated);
-    prev_tokens: i32[MAX_ROWS], the previous step's sampled tokens, of which row prev_source[i]
-    becomes input token prev_index[i] (out-of-bounds indices are dropped); bitmask:
-    i32[S, ceil(V / 32)], each sample row's allowed tokens (structured outputs; all ones: any).
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SampleRows:
+    """What the forward hands the sampler, one entry per sample row (left on the device)."""
 
-    Returns (kv_pool, slots, packed f32[S * (3 + 2K)], prompt_packed f32[T * (2 + 2K)], tokens i32[MAX_ROWS]).
+    hidden: jax.Array        # [S, hidden]: the hidden state of the token whose logits the row samples from
+    row_slots: jax.Array     # i32[S]: the slot whose sampling parameters the row reads
+    count_slots: jax.Array   # i32[S]: the slot that counts the row's token (out of bounds: it counts nowhere)
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleStatics:
+    """What a compiled sampler is specialised on: besides these, only the sample-row count S."""
+
+    graphdef: object
+    skip_padding: bool       # a prompt step's rows are mostly padding: their logits are skipped
+    num_logprobs: int
+    max_rows: int            # the next step's in-flight tokens: i32[max_rows]
+    plan: ShardPlan
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2, 3))
+def forward_fn(statics: StepStatics, state, kv_pool, slots: SlotState, buffer, prev_tokens):
+    """The first half of an engine step: everything up to the sample rows' hidden states.
+    buffer: i32[layout.size], every per-step input (StepLayout); slots: the persistent batch
+    (block tables, sampling parameters and penalty state, donated); prev_tokens: i32[MAX_ROWS],
+    the previous step's sampled tokens, of which row prev_source[i] becomes input token
+    prev_index[i] (out-of-bounds indices are dropped).
+
+    Returns (kv_pool, slots, SampleRows, prompt_packed f32[T * (2 + 2K)]).
     """
     f = statics.layout.unpack(buffer)
     slots = apply_step_updates(slots, f["updates"])
@@ -87,28 +112,43 @@ def step_fn(statics: StepStatics, state, kv_pool, slots: SlotState, buffer, prev
     model = nnx.merge(statics.graphdef, state)
     kv_pool, hidden = model.hidden_states(kv_pool, batch)
     K = statics.num_logprobs
-    smd = sampling_metadata(slots, f["row_slots"], K, bitmask)
-    rows = hidden[batch.logits_indices]                                # [S, hidden]
+    rows = SampleRows(hidden[batch.logits_indices], f["row_slots"], f["count_slots"])
+    targets = f["prompt_targets"]
+    prompt_packed = jax.lax.cond(jnp.any(targets >= 0), lambda: _prompt_logprobs(model, hidden, targets, K),
+                                 lambda: jnp.zeros(hidden.shape[0] * (2 + 2 * K), jnp.float32))
+    # with a mesh: the pool stays sharded by KV heads, everything else comes back replicated, so
+    # the sampler and the next step (compiled for exactly these shardings) take them as they are
+    plan = statics.plan
+    kv_pool = plan.constrain(kv_pool, POOL_SPEC)
+    slots, rows, prompt_packed = (jax.tree.map(lambda a: plan.constrain(a, P()), x)
+                                  for x in (slots, rows, prompt_packed))
+    return kv_pool, slots, rows, prompt_packed
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def sample_fn(statics: SampleStatics, state, slots: SlotState, rows: SampleRows, bitmask):
+    """The second half of an engine step: LM head and sampler. bitmask: i32[S, ceil(V / 32)],
+    each sample row's allowed tokens (structured outputs; all ones: any), filled on the host
+    while the forward runs.
+
+    Returns (slots, packed f32[S * (3 + 2K)], tokens i32[max_rows]).
+    """
+    model = nnx.merge(statics.graphdef, state)
+    K = statics.num_logprobs
+    smd = sampling_metadata(slots, rows.row_slots, K, bitmask)
     # decode buckets are at most half padding; a prompt step's many padding rows skip the matmul
-    num_rows = None if statics.q_tile == 1 else jnp.sum(f["row_slots"] != slots.params.shape[0] - 1)
+    num_rows = jnp.sum(rows.row_slots != slots.params.shape[0] - 1) if statics.skip_padding else None
     out = jax.lax.cond(
         is_plain_greedy(smd),   # the common decode case, in the CPU-friendly layout
         lambda h: greedy_from_transposed(_row_logits(model.compute_logits_transposed, h, num_rows, 1), K),
         lambda h: sample(_row_logits(model.compute_logits, h, num_rows, 0), smd),
-        rows)
-    slots = count_sampled(slots, f["count_slots"], out.token_ids)
+        rows.hidden)
+    slots = count_sampled(slots, rows.count_slots, out.token_ids)
     packed = _pack(out.token_ids, out.logprobs, out.ranks, out.topk_ids, out.topk_logprobs)
-    targets = f["prompt_targets"]
-    prompt_packed = jax.lax.cond(jnp.any(targets >= 0), lambda: _prompt_logprobs(model, hidden, targets, K),
-                                 lambda: jnp.zeros(hidden.shape[0] * (2 + 2 * K), jnp.float32))
-    tokens = jnp.zeros(prev_tokens.shape, jnp.int32).at[:out.token_ids.shape[0]].set(out.token_ids)
-    # with a mesh: the pool stays sharded by KV heads, everything else comes back replicated, so
-    # the next step (compiled for exactly these shardings) takes them as they are
+    tokens = jnp.zeros(statics.max_rows, jnp.int32).at[:out.token_ids.shape[0]].set(out.token_ids)
     plan = statics.plan
-    kv_pool = plan.constrain(kv_pool, POOL_SPEC)
-    slots, packed, prompt_packed, tokens = (jax.tree.map(lambda a: plan.constrain(a, P()), x)
-                                            for x in (slots, packed, prompt_packed, tokens))
-    return kv_pool, slots, packed, prompt_packed, tokens
+    slots, packed, tokens = (jax.tree.map(lambda a: plan.constrain(a, P()), x) for x in (slots, packed, tokens))
+    return slots, packed, tokens
 
 
 def _prompt_logprobs(model, hidden, targets, K):

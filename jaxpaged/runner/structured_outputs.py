@@ -4,8 +4,9 @@ llguidance compiles a request's constraint (JSON schema, regex, choice, Lark gra
 the model's tokenizer once, when the request is added (a bad constraint is a ValueError then),
 and after each sampled token fills that sequence's row of the step's token bitmask
 (`[rows, ceil(vocab / 32)]` i32, bit j of word w allows token 32 w + j) through its numpy
-interface. The runner sends the bitmask with the step and the sampler masks disallowed tokens
-on the device. Tokens past the tokenizer's vocabulary (a padded embedding) are never allowed.
+interface. The runner fills a step's rows while its forward runs (after the previous step's
+tokens were applied), sends the bitmask with the step's sampler, and the sampler masks
+disallowed tokens on the device. A row whose request finished meanwhile allows everything. Tokens past the tokenizer's vocabulary (a padded embedding) are never allowed.
 
 A request's matcher advances on each of its tokens as the engine applies them; preemption
 keeps it (recompute re-prefills tokens the matcher already consumed; nothing rolls back).

@@ -215,3 +215,60 @@ def test_a_decode_step_sends_its_inputs_in_one_transfer(llms, monkeypatch):
     assert puts == [np.ndarray] * 20
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def _constrained_workload():
+    """Unconstrained requests beside constrained ones whose allowed next token depends on the one
+    before (an alternation), a choice that stops its request mid-flight, and n = 2 forks."""
+    from jaxpaged import StructuredOutputsParams
+
+    prompts, params = _workload()
+    alternating = StructuredOutputsParams(regex="(ab|ba|cd|dc){6}")
+    choice = StructuredOutputsParams(choice=["yes", "no", "maybe"])
+    prompts += [{"prompt_token_ids": [5, 17, 230]}, {"prompt_token_ids": [9, 8, 7, 6]}, {"prompt_token_ids": [40]}]
+    params += [SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=alternating),
+               SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=20, structured_outputs=alternating),
+               SamplingParams(temperature=1.0, seed=2, max_tokens=20, structured_outputs=choice)]
+    return prompts, params
+
+
+def test_a_constrained_request_keeps_steps_overlapped(llms):
+    """Structured outputs: step t+1's forward is dispatched before step t is fetched, with the
+    outputs of an engine without async scheduling."""
+    on, off = llms
+    prompts, params = _constrained_workload()
+    calls = _record_calls(on)
+    a = on.generate(prompts, params, use_tqdm=False)
+    assert _overlapped(calls) and sum(kind == "dispatch" for kind, _ in calls) > 20
+    assert _summary(a) == _summary(off.generate(prompts, params, use_tqdm=False))
+    assert on.get_metrics()["jaxpaged:kv_cache_usage_perc"] == 0.0
+
+
+def test_the_mask_of_step_t_plus_1_is_filled_after_step_t_is_applied(llms):
+    """A constrained step's sampler is queued (its mask filled) after the previous step's tokens
+    advanced the matchers and before the step is fetched: an alternation, whose every second
+    token depends on the one before, stays valid; a choice stops mid-flight; n = 2 forks."""
+    import re
+
+    on, off = llms
+    prompts, params = _constrained_workload()
+    calls = _record_calls(on)
+    runner = on.llm_engine.runner
+    sample = runner.sample
+
+    def logged_sample(pending):
+        if hasattr(pending, "test_step") and not pending.is_sampled:   # deferred (dispatch queues the rest)
+            calls.append(("sample", pending.test_step))
+        return sample(pending)
+
+    runner.sample = logged_sample
+    a = on.generate(prompts, params, use_tqdm=False)
+    deferred = [k for kind, k in calls if kind == "sample"]
+    assert len(deferred) > 10
+    assert all(k == 0 or calls.index(("fetch", k - 1)) < calls.index(("sample", k)) < calls.index(("fetch", k))
+               for k in deferred)
+    assert _summary(a) == _summary(off.generate(prompts, params, use_tqdm=False))
+    for out in a[6:8]:
+        for c in out.outputs:
+            assert re.fullmatch("(ab|ba|cd|dc){6}", c.text) and c.finish_reason == "stop", c.text
+    assert a[8].outputs[0].text in ("yes", "no", "maybe") and a[8].outputs[0].finish_reason == "stop"

@@ -52,7 +52,7 @@ def assert_clean(llm: LLM) -> None:
     engine.scheduler.check_invariants()
 
 
-@pytest.mark.parametrize("where", ["_step", "fetch"])
+@pytest.mark.parametrize("where", ["_executables", "sample", "fetch"])
 def test_a_failed_prefill_leaves_no_cached_prefix(monkeypatch, where):
     llm = make_llm()
     runner = llm.llm_engine.runner

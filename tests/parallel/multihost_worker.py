@@ -3,7 +3,7 @@ JAX's gloo CPU collectives): tensor parallelism 2 spans both processes.
 
     python -m tests.parallel.multihost_worker RANK PORT CHECKPOINT
 
-Rank 0 generates (greedy, with logprobs), then runs two requests step by step and aborts one
+Rank 0 generates (greedy, with logprobs; with structured outputs), then runs two requests step by step and aborts one
 midway; it prints RESULT {tokens, logprobs, kept, steps}. Rank 1 follows and prints
 RESULT {steps}: the number of steps it ran, which must equal rank 0's.
 """
@@ -24,6 +24,13 @@ def extra_params():
                           logit_bias={5: 2.0}, max_tokens=16, ignore_eos=True)
 
 
+def constrained_params():
+    """Structured outputs: the bitmask each step's sampler applies reaches the follower too."""
+    from jaxpaged import SamplingParams, StructuredOutputsParams
+    return SamplingParams(n=2, temperature=0.0, max_tokens=16,
+                          structured_outputs=StructuredOutputsParams(regex="(ab|ba|cd|dc){5}"))
+
+
 def main(rank: int, port: int, path: str) -> dict:
     from jaxpaged import LLM
     from tests.parallel.worker import prompts_and_params
@@ -36,6 +43,7 @@ def main(rank: int, port: int, path: str) -> dict:
     prompts, params = prompts_and_params()
     outs = llm.generate(prompts, params, use_tqdm=False)
     extra = llm.generate(prompts[:4], extra_params(), use_tqdm=False)   # persistent-batch updates, forks
+    constrained = llm.generate(prompts[:3], [constrained_params(), params, constrained_params()], use_tqdm=False)
     engine = llm.llm_engine
     engine.add_request("kept", prompts[0], params)
     engine.add_request("aborted", prompts[1], params)
@@ -52,6 +60,7 @@ def main(rank: int, port: int, path: str) -> dict:
               "logprobs": [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
                            for o in outs],
               "kept": kept, "steps": runner.steps_run, "extra": [[c.token_ids for c in o.outputs] for o in extra],
+              "constrained": [[c.token_ids for c in o.outputs] for o in constrained],
               "swapped": llm.get_metrics()["jaxpaged:swapped_out_blocks_total"]}
     llm.shutdown()
     return result

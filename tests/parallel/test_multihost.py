@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 
-from tests.parallel.multihost_worker import ENGINE, extra_params
+from tests.parallel.multihost_worker import ENGINE, constrained_params, extra_params
 from tests.parallel.worker import prompts_and_params
 from tests.tiny_models import tiny_checkpoint
 
@@ -45,6 +45,8 @@ def test_two_hosts_give_one_hosts_tokens_and_an_abort_on_rank_0_reaches_both():
     outs = llm.generate(prompts, params, use_tqdm=False)
     extra = llm.generate(prompts[:4], extra_params(), use_tqdm=False)
     assert leader["extra"] == [[c.token_ids for c in o.outputs] for o in extra]
+    constrained = llm.generate(prompts[:3], [constrained_params(), params, constrained_params()], use_tqdm=False)
+    assert leader["constrained"] == [[c.token_ids for c in o.outputs] for o in constrained]
     assert leader["swapped"] > 0   # rank 1 replayed swap-outs and swap-ins too
     assert leader["tokens"] == [o.outputs[0].token_ids for o in outs]
     np.testing.assert_allclose(

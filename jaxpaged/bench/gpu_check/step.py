@@ -12,8 +12,8 @@ it, and the decode step's time against the bytes it has to read.
     ... tp T        with more than one GPU, start-up and decode again with tensor_parallel_size T
                     (the largest power of two the GPUs and the model's heads allow; floor per device)
 
-Only the engine's public face is used (LLM, SamplingParams, llm.llm_engine's runner._compiled
-and warmup_shapes()), so that the check survives changes inside the runner.
+Only the engine's public face is used (LLM, SamplingParams, llm.llm_engine's runner._compiled,
+_samplers and warmup_shapes()), so that the check survives changes inside the runner.
 """
 
 import contextlib
@@ -139,7 +139,8 @@ def _startup_row(llm, seconds: float, compiled: list, engine_args: dict) -> Row:
     backend = getattr(getattr(loaded, "model", None), "attention_backend", "?")
     given = ", ".join(f"{k} {v}" for k, v in engine_args.items())
     return Row("step", "start-up", "fail" if missing else "ok",
-               {"s": seconds, "step variants": len(engine.runner._compiled), "not compiled": len(missing),
+               {"s": seconds, "step variants": len(engine.runner._compiled),
+                "sampler variants": len(engine.runner._samplers), "not compiled": len(missing),
                 "XLA compiles": len(compiled), "compile s (sum)": sum(d for _, d in compiled), "backend": backend,
                 "max_num_seqs": args.max_num_seqs, "batched tokens": args.batched_tokens(engine.max_model_len),
                 "max_model_len": engine.max_model_len, "KV blocks": engine.num_blocks},
