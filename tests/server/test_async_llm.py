@@ -194,14 +194,14 @@ def test_a_step_failing_in_the_runner_fails_its_request_and_poisons_no_prefix(mo
         reference = asyncio.run(run_to_end(engine, prompt, greedy(6, seed=0)))[-1].outputs[0].token_ids
         engine.engine.kv_cache.pool.reset_prefix_cache()
         runner = engine.engine.runner
-        step = runner._step
+        step = runner._executables
 
         def fail_once(*args, **kwargs):
-            monkeypatch.setattr(runner, "_step", step)
+            monkeypatch.setattr(runner, "_executables", step)
             raise RuntimeError("injected failure")
 
         async def main():
-            monkeypatch.setattr(runner, "_step", fail_once)
+            monkeypatch.setattr(runner, "_executables", fail_once)
             with pytest.raises(EngineRequestError, match="injected failure"):
                 await run_to_end(engine, prompt, greedy(6))
             await wait_until_idle(engine)

@@ -322,12 +322,12 @@ def test_a_step_failing_in_the_runner_is_a_500_and_poisons_no_prefix(urls, engin
     prompt = list(range(3, 43))   # five full blocks of 8: the failed prefill registers four of them
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0, "cache_salt": "failure-test"}
     expected = httpx.post(urls[0] + "/v1/completions", json={**body, "cache_salt": "reference"}).json()
-    step = runner._step
+    step = runner._executables
 
     def fail_once(*args, **kwargs):
-        monkeypatch.setattr(runner, "_step", step)
+        monkeypatch.setattr(runner, "_executables", step)
         raise RuntimeError("injected failure in the runner")
-    monkeypatch.setattr(runner, "_step", fail_once)
+    monkeypatch.setattr(runner, "_executables", fail_once)
     response = httpx.post(urls[0] + "/v1/completions", json=body)
     assert response.status_code == 500 and "injected failure" in response.json()["error"]["message"]
     wait_idle(urls[0])
