@@ -1,4 +1,4 @@
-"""Command line: `jaxpaged generate`, `jaxpaged serve`, `jaxpaged bench throughput`."""
+"""Command line: `jaxpaged generate`, `jaxpaged serve`, `jaxpaged bench throughput|serve`."""
 
 import argparse
 import os
@@ -138,9 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     tp = bench_sub.add_parser("throughput", help="offline throughput vs transformers (see benchmarks/)")
     tp.add_argument("args", nargs=argparse.REMAINDER)
     tp.set_defaults(func=lambda ns: _bench_throughput(ns.args))
+    sv = bench_sub.add_parser("serve", help="a running server under 1-256 concurrent streams vs transformers serve")
+    sv.add_argument("args", nargs=argparse.REMAINDER)
+    sv.set_defaults(func=lambda ns: _bench_serve(ns.args))
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:2] == ["bench", "throughput"]:   # its own parser takes every option (REMAINDER stops at "--x")
         return _bench_throughput(argv[2:])
+    if argv[:2] == ["bench", "serve"]:
+        return _bench_serve(argv[2:])
     ns = parser.parse_args(argv)
     try:
         return ns.func(ns)
@@ -165,6 +170,11 @@ def cmd_convert(ns: argparse.Namespace) -> int:
 
 def _bench_throughput(args: list[str]) -> int:
     from jaxpaged.bench.throughput import main as bench_main
+    return bench_main(args)
+
+
+def _bench_serve(args: list[str]) -> int:
+    from jaxpaged.bench.serve import main as bench_main
     return bench_main(args)
 
 
