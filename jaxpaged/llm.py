@@ -114,6 +114,14 @@ class LLM:
         """
         from jaxpaged.engine.beam_search import run_beam_search
         self._check_leader()
+        if isinstance(params, SamplingParams):   # vLLM's beam search takes no constraint either
+            raise ValueError("beam_search takes a BeamSearchParams (beam_width, max_tokens, ignore_eos, temperature, "
+                             "length_penalty); structured_outputs and the other SamplingParams fields are not "
+                             "supported by beam search" if params.structured_outputs is None else
+                             "structured_outputs is not supported by beam search: sample with LLM.generate "
+                             "(n > 1 for several candidates) to constrain the output")
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         prompts = _as_prompt_list(prompts)
         if any(isinstance(p, dict) and p.get("cache_salt") is not None for p in prompts):
             raise ValueError("cache_salt is not supported by beam_search yet; drop it from the prompt dicts")

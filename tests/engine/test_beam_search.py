@@ -58,3 +58,14 @@ def test_beam_search_in_a_tight_pool_finishes_or_fails_clearly_never_hangs():
     assert [s.tokens for s in tight[0].sequences] == [s.tokens for s in roomy[0].sequences]
     with pytest.raises(RuntimeError, match="cannot hold all beams"):
         run(7)
+
+
+def test_beam_search_refuses_a_constraint_clearly():
+    from jaxpaged import SamplingParams, StructuredOutputsParams
+    llm = tiny_llm()
+    constrained = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(choice=["a", "b"]))
+    with pytest.raises(ValueError, match="structured_outputs is not supported by beam search"):
+        llm.beam_search([[5, 6, 7]], constrained)
+    with pytest.raises(ValueError, match="beam_search takes a BeamSearchParams"):
+        llm.beam_search([[5, 6, 7]], SamplingParams(max_tokens=4))
+    assert llm.beam_search([[5, 6, 7]], BeamSearchParams(beam_width=2, max_tokens=3))[0].sequences
