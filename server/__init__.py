@@ -74,16 +74,15 @@ def serve(server, engine, poll_s: float = 0.1) -> int:
     """Run the uvicorn `server` until a signal or the engine loop's death; returns the exit status
     (0 after Ctrl-C or SIGTERM, 1 when the engine loop died). The app has no startup/shutdown
     hooks: the engine's lifetime is the caller's."""
-    died = threading.Event()
+    died, finished = threading.Event(), threading.Event()
 
-    def watch():
-        while not server.should_exit:
+    def watch():   # until uvicorn returns: a death while streams drain after SIGTERM still counts
+        while not finished.wait(poll_s):
             if not engine.is_running:
                 logging.getLogger("server").error("the engine loop is not running: shutting the server down")
                 died.set()
                 server.should_exit = True
                 return
-            died.wait(poll_s)
 
     watchdog = threading.Thread(target=watch, name="jaxpaged-watchdog", daemon=True)
     watchdog.start()
@@ -96,6 +95,7 @@ def serve(server, engine, poll_s: float = 0.1) -> int:
     except KeyboardInterrupt:   # uvicorn re-raises Ctrl-C after its graceful shutdown
         pass
     finally:
+        finished.set()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-    return 1 if died.is_set() else 0
+    return 1 if died.is_set() or not engine.is_running else 0

@@ -56,17 +56,21 @@ async def _unless_disconnected(request: Request, awaitable) -> tuple[bool, objec
     cancelled, and so are the request streams it reads (which aborts them in the engine)."""
     work = asyncio.ensure_future(awaitable)
     gone = asyncio.ensure_future(_disconnected(request))
-    await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
-    gone.cancel()
-    if work.done():
+    try:
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:   # also when this handler is cancelled (uvicorn's shutdown timeout): no task outlives it
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+    if not work.cancelled():
         return False, work.result()
-    work.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await work
     return True, None
 
 
-ENGINE_DEAD = P.APIError(503, "the engine loop is not running", code="engine_dead", type="server_error")
+def engine_dead() -> P.APIError:
+    return P.APIError(503, "the engine loop is not running", code="engine_dead", type="server_error")
 
 
 class _Server:
@@ -140,14 +144,21 @@ class _Server:
     async def chat(self, request: Request) -> Response:
         req = P.parse_chat_request(P.parse_json(await request.body()))
         tools = plan_tools(req, self.tool_settings)
-        if tools is not None and tools.constraint is not None:   # "required" or a named function
+        forced = tools is not None and tools.constraint is not None   # "required" or a named function
+        if forced:
             req.body = {**req.body, "structured_outputs": tools.constraint}
-        text, ids = self.render_chat(req.messages, req.body.get("add_generation_prompt", True), req.tools)
-        return await self._generate(request, req, [({"prompt": text, "prompt_token_ids": ids}, ids)], "chatcmpl",
-                                    tools.reader if tools is not None else None)
+        text, ids = self.render_chat(req.messages, req.body.get("add_generation_prompt") is not False, req.tools)
+        try:
+            return await self._generate(request, req, [({"prompt": text, "prompt_token_ids": ids}, ids)], "chatcmpl",
+                                        tools)
+        except P.APIError as exc:
+            if forced and exc.param == "structured_outputs":   # the constraint is built from the tools
+                raise P.APIError(exc.status, f"the tools' parameters do not compile as a JSON schema: {exc.message}",
+                                 "tools", exc.code) from None
+            raise
 
     async def _generate(self, request: Request, req: P.ParsedRequest, inputs: list, prefix: str,
-                        tool_reader=None) -> Response:
+                        tools=None) -> Response:
         model = self.model(req.model)
         params = [P.build_sampling_params(req, len(ids), self.engine.max_model_len) for _, ids in inputs]
         request_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -172,14 +183,18 @@ class _Server:
             if isinstance(error, EngineOverloadedError):   # --max-num-waiting: come back later, not a failure
                 raise P.APIError(503, str(error), None, "overloaded", "server_error", {"Retry-After": "1"})
             if not self.engine.is_running:
-                raise ENGINE_DEAD
+                raise engine_dead()
             raise error
         streams = [prepend(first, gen) for first, gen in zip(firsts, gens)]
-        reply = Reply(self, req, model, request_id, params[0], tool_reader)
+        reply = Reply(self, req, model, request_id, params[0], tools)
         if req.stream:
             return StreamingResponse(reply.events(streams), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        gone, finals = await _unless_disconnected(request, _last_outputs(streams))
+        try:
+            gone, finals = await _unless_disconnected(request, _last_outputs(streams))
+        finally:   # finished ones close as no-ops; the rest (a hang-up, a failure) abort in the engine
+            for gen in gens:
+                await gen.aclose()
         if gone:   # nobody will read the answer: its blocks are free now
             return Response(status_code=499)
         return _json(reply.whole(finals))
@@ -196,8 +211,8 @@ class _Server:
         self.model(body.get("model"))
         if body.get("messages") is not None:
             tools = P.parse_tools(body.get("tools"))
-            _, ids = self.render_chat(P.parse_messages(body["messages"]), body.get("add_generation_prompt", True),
-                                      tools)
+            _, ids = self.render_chat(P.parse_messages(body["messages"]),
+                                      body.get("add_generation_prompt") is not False, tools)
         elif isinstance(body.get("prompt"), str):
             special = body.get("add_special_tokens", True)
             ids = list(self.need_tokenizer("prompt").encode(body["prompt"], add_special_tokens=bool(special)))
@@ -219,7 +234,7 @@ class _Server:
     async def health(self, request: Request) -> Response:
         if self.engine.is_running:
             return Response(status_code=200)
-        return _json(ENGINE_DEAD.to_dict(), 503)
+        return _json(engine_dead().to_dict(), 503)
 
     async def metrics_text(self, request: Request) -> Response:
         body, content_type = self.metrics.render()
@@ -245,6 +260,8 @@ def _endpoint(server: _Server, handler, guarded: bool):
         except ValueError as exc:   # a user-triggered check deeper down
             return _json(P.APIError(400, str(exc), code="invalid_value").to_dict(), 400)
         except Exception as exc:
+            if not server.engine.is_running:   # the engine loop died under this request
+                return _json(engine_dead().to_dict(), 503)
             logger.exception("%s %s failed", request.method, request.url.path)
             return _json(internal_error(exc).to_dict(), 500)
     return endpoint

@@ -75,17 +75,20 @@ class _Cursor:
 class Reply:
     """One response, whole or streamed, built from the RequestOutputs of its prompts."""
 
-    def __init__(self, server, req: P.ParsedRequest, model: str, request_id: str, params, tool_reader=None):
+    def __init__(self, server, req: P.ParsedRequest, model: str, request_id: str, params, tools=None):
         self.server, self.req, self.model, self.request_id = server, req, model, request_id
         self.created = int(time.time())
         self.n = params.n
         self.cursors: dict[int, _Cursor] = {}
-        self.tool_reader = tool_reader   # () -> ToolCallReader when the request's tools may be called
+        # the request's tools.ToolPlan when they may be called: a reader per choice, and what a choice
+        # that called reports as finish_reason
+        self.tool_reader = tools.reader if tools is not None else None
+        self.calls_finish_reason = tools.finish_reason if tools is not None else None
         # parallel_tool_calls false: only a first call counts ("required" is held to one by its grammar)
         self.max_calls = None if req.parallel_tool_calls else 1
 
     def _finish_reason(self, c, reader) -> str | None:
-        return "tool_calls" if reader is not None and reader.called_tools and c.finish_reason == "stop" \
+        return self.calls_finish_reason if reader is not None and reader.called_tools and c.finish_reason == "stop" \
             else c.finish_reason
 
     def _choice(self, i: int, out, c, text: str, token_ids: list, entries: list, offset: int, echo: bool,

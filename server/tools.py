@@ -36,8 +36,10 @@ class ToolSettings:
 
 @dataclass
 class ToolPlan:
-    constraint: dict | None                       # structured_outputs forcing the calls' form
-    reader: Callable[[], ToolCallReader] | None   # one reader per choice; None: the output is content
+    constraint: dict | None                  # structured_outputs forcing the calls' form
+    reader: Callable[[], ToolCallReader]     # one reader per choice
+    # a choice that called: "tool_calls", except for a named function, where OpenAI (and vLLM) say "stop"
+    finish_reason: str = "tool_calls"
 
 
 def plan_tools(req: P.ParsedRequest, settings: ToolSettings) -> ToolPlan | None:
@@ -65,7 +67,7 @@ def plan_tools(req: P.ParsedRequest, settings: ToolSettings) -> ToolPlan | None:
     name = choice["function"]["name"]
     function = next(t["function"] for t in tools if t["function"]["name"] == name)
     return ToolPlan({"json": {**(function.get("parameters") or {"type": "object"}), **COMPACT}},
-                    lambda: NamedFunctionReader(name, tools=tools))
+                    lambda: NamedFunctionReader(name, tools=tools), "stop")
 
 
 # Forced calls are written as compact JSON (llguidance's option): arguments are read by programs,
@@ -79,12 +81,28 @@ def _has_constraint(body: dict) -> bool:
 
 
 def required_schema(tools: list[dict], parallel: bool = True) -> dict:
-    """A JSON array of at least one call of the offered functions (exactly one unless `parallel`)."""
-    calls = [{"type": "object",
-              "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
-                             "parameters": t["function"].get("parameters") or {"type": "object"}},
-              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
-    schema = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, "minItems": 1}
+    """A JSON array of at least one call of the offered functions (exactly one unless `parallel`).
+
+    The parameters' own definitions (`$defs`, `definitions`) move to the top, where their
+    `#/$defs/...` references point once the parameters are nested (as vLLM does); two tools
+    defining one name differently are a 400."""
+    definitions: dict[str, dict] = {}
+    calls = []
+    for tool in tools:
+        parameters = dict(tool["function"].get("parameters") or {"type": "object"})
+        for key in ("$defs", "definitions"):
+            for name, definition in (parameters.pop(key, None) or {}).items():
+                known = definitions.setdefault(key, {})
+                if known.get(name, definition) != definition:
+                    raise P.APIError(400, f"tools define {key}/{name} differently; tool_choice \"required\" needs "
+                                          "one definition per name", "tools", "invalid_value")
+                known[name] = definition
+        calls.append({"type": "object",
+                      "properties": {"name": {"type": "string", "enum": [tool["function"]["name"]]},
+                                     "parameters": parameters},
+                      "required": ["name", "parameters"], "additionalProperties": False})
+    schema = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, "minItems": 1,
+              **definitions}
     if not parallel:
         schema["maxItems"] = 1
     return schema

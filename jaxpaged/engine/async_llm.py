@@ -107,6 +107,7 @@ class AsyncLLM:
         _check_max_num_waiting(max_num_waiting)
         self.engine = engine
         self.max_num_waiting = max_num_waiting
+        self._saturated = False   # engine thread only: the last step left requests waiting
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
         self.num_blocks = engine.num_blocks
@@ -241,8 +242,11 @@ class AsyncLLM:
         with self._cond:   # commands that raced with shutdown; none can come after this
             pending, self._commands = self._commands, []
             self._closed = True
-        for command in pending:
-            self._apply(command, stopping=True)
+        for command in pending:   # each answered "shut down"; one failing (a closed caller) stops no other
+            try:
+                self._apply(command, stopping=True)
+            except Exception:
+                logger.exception("answering a command at shutdown failed")
 
     def _loop(self) -> None:
         while True:
@@ -269,7 +273,7 @@ class AsyncLLM:
             if stopping:
                 stream.resolve_added(RuntimeError("AsyncLLM is shut down"))
                 return
-            queued = self._num_queued()
+            queued = self._num_queued() if self.max_num_waiting is not None else 0
             if self.max_num_waiting is not None and queued >= self.max_num_waiting:
                 stream.resolve_added(EngineOverloadedError(
                     f"the server is overloaded: {queued} requests wait for a seat in the batch "
@@ -300,12 +304,17 @@ class AsyncLLM:
                 _resolve(*ack)
 
     def _num_queued(self) -> int:
-        """Waiting requests beyond the batch's free seats: those the next step cannot take either.
-        Counted on the engine thread, where adds are applied one at a time, so a burst is exact."""
+        """Requests that wait for a seat in the batch and will not get one at the next step.
+
+        While the last step left requests waiting (seats or KV blocks ran out), every waiting or
+        swapped-out request counts; otherwise those beyond the free seats. Counted on the engine
+        thread, where adds are applied one at a time, so a burst is counted exactly."""
         metrics = self.engine.get_metrics()
+        waiting = int(metrics["jaxpaged:num_requests_waiting"] + metrics["jaxpaged:num_requests_swapped"])
+        if self._saturated:
+            return waiting
         seats = self.args.max_num_seqs * len(self.engine.replicas())
-        free = max(0, seats - int(metrics["jaxpaged:num_requests_running"]))
-        return max(0, int(metrics["jaxpaged:num_requests_waiting"]) - free)
+        return max(0, waiting - max(0, seats - int(metrics["jaxpaged:num_requests_running"])))
 
     def _step(self) -> None:
         try:
@@ -316,6 +325,7 @@ class AsyncLLM:
             logger.exception("engine step failed; failing its %d request(s)", len(exc.request_ids))
             error = EngineRequestError(f"internal engine error: {exc.__cause__ or exc}")
             error.__cause__ = exc
+            self._deliver_outputs(exc.outputs)   # an earlier step's, completed in the same call
             self._fail_requests(error, exc.request_ids)
             return
         except Exception as exc:   # outside any step (a bug): the engine's state is unknown, fail all
@@ -324,6 +334,13 @@ class AsyncLLM:
             error.__cause__ = exc
             self._fail_requests(error)
             return
+        self._deliver_outputs(outputs)
+        self._publish_metrics()
+        # the scheduler just planned: what it left waiting could not be taken (seats or KV blocks)
+        self._saturated = self._metrics["jaxpaged:num_requests_waiting"] + \
+            self._metrics["jaxpaged:num_requests_swapped"] > 0
+
+    def _deliver_outputs(self, outputs: list[RequestOutput]) -> None:
         now = time.time()
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -338,7 +355,6 @@ class AsyncLLM:
             if not self._deliver(stream, out) and not out.finished:
                 self._streams.pop(out.request_id, None)
                 self.engine.abort_request(out.request_id)
-        self._publish_metrics()
 
     def _deliver(self, stream: _Stream, item) -> bool:
         try:

@@ -107,6 +107,7 @@ class DataParallelEngine:
                 outputs += engine.step()
             except StepFailedError as exc:
                 failures.append(exc)
+                outputs += exc.outputs
         for out in outputs:
             if out.finished:
                 self._owner.pop(out.request_id, None)

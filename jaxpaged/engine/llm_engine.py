@@ -45,11 +45,13 @@ logger = logging.getLogger(__name__)
 
 
 class StepFailedError(RuntimeError):
-    """A step raised; `request_ids` are the requests it aborted (the engine stays usable)."""
+    """A step raised; `request_ids` are the requests it aborted (the engine stays usable);
+    `outputs` those of an earlier step that completed in the same call, still to be delivered."""
 
-    def __init__(self, message: str, request_ids: list[str]):
+    def __init__(self, message: str, request_ids: list[str], outputs: list[RequestOutput] | None = None):
         super().__init__(message)
         self.request_ids = request_ids
+        self.outputs = outputs or []
 
 
 class LLMEngine:
@@ -217,7 +219,9 @@ class LLMEngine:
             try:
                 pending = self.runner.dispatch(plan, prev)
             except Exception as exc:
-                raise self._fail_steps([plan], exc) from exc
+                error = self._fail_steps([plan], exc)
+                error.outputs = outputs
+                raise error from exc
             self.scheduler.commit(plan)
             self._in_flight.append((plan, pending))
             if not pending.is_sampled:   # a constrained row: its mask needs the step in flight applied
@@ -227,7 +231,9 @@ class LLMEngine:
                     self.runner.sample(pending)
                 except Exception as exc:
                     self._in_flight.clear()
-                    raise self._fail_steps([plan], exc) from exc
+                    error = self._fail_steps([plan], exc)
+                    error.outputs = outputs   # step t's, applied above: its finished requests are done
+                    raise error from exc
         else:
             self.runner.move_blocks(plan)
         # with overlap, step t's tokens while step t+1 runs; else this step's own

@@ -248,8 +248,9 @@ class ModelRunner:
         pack_updates(in_step, layout.num_updates, v["updates"])
         prev_tokens = prev.tokens if prev is not None else self._no_prev_tokens
         if self.channel is not None:
+            # an unconstrained step's sampler follows at once with the all-ones mask: no OP_SAMPLE
             self.channel.send(OP_STEP, (shape.num_tokens, shape.num_seqs, shape.num_logits, shape.q_tile,
-                                        int(prev is not None)), buffer)
+                                        int(prev is not None), int(not constrained)), buffer)
         forward, _ = self._executables(shape)
         self.kv_pool, self.slot_state, sample_rows, prompt_packed = forward(
             self.state, self.kv_pool, self.slot_state, self.plan.put(buffer), prev_tokens)
@@ -272,8 +273,8 @@ class ModelRunner:
             for row, request in pending.constrained:
                 if not request.is_finished:
                     fill_bitmask(bitmask, row, request.matcher)
-        if self.channel is not None:
-            self.channel.send(OP_SAMPLE, (int(bitmask is not None),), bitmask)
+        if self.channel is not None and pending.constrained:   # a held-back sampler: its mask goes along
+            self.channel.send(OP_SAMPLE, (), bitmask)
         _, sampler = self._executables(pending.shape)
         self.slot_state, pending.packed, pending.tokens = sampler(
             self.state, self.slot_state, pending.sample_rows, self._bitmask_arg(pending.shape, bitmask))
@@ -349,8 +350,11 @@ class ModelRunner:
                 self.kv_pool, self.slot_state, sample_rows, _ = forward(
                     self.state, self.kv_pool, self.slot_state, self.plan.put(payload), prev_tokens)
                 self.steps_run += 1
-            elif op == OP_SAMPLE:   # the sampler of the last step run
-                bitmask = payload.reshape(shape.num_logits, self.bitmask_words) if args[0] else None
+                if args[5]:   # unconstrained: the sampler at once, everything allowed
+                    self.slot_state, _, last_tokens = sampler(self.state, self.slot_state, sample_rows,
+                                                              self._bitmask_arg(shape, None))
+            elif op == OP_SAMPLE:   # the held-back sampler of the last step run, with its mask
+                bitmask = payload.reshape(shape.num_logits, self.bitmask_words)
                 self.slot_state, _, last_tokens = sampler(self.state, self.slot_state, sample_rows,
                                                           self._bitmask_arg(shape, bitmask))
             else:

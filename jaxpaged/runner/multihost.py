@@ -26,7 +26,8 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-OP_STOP, OP_MOVE, OP_UPDATES, OP_STEP, OP_SAMPLE = range(5)   # OP_STEP: a forward; OP_SAMPLE: its sampler
+# OP_STEP: a forward (and, flagged, its unconstrained sampler); OP_SAMPLE: a held-back sampler and its mask
+OP_STOP, OP_MOVE, OP_UPDATES, OP_STEP, OP_SAMPLE = range(5)
 HEADER_SIZE = 8
 PAYLOAD_FLOOR = 256   # payloads are padded to a power of two at least this long (few broadcast shapes)
 

@@ -244,7 +244,7 @@ def test_a_constrained_request_keeps_steps_overlapped(llms):
     assert on.get_metrics()["jaxpaged:kv_cache_usage_perc"] == 0.0
 
 
-def test_the_mask_of_step_t_plus_1_is_filled_after_step_t_is_applied(llms):
+def test_the_mask_of_step_t_plus_1_is_filled_after_step_t_is_applied(llms, monkeypatch):
     """A constrained step's sampler is queued (its mask filled) after the previous step's tokens
     advanced the matchers and before the step is fetched: an alternation, whose every second
     token depends on the one before, stays valid; a choice stops mid-flight; n = 2 forks."""
@@ -261,7 +261,7 @@ def test_the_mask_of_step_t_plus_1_is_filled_after_step_t_is_applied(llms):
             calls.append(("sample", pending.test_step))
         return sample(pending)
 
-    runner.sample = logged_sample
+    monkeypatch.setattr(runner, "sample", logged_sample)
     a = on.generate(prompts, params, use_tqdm=False)
     deferred = [k for kind, k in calls if kind == "sample"]
     assert len(deferred) > 10

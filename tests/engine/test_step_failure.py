@@ -125,3 +125,37 @@ def test_a_failed_swap_out_aborts_the_swapped_request_and_loses_nothing_else(mon
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == reference()
     assert_clean(llm)
+
+
+def test_a_failed_held_back_sampler_still_delivers_the_step_it_applied(monkeypatch):
+    # with a constrained request running, step() applies step t and then queues step t+1's sampler;
+    # when that fails, what step t finished must still reach its requests
+    from jaxpaged import StructuredOutputsParams
+    llm = make_llm()
+    engine = llm.llm_engine
+    engine.add_request("short", {"prompt_token_ids": PROMPTS[1]}, SamplingParams(temperature=0.0, max_tokens=3,
+                                                                                   ignore_eos=True))
+    engine.add_request("json", {"prompt_token_ids": PROMPTS[2]}, SamplingParams(
+        temperature=0.0, max_tokens=30, structured_outputs=StructuredOutputsParams(regex="[a-z]{30}")))
+    applied, held_back = [], []
+    complete, sample = engine._complete, engine.runner.sample
+
+    def recording_complete():
+        outputs = complete()
+        applied.extend(outputs)
+        return outputs
+
+    def failing_sample(pending):
+        if any(o.request_id == "short" and o.finished for o in applied) and not held_back:
+            held_back.append(pending)
+            raise RuntimeError("injected failure in sample")
+        return sample(pending)
+    monkeypatch.setattr(engine, "_complete", recording_complete)
+    monkeypatch.setattr(engine.runner, "sample", failing_sample)
+    with pytest.raises(StepFailedError) as info:
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert held_back and info.value.request_ids == ["json"]
+    final = [o for o in info.value.outputs if o.request_id == "short"]
+    assert final and final[0].finished and list(final[0].outputs[0].token_ids) == reference()[1][:3]
+    assert_clean(llm)

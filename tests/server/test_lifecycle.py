@@ -105,15 +105,17 @@ def test_a_dead_engine_loop_is_503_at_once_and_ends_the_process_with_1():
 
         def broken():   # a bug in the loop itself, outside any step
             raise RuntimeError("the engine loop broke")
-        engine._num_queued = broken
+        engine.engine.has_unfinished_requests = broken
         response = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=10)
         assert response.status_code == 503 and response.json()["error"]["code"] == "engine_dead"
         died = time.monotonic()   # the request saw the loop die
         health = httpx.get(url + "/health")
-        assert health.status_code == 503 and time.monotonic() - died < 1.0
+        took = time.monotonic() - died
+        # /health reads the loop's state on each call: 503 at once (2 s of slack for a loaded test machine)
+        assert health.status_code == 503 and took < 2.0, (health.status_code, took)
         assert health.json()["error"]["code"] == "engine_dead"
-        thread.join(10)
-        assert status == [1]
+        thread.join(30)
+        assert status == [1], status
     finally:
         server.should_exit = True
         engine.shutdown()

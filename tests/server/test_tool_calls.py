@@ -92,7 +92,7 @@ def test_a_named_function_is_the_one_called(client):
     chat = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice_,
                                           temperature=1.0, n=3, max_tokens=60)
     for choice in chat.choices:
-        assert choice.finish_reason == "tool_calls"
+        assert choice.finish_reason == "stop"   # OpenAI's (and vLLM's) for a forced named function
         assert len(choice.message.tool_calls) == 1
         check_calls(choice.message.tool_calls, names=("get_time",))
 
@@ -119,7 +119,7 @@ def test_streamed_calls_reassemble_to_the_whole_answer(client, tool_choice):
                   max_tokens=120, parallel_tool_calls=False)
     whole = client.chat.completions.create(**kwargs).choices[0]
     content, calls, finish = _streamed(client.chat.completions.create(stream=True, **kwargs))
-    assert finish == whole.finish_reason == "tool_calls"
+    assert finish == whole.finish_reason == ("tool_calls" if tool_choice == "required" else "stop")
     assert content == ""
     assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == \
         [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
@@ -194,3 +194,52 @@ def test_server_settings_are_checked():
         ToolSettings(True, None)
     with pytest.raises(ValueError, match="hermes"):
         ToolSettings(False, "nope")
+
+
+def _streamed_choices(stream) -> dict[int, tuple[str, list[tuple[str, str]], str]]:
+    """Per choice index: (content, [(name, arguments)], finish_reason) reassembled from a stream."""
+    parts: dict[int, dict] = {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            got = parts.setdefault(choice.index, {"content": "", "calls": {}, "finish": None})
+            got["content"] += choice.delta.content or ""
+            for part in choice.delta.tool_calls or []:
+                call = got["calls"].setdefault(part.index, ["", ""])
+                if part.function is not None:
+                    call[0] += part.function.name or ""
+                    call[1] += part.function.arguments or ""
+            got["finish"] = choice.finish_reason or got["finish"]
+    return {i: (g["content"], [tuple(c) for _, c in sorted(g["calls"].items())], g["finish"])
+            for i, g in parts.items()}
+
+
+def test_each_streamed_choice_reassembles_and_parallel_false_keeps_the_first_call(client):
+    body = {"structured_outputs": {"regex": "Let me check\\. " + HERMES + HERMES}}   # two calls, any model
+    kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, temperature=1.0, seed=7, n=2, max_tokens=300,
+                  extra_body=body)
+    for parallel, calls in ((True, 2), (False, 1)):
+        whole = client.chat.completions.create(parallel_tool_calls=parallel, **kwargs)
+        streamed = _streamed_choices(client.chat.completions.create(stream=True, parallel_tool_calls=parallel,
+                                                                    **kwargs))
+        assert sorted(streamed) == [0, 1]
+        for choice in whole.choices:
+            assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == calls
+            check_calls(choice.message.tool_calls, names=("get_weather",))
+            content, streamed_calls, finish = streamed[choice.index]
+            assert finish == "tool_calls" and content.strip() == choice.message.content.strip() == "Let me check."
+            assert streamed_calls == [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+
+
+def test_a_tool_schema_with_defs_is_required_and_a_bad_one_is_a_400_naming_tools(client):
+    city = {"type": "string", "enum": ["Paris", "Rome"]}
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"$ref": "#/$defs/City"}}, "required": ["city"],
+        "additionalProperties": False, "$defs": {"City": city}}}}
+    chat = client.chat.completions.create(model=MODEL, messages=ASK, tools=[tool], tool_choice="required",
+                                          parallel_tool_calls=False, temperature=1.0, max_tokens=120)
+    call = chat.choices[0].message.tool_calls[0]
+    assert chat.choices[0].finish_reason == "tool_calls" and json.loads(call.function.arguments)["city"] in city["enum"]
+    broken = {"type": "function", "function": {"name": "f", "parameters": {"type": "no-such-type"}}}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=ASK, tools=[broken], tool_choice="required")
+    assert info.value.param == "tools"
