@@ -71,6 +71,35 @@ def test_a_full_queue_answers_503_with_retry_after(url, slow_steps):
     assert httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
 
 
+def test_when_kv_blocks_not_seats_run_out_the_queue_still_fills(monkeypatch):
+    # 8 seats but KV blocks for two requests: once a step left requests waiting, the next one is refused
+    engine = AsyncLLM.from_engine_args(tiny_engine_args(max_num_seqs=8, num_gpu_blocks_override=12, max_model_len=64), use_tqdm=False,
+                                       max_num_waiting=2)
+    step = engine.engine.step
+    monkeypatch.setattr(engine.engine, "step", lambda: time.sleep(0.1) or step())
+    # 35 prompt tokens + 4: 5 blocks each, so two fit in the 11 usable blocks, for 4 slow steps
+    body = lambda i: {"prompt": [5 + i] + list(range(10, 44)), "max_tokens": 4, "ignore_eos": True,  # noqa: E731
+                      "temperature": 0.0}
+    try:
+        with serving(build_app(engine, [MODEL])) as (url,):
+            async def main():
+                async with httpx.AsyncClient(timeout=60) as http:
+                    first = [asyncio.ensure_future(http.post(url + "/v1/completions", json=body(i)))
+                             for i in range(4)]   # four in: two run, two wait for blocks
+                    deadline = time.monotonic() + 20
+                    while engine.get_metrics()["jaxpaged:num_requests_waiting"] < 2:
+                        assert time.monotonic() < deadline
+                        await asyncio.sleep(0.02)
+                    late = await http.post(url + "/v1/completions", json=body(9))
+                    return late, await asyncio.gather(*first)
+            late, first = asyncio.run(main())
+            assert late.status_code == 503 and late.headers["retry-after"] == "1", late.text
+            assert [r.status_code for r in first] == [200] * 4
+            wait_idle(url)
+    finally:
+        engine.shutdown()
+
+
 def test_hanging_up_before_the_first_token_aborts_the_prefill(url, slow_steps):
     prompt = list(range(3, 203))   # 25 blocks of 8
     body = b'{"prompt": %s, "max_tokens": 5, "stream": true}' % str(prompt).encode()
