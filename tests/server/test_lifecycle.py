@@ -109,9 +109,10 @@ def test_hanging_up_before_the_first_token_aborts_the_prefill(url, slow_steps):
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         time.sleep(0.1)   # the request is in; its prefill has begun
     wait_idle(url, timeout=5)
-    # what the prefill computed is in the prefix cache: far from the whole prompt (13 steps of 30 ms)
+    # what the prefill computed is in the prefix cache: not the whole prompt (a finished prefill of
+    # 13 steps of 30 ms caches 192 tokens)
     again = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=60).json()
-    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] < 96, again["usage"]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] < 160, again["usage"]
 
 
 def test_a_dead_engine_loop_is_503_at_once_and_ends_the_process_with_1():
