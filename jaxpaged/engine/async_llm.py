@@ -146,8 +146,9 @@ class AsyncLLM:
         is held back from the text until the next output.
 
         Bad input raises ValueError before any output; a full queue (max_num_waiting) raises
-        EngineOverloadedError. An internal failure raises EngineRequestError in this request only. Closing or cancelling the consumer aborts
-        the request; an abort from elsewhere ends the stream without a finished output.
+        EngineOverloadedError. An internal failure raises EngineRequestError in this request only.
+        Closing or cancelling the consumer aborts the request; an abort from elsewhere ends the
+        stream without a finished output.
         """
         if not self.is_running:
             raise RuntimeError("AsyncLLM is shut down")
