@@ -15,6 +15,7 @@ answer always reassembles to the whole one.
 More formats: subclass ToolCallReader and decorate with `@register_tool_parser("name")`.
 """
 
+import abc
 import json
 import logging
 import uuid
@@ -62,7 +63,7 @@ def _arguments(value) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
-class ToolCallReader:
+class ToolCallReader(abc.ABC):
     """One choice's reader; `feed` keeps what it has sent, so use a new reader per choice."""
 
     def __init__(self, tools: list[dict] | None = None):
@@ -71,9 +72,9 @@ class ToolCallReader:
         self._sent_chars = 0
         self._sent_calls: list[tuple[str, int]] = []   # (id, characters of arguments sent) per call
 
+    @abc.abstractmethod
     def parse(self, text: str, done: bool) -> tuple[str, list[tuple[str, str]]]:
-        """(content surely so far, [(name, arguments so far)]); changes nothing."""
-        raise NotImplementedError
+        """(content surely so far, [(name, arguments so far)]); changes nothing. Each format's own."""
 
     def _read(self, text: str, done: bool) -> tuple[str, list[tuple[str, str]]]:
         content, calls = self.parse(text, done)

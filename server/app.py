@@ -25,6 +25,8 @@ from jaxpaged.chat_utils import render_chat
 from jaxpaged.engine.async_llm import EngineOverloadedError
 from server import protocol as P
 from server.metrics import MetricsExporter
+from server.openai_types import ModelList
+from server.openapi import openapi_schema
 from server.responses import Reply, internal_error, prepend
 from server.tools import ToolSettings, plan_tools
 
@@ -204,7 +206,7 @@ class _Server:
         data = [{"id": name, "object": "model", "created": self.created, "owned_by": "jaxpaged",
                  "root": self.engine.args.model or self.engine.model_name, "max_model_len": self.engine.max_model_len}
                 for name in self.names]
-        return _json(P.ModelList.model_validate({"object": "list", "data": data}).model_dump(mode="json"))
+        return _json(ModelList.model_validate({"object": "list", "data": data}).model_dump(mode="json"))
 
     async def tokenize(self, request: Request) -> Response:
         body = P.parse_json(await request.body())
@@ -245,7 +247,7 @@ class _Server:
 
     async def openapi(self, request: Request) -> Response:
         if self.openapi_doc is None:   # built on first use (~10 ms)
-            self.openapi_doc = P.openapi_schema()
+            self.openapi_doc = openapi_schema()
         return _json(self.openapi_doc)
 
 

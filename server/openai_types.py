@@ -1,15 +1,12 @@
 """The OpenAI protocol's types as pydantic models: the one definition of the wire format.
 
 Requests are validated by them (protocol.py turns their errors into OpenAI error objects),
-responses are passed through them, and /openapi.json is generated from them.
+responses are passed through them, and /openapi.json is generated from them (server/openapi.py).
 """
 
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
-from pydantic.json_schema import models_json_schema
-
-import jaxpaged
 
 # OpenAI's request fields, as the `openai` package lists them (a test keeps these in step with the installed
 # one). Each is a field of its route's request model: implemented, or declared with `_unsupported` so that
@@ -378,39 +375,3 @@ class ModelCard(_Out):
 class ModelList(_Out):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-# ---- OpenAPI -------------------------------------------------------------------------------
-_REF = "#/components/schemas/{model}"
-
-
-def openapi_schema() -> dict:
-    """The OpenAPI 3.1 document of the /v1 routes, generated from the models above."""
-    models = [(CompletionRequest, "validation"), (ChatCompletionRequest, "validation"),
-              (CompletionResponse, "serialization"), (ChatCompletionResponse, "serialization"),
-              (ChatCompletionChunk, "serialization"), (ModelList, "serialization"), (ErrorResponse, "serialization")]
-    refs, defs = models_json_schema(models, ref_template=_REF)
-
-    def ref(model) -> dict:
-        return refs[(model, "validation" if model.__name__.endswith("Request") else "serialization")]
-
-    def post(request, ok, chunk, summary: str) -> dict:
-        return {"post": {
-            "summary": summary,
-            "requestBody": {"required": True, "content": {"application/json": {"schema": ref(request)}}},
-            "responses": {
-                "200": {"description": "the response; with stream true, Server-Sent Events of chunks, then "
-                                       "`data: [DONE]`",
-                        "content": {"application/json": {"schema": ref(ok)},
-                                    "text/event-stream": {"schema": ref(chunk)}}},
-                "400": {"description": "a bad request; `param` names the field",
-                        "content": {"application/json": {"schema": ref(ErrorResponse)}}}}}}
-
-    models = {"200": {"description": "the served model names",
-                      "content": {"application/json": {"schema": ref(ModelList)}}}}
-    paths = {"/v1/completions": post(CompletionRequest, CompletionResponse, CompletionResponse, "Complete prompts"),
-             "/v1/chat/completions": post(ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk,
-                                          "Answer a conversation"),
-             "/v1/models": {"get": {"summary": "List the served models", "responses": models}}}
-    return {"openapi": "3.1.0", "info": {"title": "jaxpaged", "version": getattr(jaxpaged, "__version__", "0.1.0")},
-            "paths": paths, "components": {"schemas": defs.get("$defs", {})}}

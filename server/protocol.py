@@ -18,10 +18,9 @@ from pydantic import BaseModel, ValidationError
 
 from jaxpaged.outputs import Logprob
 from jaxpaged.sampling_params import SamplingParams
-from server.openai_types import (_UNSUPPORTED, OPENAI_CHAT_FIELDS, OPENAI_COMPLETION_FIELDS,  # noqa: F401
-                                 ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+from server.openai_types import (_UNSUPPORTED, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                                  CompletionRequest, CompletionResponse, ErrorInfo, ErrorResponse, Message,
-                                 ModelList, NamedToolChoice, Tool, _Messages, _Request, _Tools, openapi_schema)
+                                 NamedToolChoice, Tool, _Messages, _Request, _Tools)
 
 logger = logging.getLogger(__name__)
 

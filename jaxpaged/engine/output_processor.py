@@ -15,7 +15,7 @@ from jaxpaged.core.request import Request, RequestStatus
 from jaxpaged.engine.detokenizer import IncrementalDetokenizer, decode_token
 from jaxpaged.engine.stop_checker import check_stop_strings, stop_hold_back
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
-from jaxpaged.runner.model_runner import PromptLogprobs, SampledToken
+from jaxpaged.runner.step_results import PromptLogprobs, SampledToken
 from jaxpaged.sampling_params import RequestOutputKind
 
 

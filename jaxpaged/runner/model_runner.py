@@ -43,12 +43,13 @@ from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.parallel import POOL_SPEC
 from jaxpaged.runner.batch_builder import PREFILL_Q_TILE, BatchShape, SeqChunk, choose_shape, next_bucket
 from jaxpaged.runner.block_ops import HostSwapSpace, committed, copy_blocks, warm_up_block_moves
-from jaxpaged.runner.multihost import (OP_MOVE, OP_SAMPLE, OP_STEP, OP_STOP, OP_UPDATES, StepChannel,
-                                       is_multihost, pairs_payload, split_pairs)
+from jaxpaged.runner.multihost import (OP_MOVE, OP_SAMPLE, OP_STEP, OP_STOP, OP_UPDATES, StepChannel, follow,
+                                       is_multihost, pairs_payload)
 from jaxpaged.runner.persistent_batch import (SlotState, SlotTable, StepLayout, apply_updates, pack_updates,
                                               warm_up_updates)
 from jaxpaged.runner.step import SampleStatics, StepStatics, forward_fn, sample_fn
-from jaxpaged.runner.structured_outputs import bitmask_words, fill_bitmask
+from jaxpaged.runner.step_results import StepResult, unpack_prompt_logprobs, unpack_sampled
+from jaxpaged.runner.structured_outputs import bitmask_words, step_bitmask
 from jaxpaged.sampling_params import MAX_LOGPROBS
 from pallas_kernels import kv_pool_shape
 
@@ -57,31 +58,6 @@ logger = logging.getLogger(__name__)
 KV_CHUNK_BLOCKS = 8   # attention walks the context 8 blocks at a time
 TOKEN_FLOOR = 16      # the smallest token bucket of a step with a prompt chunk
 SEQ_FLOOR = 4         # the smallest sequence bucket
-
-
-@dataclasses.dataclass
-class SampledToken:
-    token_id: int
-    logprob: float
-    rank: int
-    top_ids: list[int]
-    top_logprobs: list[float]
-
-
-@dataclasses.dataclass
-class PromptLogprobs:
-    """For prompt tokens start+1 .. start+n of one request: logprob, rank and top-k each."""
-    start: int
-    logprobs: list[float]
-    ranks: list[int]
-    top_ids: list[list[int]]
-    top_logprobs: list[list[float]]
-
-
-@dataclasses.dataclass
-class StepResult:
-    sampled: dict[str, SampledToken]
-    prompt_logprobs: dict[str, PromptLogprobs]
 
 
 @dataclasses.dataclass
@@ -267,12 +243,7 @@ class ModelRunner:
         A row whose request finished meanwhile allows everything (its token is dropped)."""
         if pending.is_sampled:
             return
-        bitmask = None
-        if pending.constrained:   # the host fills the rows of constrained requests; the rest allow everything
-            bitmask = np.full((pending.shape.num_logits, self.bitmask_words), -1, np.int32)
-            for row, request in pending.constrained:
-                if not request.is_finished:
-                    fill_bitmask(bitmask, row, request.matcher)
+        bitmask = step_bitmask(pending.constrained, pending.shape.num_logits, self.bitmask_words)
         if self.channel is not None and pending.constrained:   # a held-back sampler: its mask goes along
             self.channel.send(OP_SAMPLE, (), bitmask)
         _, sampler = self._executables(pending.shape)
@@ -329,36 +300,9 @@ class ModelRunner:
 
     # ---- several hosts ----------------------------------------------------------------------
     def follow(self) -> int:
-        """A follower rank's loop: run every device operation rank 0 sends, in order, until it
-        stops; returns the number of steps run."""
-        if self.channel is None or self.channel.is_leader:
-            raise RuntimeError("follow() runs on ranks other than 0 of a multi-host engine")
-        last_tokens = self._no_prev_tokens
-        while True:
-            op, args, payload = self.channel.receive()
-            if op == OP_STOP:
-                return self.steps_run
-            if op == OP_MOVE:
-                self._move_blocks(*split_pairs(payload, *args[:3]))
-            elif op == OP_UPDATES:
-                updates = [tuple(int(x) for x in row) for row in payload.reshape(args[0], 4)]
-                self.slot_state = apply_updates(self.slot_state, updates, self.plan)
-            elif op == OP_STEP:
-                shape = BatchShape(*args[:4])
-                prev_tokens = last_tokens if args[4] else self._no_prev_tokens
-                forward, sampler = self._executables(shape)
-                self.kv_pool, self.slot_state, sample_rows, _ = forward(
-                    self.state, self.kv_pool, self.slot_state, self.plan.put(payload), prev_tokens)
-                self.steps_run += 1
-                if args[5]:   # unconstrained: the sampler at once, everything allowed
-                    self.slot_state, _, last_tokens = sampler(self.state, self.slot_state, sample_rows,
-                                                              self._bitmask_arg(shape, None))
-            elif op == OP_SAMPLE:   # the held-back sampler of the last step run, with its mask
-                bitmask = payload.reshape(shape.num_logits, self.bitmask_words)
-                self.slot_state, _, last_tokens = sampler(self.state, self.slot_state, sample_rows,
-                                                          self._bitmask_arg(shape, bitmask))
-            else:
-                raise RuntimeError(f"unknown operation {op} from rank 0")
+        """A follower rank's loop (multihost.follow): run rank 0's device operations until it stops;
+        returns the number of steps run."""
+        return follow(self)
 
     def stop_followers(self) -> None:
         """Rank 0: tell the other ranks to leave follow() (once; no-op on one host)."""
@@ -369,24 +313,9 @@ class ModelRunner:
         """Block on the step's device->host copy (two with prompt logprobs) and unpack it (its
         sampler is queued first if it was not)."""
         self.sample(pending)
-        flat = _to_host(pending.packed)
-        S, K = pending.shape.num_logits, pending.num_logprobs
-        width = 3 + 2 * K
-        main = flat.reshape(S, width)
-        as_int = lambda a: a.view(np.int32)  # noqa: E731
-        sampled = {}
-        for request_id, r in pending.rows:
-            sampled[request_id] = SampledToken(
-                int(as_int(main[r, 0:1])[0]), float(main[r, 1]), int(as_int(main[r, 2:3])[0]),
-                as_int(main[r, 3:3 + K]).tolist(), main[r, 3 + K:3 + 2 * K].tolist())
-        prompt = {}
-        if pending.lp_rows:
-            lp = _to_host(pending.prompt_packed).reshape(-1, 2 + 2 * K)
-            for request_id, first, count, start in pending.lp_rows:
-                block = lp[first:first + count]
-                prompt[request_id] = PromptLogprobs(
-                    start, block[:, 0].tolist(), as_int(np.ascontiguousarray(block[:, 1])).tolist(),
-                    as_int(np.ascontiguousarray(block[:, 2:2 + K])).tolist(), block[:, 2 + K:].tolist())
+        K = pending.num_logprobs
+        sampled = unpack_sampled(_to_host(pending.packed), pending.rows, pending.shape.num_logits, K)
+        prompt = unpack_prompt_logprobs(_to_host(pending.prompt_packed), pending.lp_rows, K) if pending.lp_rows else {}
         return StepResult(sampled, prompt)
 
     # ---- start-up compilation ---------------------------------------------------------------

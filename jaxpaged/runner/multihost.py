@@ -24,6 +24,9 @@ import logging
 import jax
 import numpy as np
 
+from jaxpaged.runner.batch_builder import BatchShape
+from jaxpaged.runner.persistent_batch import apply_updates
+
 logger = logging.getLogger(__name__)
 
 # OP_STEP: a forward (and, flagged, its unconstrained sampler); OP_SAMPLE: a held-back sampler and its mask
@@ -132,3 +135,36 @@ def split_pairs(payload: np.ndarray, *counts: int) -> list[list[tuple[int, int]]
         out.append([(int(a), int(b)) for a, b in chunk])
         start += 2 * n
     return out
+
+
+def follow(runner) -> int:
+    """A follower rank's loop: run every device operation rank 0 sends to `runner` (a
+    ModelRunner), in order, until it stops; returns the number of steps run."""
+    if runner.channel is None or runner.channel.is_leader:
+        raise RuntimeError("follow() runs on ranks other than 0 of a multi-host engine")
+    last_tokens = runner._no_prev_tokens
+    while True:
+        op, args, payload = runner.channel.receive()
+        if op == OP_STOP:
+            return runner.steps_run
+        if op == OP_MOVE:
+            runner._move_blocks(*split_pairs(payload, *args[:3]))
+        elif op == OP_UPDATES:
+            updates = [tuple(int(x) for x in row) for row in payload.reshape(args[0], 4)]
+            runner.slot_state = apply_updates(runner.slot_state, updates, runner.plan)
+        elif op == OP_STEP:
+            shape = BatchShape(*args[:4])
+            prev_tokens = last_tokens if args[4] else runner._no_prev_tokens
+            forward, sampler = runner._executables(shape)
+            runner.kv_pool, runner.slot_state, sample_rows, _ = forward(
+                runner.state, runner.kv_pool, runner.slot_state, runner.plan.put(payload), prev_tokens)
+            runner.steps_run += 1
+            if args[5]:   # unconstrained: the sampler at once, everything allowed
+                runner.slot_state, _, last_tokens = sampler(runner.state, runner.slot_state, sample_rows,
+                                                            runner._bitmask_arg(shape, None))
+        elif op == OP_SAMPLE:   # the held-back sampler of the last step run, with its mask
+            bitmask = payload.reshape(shape.num_logits, runner.bitmask_words)
+            runner.slot_state, _, last_tokens = sampler(runner.state, runner.slot_state, sample_rows,
+                                                        runner._bitmask_arg(shape, bitmask))
+        else:
+            raise RuntimeError(f"unknown operation {op} from rank 0")

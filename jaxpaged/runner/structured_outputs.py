@@ -81,6 +81,19 @@ class GrammarCompiler:
         return matcher
 
 
+def step_bitmask(constrained: list[tuple[int, object]], num_rows: int, words: int) -> np.ndarray | None:
+    """A step's bitmask i32[num_rows, words] from its constrained (sample row, Request) pairs, the
+    other rows allowing everything; None when no row is constrained. A request that finished
+    meanwhile (its token will be dropped) allows everything too."""
+    if not constrained:
+        return None
+    bitmask = np.full((num_rows, words), -1, np.int32)
+    for row, request in constrained:
+        if not request.is_finished:
+            fill_bitmask(bitmask, row, request.matcher)
+    return bitmask
+
+
 def fill_bitmask(bitmask: np.ndarray, row: int, matcher) -> None:
     """Row `row` of `bitmask` := the tokens `matcher` allows next."""
     from llguidance.numpy import fill_next_token_bitmask

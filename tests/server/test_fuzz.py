@@ -11,13 +11,13 @@ from schemathesis import GenerationMode
 
 from jaxpaged import AsyncLLM
 from server import build_app
-from server import protocol as P
+from server.openapi import openapi_schema
 from tests.server.test_async_llm import tiny_engine_args
 from tests.server.test_openai_server import metrics, serving, wait_idle
 
 MODEL = "tiny-llama"
 EXAMPLES = 60   # per route and mode: 240 requests in all
-SCHEMA = schemathesis.openapi.from_dict(P.openapi_schema())
+SCHEMA = schemathesis.openapi.from_dict(openapi_schema())
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import uvicorn
 
 from jaxpaged import AsyncLLM
 from server import build_app
-from server import protocol as P
+from server import openai_types as T
 from tests.server.test_async_llm import tiny_engine_args
 
 MODEL, KEY = "tiny-llama", "sk-test"
@@ -269,8 +269,8 @@ def test_openai_field_lists_match_the_installed_openai_package():
 
     def keys(params) -> set:
         return set(params.__required_keys__ | params.__optional_keys__)
-    assert set(P.OPENAI_CHAT_FIELDS) == keys(chat.CompletionCreateParamsNonStreaming)
-    assert set(P.OPENAI_COMPLETION_FIELDS) == keys(completion.CompletionCreateParamsNonStreaming)
+    assert set(T.OPENAI_CHAT_FIELDS) == keys(chat.CompletionCreateParamsNonStreaming)
+    assert set(T.OPENAI_COMPLETION_FIELDS) == keys(completion.CompletionCreateParamsNonStreaming)
 
 
 def test_cache_salt_keeps_prefix_cache_blocks_apart(client):

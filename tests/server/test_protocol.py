@@ -6,7 +6,9 @@ import logging
 
 import pytest
 
+from server import openai_types as T
 from server import protocol as P
+from server.openapi import openapi_schema
 
 HI = [{"role": "user", "content": "hi"}]
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
@@ -75,8 +77,8 @@ def test_an_unimplemented_openai_field_is_refused_unless_it_asks_for_nothing(nam
 
 
 def test_every_openai_field_is_declared_so_only_foreign_ones_count_as_unknown():
-    assert set(P.OPENAI_CHAT_FIELDS) <= set(P.ChatCompletionRequest.model_fields)
-    assert set(P.OPENAI_COMPLETION_FIELDS) <= set(P.CompletionRequest.model_fields)
+    assert set(T.OPENAI_CHAT_FIELDS) <= set(T.ChatCompletionRequest.model_fields)
+    assert set(T.OPENAI_COMPLETION_FIELDS) <= set(T.CompletionRequest.model_fields)
 
 
 def test_tools_and_a_tool_history_are_parsed_into_plain_dicts():
@@ -127,7 +129,7 @@ def test_responses_pass_through_their_models_keeping_the_nulls_given():
 
 
 def test_the_openapi_document_covers_the_routes_and_every_ref_resolves():
-    doc = P.openapi_schema()
+    doc = openapi_schema()
     assert doc["openapi"].startswith("3.1") and doc["info"]["title"] == "jaxpaged"
     assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models"}
     schemas = doc["components"]["schemas"]
