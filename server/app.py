@@ -71,6 +71,12 @@ async def _unless_disconnected(request: Request, awaitable) -> tuple[bool, objec
     return True, None
 
 
+async def _close(gens) -> None:
+    """Close request streams: finished ones as no-ops; the rest abort in the engine (frees their blocks)."""
+    for gen in gens:
+        await gen.aclose()
+
+
 def engine_dead() -> P.APIError:
     return P.APIError(503, "the engine loop is not running", code="engine_dead", type="server_error")
 
@@ -173,13 +179,11 @@ class _Server:
         gone, firsts = await _unless_disconnected(request, asyncio.gather(*(anext(g) for g in gens),
                                                                           return_exceptions=True))
         if gone:
-            for gen in gens:
-                await gen.aclose()
+            await _close(gens)
             return Response(status_code=499)
         error = next((f for f in firsts if isinstance(f, BaseException)), None)
         if error is not None:
-            for gen in gens:
-                await gen.aclose()
+            await _close(gens)
             if isinstance(error, ValueError):
                 raise P.bad_request(error, req)
             if isinstance(error, EngineOverloadedError):   # --max-num-waiting: come back later, not a failure
@@ -194,9 +198,8 @@ class _Server:
                                      headers={"Cache-Control": "no-cache"})
         try:
             gone, finals = await _unless_disconnected(request, _last_outputs(streams))
-        finally:   # finished ones close as no-ops; the rest (a hang-up, a failure) abort in the engine
-            for gen in gens:
-                await gen.aclose()
+        finally:
+            await _close(gens)
         if gone:   # nobody will read the answer: its blocks are free now
             return Response(status_code=499)
         return _json(reply.whole(finals))
