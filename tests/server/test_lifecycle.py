@@ -123,7 +123,9 @@ def test_a_dead_engine_loop_is_503_at_once_and_ends_the_process_with_1():
     server = uvicorn.Server(uvicorn.Config(build_app(engine, [MODEL]), host="127.0.0.1", port=port,
                                            log_level="warning", lifespan="off"))
     status = []
-    thread = threading.Thread(target=lambda: status.append(serve(server, engine)), daemon=True)
+    # the watchdog looks every 5 s here (0.1 s by default), so /health can still be asked before it
+    # shuts the server down
+    thread = threading.Thread(target=lambda: status.append(serve(server, engine, poll_s=5.0)), daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
     try:
