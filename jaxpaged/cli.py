@@ -13,6 +13,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="hub id, folder or .gguf (default: built-in SmolLM2)")
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--quantization", "-q", default=d.quantization, type=lambda v: None if v == "none" else v,
+                        help="auto (the checkpoint's own: a GGUF's blocks stay quantized), none, int8, fp8, int4")
+    parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, help="auto, fp8, fp8_e4m3, fp8_e5m2")
+    parser.add_argument("--calculate-kv-scales", action="store_true", help="fp8 KV scales from the first prompts")
     parser.add_argument("--block-size", type=int, default=d.block_size)
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)

@@ -18,6 +18,19 @@ a transpose or a strided gather.
 import jax
 import jax.numpy as jnp
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+"""vLLM's kv_cache_dtype values: auto = the model dtype; fp8 is fp8_e4m3 (float8_e4m3fn)."""
+_FP8 = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
+
+
+def kv_storage_dtype(kv_cache_dtype: str, model_dtype) -> jnp.dtype:
+    """The pool's element type for a kv_cache_dtype."""
+    if kv_cache_dtype == "auto":
+        return jnp.dtype(model_dtype)
+    if kv_cache_dtype not in _FP8:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    return jnp.dtype(_FP8[kv_cache_dtype])
+
 
 def kv_pool_shape(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                   head_dim: int) -> tuple[int, ...]:

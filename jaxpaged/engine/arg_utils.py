@@ -2,8 +2,10 @@
 
 import dataclasses
 
+from jaxpaged.models.quantization import ALLOWED as QUANTIZATIONS
 from jaxpaged.sampling_params import MAX_LOGPROBS
 from pallas_kernels.backends import BACKENDS as ATTENTION_BACKENDS
+from pallas_kernels.layout import KV_CACHE_DTYPES
 
 
 @dataclasses.dataclass
@@ -12,6 +14,9 @@ class EngineArgs:
     tokenizer: str | None = None              # defaults to the model's own
     revision: str | None = None
     dtype: str = "auto"                       # auto | float32 | bfloat16 | float16
+    quantization: str | None = "auto"         # auto: the checkpoint's own (GGUF blocks kept); None | int8 | fp8 | int4
+    kv_cache_dtype: str = "auto"              # auto: the model dtype; fp8 (= fp8_e4m3) | fp8_e4m3 | fp8_e5m2
+    calculate_kv_scales: bool = False         # fp8 KV scales from the first prompt batch (else 1.0)
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # default: max(2048, max_model_len) without chunked prefill
@@ -63,6 +68,11 @@ class EngineArgs:
         require("swap_space", self.swap_space >= 0, ">= 0 (GiB)")
         require("attention_backend", self.attention_backend in ATTENTION_BACKENDS,
                 f"one of {', '.join(ATTENTION_BACKENDS)}")
+        require("quantization", self.quantization in QUANTIZATIONS,
+                f"one of {', '.join(repr(q) for q in QUANTIZATIONS)}")
+        require("kv_cache_dtype", self.kv_cache_dtype in KV_CACHE_DTYPES,
+                f"one of {', '.join(repr(d) for d in KV_CACHE_DTYPES)}")
+        require("calculate_kv_scales", isinstance(self.calculate_kv_scales, bool), "True or False")
         require("scan_layers", self.scan_layers is None or isinstance(self.scan_layers, bool), "None, True or False")
         require("preemption_mode", self.preemption_mode in ("recompute", "swap"), "'recompute' or 'swap'")
         require("seed", isinstance(self.seed, int), "an int")

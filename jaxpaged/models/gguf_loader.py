@@ -6,6 +6,7 @@ HF's Llama has no slot for, llama.cpp's per-frequency rope factors (`rope_freqs.
 rides on the config as `rope_freq_factors`.
 """
 
+import logging
 import os
 import re
 import shutil
@@ -18,6 +19,9 @@ from gguf.quants import dequantize
 
 from jaxpaged.models.gguf_file import GGUFFile
 from jaxpaged.models.gguf_tokenizer import build_gguf_tokenizer
+from jaxpaged.models.quantization import GGUF_NATIVE, from_gguf_blocks
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 
@@ -160,23 +164,42 @@ def _unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return heads.swapaxes(1, 2).reshape(out_features, in_features)
 
 
-def load_gguf(path: str) -> tuple[transformers.PretrainedConfig, dict[str, np.ndarray]]:
+def quantized_tensor_types(path: str) -> set[str]:
+    """The quantized GGUF tensor types in the file (e.g. {"Q4_1", "Q8_0"}); empty for float files."""
+    return {t.tensor_type.name for t in _open(path).tensors if t.tensor_type.name not in ("F32", "F16", "BF16", "F64")}
+
+
+def load_gguf(path: str, keep_quantized: bool = False) -> tuple[transformers.PretrainedConfig, dict]:
     """Read a llama GGUF file; returns (LlamaConfig, HF-named float32 state dict).
 
     Tensors are dequantized one at a time from the memory-mapped file, so peak memory
     stays near one float32 copy of the weights. `lm_head.weight` is present only when
     the file has an untied `output.weight`. A `rope_freqs.weight` tensor becomes the config's
     `rope_freq_factors` (not a state dict entry); one of the wrong length raises ValueError.
+    With `keep_quantized`, Q8_0, Q4_0 and Q4_1 matrices come back as `HostQuantized` [out, in]
+    (their own blocks' scales and minimums) and other quantized types are dequantized, logged once.
     """
     reader = _open(path)
     config = _config(reader)
-    state: dict[str, np.ndarray] = {}
+    state: dict = {}
+    dequantized: set[str] = set()
     for tensor in reader.tensors:
         if tensor.name == ROPE_FREQS_TENSOR:
             continue   # already in config.rope_freq_factors
         name = _hf_name(tensor.name)
         if name is None:
             raise ValueError(f"unexpected tensor {tensor.name!r} in llama GGUF {path!r}")
+        kind = tensor.tensor_type.name
+        if keep_quantized and kind in GGUF_NATIVE and len(tensor.shape) == 2:
+            rows, cols = int(tensor.shape[1]), int(tensor.shape[0])
+            weight = from_gguf_blocks(kind, tensor.data, rows, cols)
+            if name.endswith(("q_proj.weight", "k_proj.weight")):   # the row permutation, on every field alike
+                heads = config.num_attention_heads if name.endswith("q_proj.weight") else config.num_key_value_heads
+                weight = weight.map_fields(lambda a: _unpermute_rope_rows(a, heads))
+            state[name] = weight
+            continue
+        if keep_quantized and kind not in ("F32", "F16", "BF16", "F64"):
+            dequantized.add(kind)
         weight = dequantize(tensor.data, tensor.tensor_type)
         # GGUF lists dims fastest-first; the dequantized array is already row-major
         # [out_features, in_features], i.e. tensor.shape reversed.
@@ -188,6 +211,9 @@ def load_gguf(path: str) -> tuple[transformers.PretrainedConfig, dict[str, np.nd
         if np.may_share_memory(weight, tensor.data):  # F32 tensors are views of the mmap
             weight = weight.copy()
         state[name] = np.ascontiguousarray(weight, dtype=np.float32)
+    if dequantized:
+        logger.info("GGUF tensor types %s are de-quantized to float (kept quantized: %s)",
+                    ", ".join(sorted(dequantized)), ", ".join(GGUF_NATIVE))
     return config, state
 
 

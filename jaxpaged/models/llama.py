@@ -15,7 +15,8 @@ arrays. Each layer scatters its new K/V into its own plane at that index and att
 pool through block tables. The scatter is in place in both loops (the step donates the pool,
 and a loop carry is updated in place): no layer copies the pool.
 
-q/k/v and gate/up are fused into one matmul each: fewer, larger matmuls.
+q/k/v and gate/up are fused into one matmul each: fewer, larger matmuls. Any matmul weight may
+be a `QuantizedWeight` (see `jaxpaged.models.quantization`): every matmul goes through `linear`.
 """
 
 import functools
@@ -27,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpaged.models.batch import ForwardBatch
 from jaxpaged.models.config import ModelConfig
+from jaxpaged.models.quantization import QuantizedWeight, embedding_lookup, linear
 from jaxpaged.parallel import MODEL_AXIS, ShardPlan
 from pallas_kernels import write_kv
 from pallas_kernels.backends import get_attention
@@ -107,12 +109,13 @@ class LlamaFamilyForCausalLM(nnx.Module):
         self.config = cfg
         self.attention_backend = attention_backend   # a resolved name (see pallas_kernels.backends)
         self.shard_plan = shard_plan                 # the devices the weights lie on (jaxpaged.parallel)
-        self.embed = nnx.Param(weights["embed"])
+        self.dtype = weights["final_norm"].dtype   # the activations' (norms are never quantized)
+        self.embed = nnx.Param(weights["embed"])   # [vocab, hidden], or a QuantizedWeight [hidden, vocab]
         self.final_norm = nnx.Param(weights["final_norm"])
         self.lm_head = nnx.Param(weights["lm_head"]) if "lm_head" in weights else None
         layers = weights["layers"]
         self.scan_layers = isinstance(layers, dict)
-        depths = {v.shape[0] for v in layers.values()} if self.scan_layers else {len(layers)}
+        depths = ({leaf.shape[0] for leaf in jax.tree.leaves(layers)} if self.scan_layers else {len(layers)})
         if depths != {cfg.num_layers}:
             raise ValueError(f"layer weights hold {sorted(depths)} layers, the config {cfg.num_layers}")
         if self.scan_layers:
@@ -128,26 +131,32 @@ class LlamaFamilyForCausalLM(nnx.Module):
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         cfg = self.config
         hidden = rms_norm(hidden, self.final_norm[...], cfg.rms_norm_eps)
-        if self.lm_head is None:
-            logits = jnp.einsum("td,vd->tv", hidden, self.embed[...])
+        embed = self.embed.get_value()
+        if self.lm_head is not None:
+            logits = linear(hidden, self.lm_head.get_value())
+        elif isinstance(embed, QuantizedWeight):
+            logits = linear(hidden, embed)
         else:
-            logits = hidden @ self.lm_head[...]
+            logits = jnp.einsum("td,vd->tv", hidden, embed)
         return logits.astype(jnp.float32)
 
     def compute_logits_transposed(self, hidden: jax.Array) -> jax.Array:
         """f32[vocab, rows]: the same logits as compute_logits, laid out vocabulary-major."""
         cfg = self.config
         hidden = rms_norm(hidden, self.final_norm[...], cfg.rms_norm_eps)
-        if self.lm_head is None:
-            logits = self.embed[...] @ hidden.T
+        head = self.embed.get_value() if self.lm_head is None else self.lm_head.get_value()
+        if isinstance(head, QuantizedWeight):
+            logits = linear(hidden, head).T
+        elif self.lm_head is None:
+            logits = head @ hidden.T
         else:
-            logits = jnp.einsum("dv,td->vt", self.lm_head[...], hidden)
+            logits = jnp.einsum("dv,td->vt", head, hidden)
         return logits.astype(jnp.float32)
 
     def hidden_states(self, kv_pool: jax.Array, batch: ForwardBatch) -> tuple[jax.Array, jax.Array]:
         cfg = self.config
         md = batch.attn
-        hidden = self.embed[...][batch.input_ids]
+        hidden = embedding_lookup(self.embed.get_value(), batch.input_ids, self.dtype)
         seq_lens = None
         if cfg.rope_type == "dynamic":
             token_seq = jnp.searchsorted(md.cu_q_lens[1:], jnp.arange(batch.input_ids.shape[0]), side="right")
@@ -156,7 +165,7 @@ class LlamaFamilyForCausalLM(nnx.Module):
         layer_fn = functools.partial(_decoder_layer, cfg, self.shard_plan, get_attention(self.attention_backend),
                                      batch, cos, sin)
         if self.scan_layers:
-            xs = ({k: v[...] for k, v in self.layers.items()}, jnp.arange(cfg.num_layers, dtype=jnp.int32),
+            xs = ({k: v.get_value() for k, v in self.layers.items()}, jnp.arange(cfg.num_layers, dtype=jnp.int32),
                   jnp.asarray(cfg.sliding_windows, jnp.int32))
 
             def scan_step(carry, xs):
@@ -165,7 +174,7 @@ class LlamaFamilyForCausalLM(nnx.Module):
             (hidden, kv_pool), _ = jax.lax.scan(scan_step, (hidden, kv_pool), xs)
         else:
             for i, layer in enumerate(self.layers):
-                hidden, kv_pool = layer_fn(hidden, kv_pool, {k: v[...] for k, v in layer.items()},
+                hidden, kv_pool = layer_fn(hidden, kv_pool, {k: v.get_value() for k, v in layer.items()},
                                            jnp.int32(i), jnp.int32(cfg.sliding_windows[i]))
         return kv_pool, hidden
 
@@ -181,7 +190,7 @@ def _decoder_layer(cfg: ModelConfig, plan: ShardPlan, attention, batch: ForwardB
     """
     num_tokens, tp = hidden.shape[0], plan.size
     x = rms_norm(hidden, w["input_norm"], cfg.rms_norm_eps)
-    qkv = x @ w["wqkv"]
+    qkv = linear(x, w["wqkv"])
     if cfg.qkv_bias:
         qkv = qkv + w["bqkv"]
     qkv = qkv.reshape(num_tokens, tp, -1)
@@ -201,19 +210,19 @@ def _decoder_layer(cfg: ModelConfig, plan: ShardPlan, attention, batch: ForwardB
         return kv_pool, attention(q, kv_pool, layer, md, window, sm_scale=cfg.head_dim ** -0.5)
 
     kv_pool, attn = plan.attention(write_and_attend)(kv_pool, q, k, v, batch.slot_mapping, batch.attn, layer, window)
-    out = attn.reshape(num_tokens, cfg.q_size) @ w["wo"]
+    out = linear(attn.reshape(num_tokens, cfg.q_size), w["wo"])
     if cfg.o_bias:
         out = out + w["bo"]
     hidden = hidden + out
     x = rms_norm(hidden, w["post_norm"], cfg.rms_norm_eps)
-    gate_up = x @ w["w_gate_up"]
+    gate_up = linear(x, w["w_gate_up"])
     if cfg.mlp_bias:
         gate_up = gate_up + w["b_gate_up"]
     gate_up = gate_up.reshape(num_tokens, tp, -1)
     inter_local = cfg.intermediate_size // tp
     gate = gate_up[..., :inter_local].reshape(num_tokens, cfg.intermediate_size)
     up = gate_up[..., inter_local:].reshape(num_tokens, cfg.intermediate_size)
-    mlp = (jax.nn.silu(gate.astype(jnp.float32)).astype(up.dtype) * up) @ w["w_down"]
+    mlp = linear(jax.nn.silu(gate.astype(jnp.float32)).astype(up.dtype) * up, w["w_down"])
     if cfg.mlp_bias:
         mlp = mlp + w["b_down"]
     return hidden + mlp, kv_pool

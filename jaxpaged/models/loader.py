@@ -16,11 +16,13 @@ from typing import Any, Callable
 import jax
 import ml_dtypes
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jaxpaged.models.config import ModelConfig, model_config_from_hf
 from jaxpaged.models.registry import model_class_for
 from jaxpaged.models.llama import layer_weight_shapes, weight_shapes
 from jaxpaged.models.orbax_io import FORMAT_FILE, is_converted, load_converted
+from jaxpaged.models.quantization import HostQuantized, QuantizedWeight, combine, quantize, resolve_quantization
 from jaxpaged.parallel import ShardPlan, check_tensor_parallel, fuse_columns, kv_head_replicas, repeat_heads
 
 _DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -34,6 +36,7 @@ class LoadedModel:
     hf_config: Any           # transformers.PretrainedConfig
     dtype: str               # "float32" | "bfloat16" | "float16"
     source: str              # local folder or .gguf path the weights came from
+    quantization: str | None = None   # the weights' quantization: None, "int8", "fp8", "int4" or "gguf"
 
 
 def resolve_dtype(dtype: str, checkpoint_dtype: str) -> str:
@@ -113,8 +116,43 @@ def sharded_config(cfg: ModelConfig, tp: int) -> ModelConfig:
     return dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * kv_head_replicas(cfg.num_kv_heads, tp))
 
 
+def put_weight(plan: ShardPlan, name: str, value, stacked: bool = False):
+    """A host weight (numpy, or the numpy arrays of a QuantizedWeight) on the plan's devices with its sharding."""
+    spec = plan.weight_spec(name, stacked)
+    if name == "embed" and isinstance(value, QuantizedWeight):   # kept as its LM head [hidden, vocab]
+        spec = P(*reversed(tuple(spec)))
+    if not isinstance(value, QuantizedWeight):
+        return plan.put(value, spec)
+    specs = value.specs(spec)
+    return dataclasses.replace(value, values=plan.put(value.values, specs.values),
+                               scale=plan.put(value.scale, specs.scale),
+                               offset=None if value.offset is None else plan.put(value.offset, specs.offset))
+
+
+def _empty_stack(plan: ShardPlan, name: str, num_layers: int, layer_value):
+    """Zeros [num_layers, ...] shaped like one layer's device weight (every array of a QuantizedWeight)."""
+    def zeros(a, spec):
+        return plan.zeros((num_layers, *a.shape), a.dtype, spec)
+    if not isinstance(layer_value, QuantizedWeight):
+        return zeros(layer_value, plan.weight_spec(name, True))
+    specs = layer_value.specs(plan.weight_spec(name, True))
+    return dataclasses.replace(layer_value, values=zeros(layer_value.values, specs.values),
+                               scale=zeros(layer_value.scale, specs.scale),
+                               offset=None if layer_value.offset is None else zeros(layer_value.offset, specs.offset))
+
+
+def _as_layer_weight(value, quantization: str | None, np_dtype, tp: int):
+    """A fused host weight in its device form: GGUF blocks packed, float quantized (`quantization`), or cast."""
+    if isinstance(value, HostQuantized):
+        return value.packed()
+    if quantization is not None and value.ndim == 2:
+        return quantize(value, quantization, tp).packed()
+    return value.astype(np_dtype)
+
+
 def convert_hf_weights(get: Callable[[str], np.ndarray], has: Callable[[str], bool], cfg: ModelConfig,
-                       dtype: str, scan_layers: bool, plan: ShardPlan = ShardPlan()) -> dict:
+                       dtype: str, scan_layers: bool, plan: ShardPlan = ShardPlan(),
+                       quantization: str | None = None) -> dict:
     """Hugging Face state dict (read through `get`) -> our weights on the device, in `dtype`.
 
     `weights["layers"]` is a dict of stacked [num_layers, ...] arrays when `scan_layers`, else a
@@ -122,6 +160,10 @@ def convert_hf_weights(get: Callable[[str], np.ndarray], has: Callable[[str], bo
     placed with its Megatron sharding, the fused columns shard-major and KV heads repeated for
     `sharded_config(cfg, plan.size)` (see jaxpaged.parallel). Raises ValueError naming the tensor
     when one is missing or has the wrong shape.
+
+    Tensors that `get` returns as `HostQuantized` (GGUF blocks) stay quantized; `quantization`
+    ("int8", "fp8", "int4") quantizes the float matmul weights of the layers (see
+    jaxpaged.models.quantization).
     """
     np_dtype = _DTYPES[dtype]
     tp = plan.size
@@ -133,18 +175,19 @@ def convert_hf_weights(get: Callable[[str], np.ndarray], has: Callable[[str], bo
     def fetch(name: str, shape: tuple[int, ...]) -> np.ndarray:
         return hf_tensor(get, has, name, shape)
 
-    def put(name: str, value: np.ndarray, stacked: bool = False) -> jax.Array:
-        return plan.put(value, plan.weight_spec(name, stacked))
+    def put(name: str, value, stacked: bool = False):
+        return put_weight(plan, name, value, stacked)
 
     weights: dict = {}
-    weights["embed"] = put("embed", fetch("model.embed_tokens.weight", shapes["embed"]).astype(np_dtype))
+    embed = fetch("model.embed_tokens.weight", shapes["embed"])
+    weights["embed"] = put("embed", embed.T.packed() if isinstance(embed, HostQuantized) else embed.astype(np_dtype))
     weights["final_norm"] = put("final_norm", fetch("model.norm.weight", shapes["final_norm"]).astype(np_dtype))
     if not cfg.tie_word_embeddings:
-        head = fetch("lm_head.weight", shapes["lm_head"][::-1])
-        weights["lm_head"] = put("lm_head", np.ascontiguousarray(head.T).astype(np_dtype))
+        head = fetch("lm_head.weight", shapes["lm_head"][::-1]).T
+        weights["lm_head"] = put("lm_head", head.packed() if isinstance(head, HostQuantized)
+                                 else np.ascontiguousarray(head).astype(np_dtype))
 
-    stacks = ({name: plan.zeros((cfg.num_layers, *shape), np_dtype, plan.weight_spec(name, True))
-               for name, shape in layer_shapes.items()} if scan_layers else {})
+    stacks: dict = {}
     layers = []
     for i in range(cfg.num_layers):
         layer = {}
@@ -155,13 +198,20 @@ def convert_hf_weights(get: Callable[[str], np.ndarray], has: Callable[[str], bo
             axis = len(shape) - 1    # a linear's output columns (after the transpose), or a bias
             if len(shape) == 2:   # linear: [out, in] -> [in, out]
                 parts = [p.T for p in parts]
+            if any(isinstance(p, HostQuantized) for p in parts) and not all(
+                    isinstance(p, HostQuantized) and p.kind == parts[0].kind for p in parts):
+                parts = [p.dequantize() if isinstance(p, HostQuantized) else p for p in parts]   # mixed types
             if name in ("wqkv", "bqkv"):   # K and V heads repeated until each device holds whole heads
-                parts = [parts[0]] + [repeat_heads(p, cfg.num_kv_heads, replicas, axis) for p in parts[1:]]
-            value = (fuse_columns(parts, tp, axis) if len(parts) > 1 else parts[0]).astype(np_dtype)
+                parts = [parts[0]] + [combine([p], lambda a: repeat_heads(a[0], cfg.num_kv_heads, replicas, axis))
+                                      for p in parts[1:]]
+            value = combine(parts, lambda a: fuse_columns(a, tp, axis)) if len(parts) > 1 else parts[0]
+            value = put(name, _as_layer_weight(value, quantization, np_dtype, tp))
             if scan_layers:
-                stacks[name] = _set_layer(stacks[name], put(name, value), i)
+                if name not in stacks:
+                    stacks[name] = _empty_stack(plan, name, cfg.num_layers, value)
+                stacks[name] = jax.tree.map(lambda s, v: _set_layer(s, v, i), stacks[name], value)
             else:
-                layer[name] = put(name, value)
+                layer[name] = value
         layers.append(layer)
     weights["layers"] = stacks if scan_layers else layers
     return weights
@@ -187,21 +237,27 @@ def _local_folder(model: str, revision: str | None = None) -> str:
 
 def load_model(model: str, dtype: str = "auto", revision: str | None = None,
                attention_backend: str = "reference", scan_layers: bool | None = None,
-               shard_plan: ShardPlan = ShardPlan()) -> LoadedModel:
+               shard_plan: ShardPlan = ShardPlan(), quantization: str | None = "auto") -> LoadedModel:
     """Load weights and config; `model` is a .gguf path, a local folder or a hub id.
 
     `scan_layers`: stack the layer weights and scan over them (True), keep one set of arrays
     per layer and unroll (False), or None: by platform (`resolve_scan_layers`). `shard_plan`:
     the devices to spread the weights over (tensor parallelism, see jaxpaged.parallel); the
     returned config is then `sharded_config` (KV heads repeated where tp exceeds them).
+    `quantization`: see `jaxpaged.models.quantization.resolve_quantization` ("auto" keeps a GGUF
+    file's Q8_0/Q4_0/Q4_1 matrices quantized).
     """
     scan_layers = resolve_scan_layers(scan_layers)
     if model.endswith(".gguf"):
-        from jaxpaged.models.gguf_loader import load_gguf
-        hf_config, tensors = load_gguf(model)
+        from jaxpaged.models.gguf_loader import load_gguf, quantized_tensor_types
+        from jaxpaged.models.quantization import GGUF_NATIVE
+        native = quantized_tensor_types(model) & set(GGUF_NATIVE)
+        quantization = resolve_quantization(quantization, "gguf" if native else None)
+        hf_config, tensors = load_gguf(model, keep_quantized=quantization == "gguf")
         cfg = model_config_from_hf(hf_config)
         dtype = resolve_dtype(dtype, "float32")
-        weights = convert_hf_weights(tensors.__getitem__, tensors.__contains__, cfg, dtype, scan_layers, shard_plan)
+        weights = convert_hf_weights(tensors.__getitem__, tensors.__contains__, cfg, dtype, scan_layers, shard_plan,
+                                     None if quantization == "gguf" else quantization)
         del tensors
         source = model
     elif is_converted(model):   # `jaxpaged convert`'s orbax folder: restored straight into the shardings
@@ -215,7 +271,10 @@ def load_model(model: str, dtype: str = "auto", revision: str | None = None,
             raise ValueError(f"{model!r} holds format {meta.get('format')!r} version {meta.get('version')!r}; this "
                              "jaxpaged reads jaxpaged-orbax version 1 (convert the model again)")
         dtype = resolve_dtype(dtype, meta["dtype"])
+        quantization = resolve_quantization(quantization, None)
         weights = load_converted(model, cfg, dtype, scan_layers, shard_plan)
+        if quantization is not None:
+            weights = quantize_loaded(weights, quantization, shard_plan)
         source = model
     else:
         from transformers import AutoConfig
@@ -228,11 +287,32 @@ def load_model(model: str, dtype: str = "auto", revision: str | None = None,
         cfg = model_config_from_hf(hf_config)
         checkpoint = Checkpoint(folder)
         dtype = resolve_dtype(dtype, _CHECKPOINT_DTYPES[checkpoint.dtype_name()])
-        weights = convert_hf_weights(checkpoint.get, checkpoint.__contains__, cfg, dtype, scan_layers, shard_plan)
+        quantization = resolve_quantization(quantization, None)
+        weights = convert_hf_weights(checkpoint.get, checkpoint.__contains__, cfg, dtype, scan_layers, shard_plan,
+                                     quantization)
         source = folder
     model_cls = model_class_for(cfg.architecture)
     cfg = sharded_config(cfg, shard_plan.size)
-    return LoadedModel(model_cls(cfg, weights, attention_backend, shard_plan), cfg, hf_config, dtype, source)
+    return LoadedModel(model_cls(cfg, weights, attention_backend, shard_plan), cfg, hf_config, dtype, source,
+                       quantization)
+
+
+def quantize_loaded(weights: dict, quantization: str, plan: ShardPlan) -> dict:
+    """Quantize the matmul weights of device-resident layers (a converted folder's), through the host."""
+    def one(name: str, value: jax.Array, stacked: bool):
+        host = np.asarray(jax.device_get(value), np.float32)
+        if not stacked:
+            return put_weight(plan, name, quantize(host, quantization, plan.size).packed())
+        per_layer = [quantize(layer, quantization, plan.size).packed() for layer in host]
+        stack = jax.tree.map(lambda *arrays: np.stack(arrays), *per_layer)
+        return put_weight(plan, name, stack, stacked=True)
+
+    layers = weights["layers"]
+    if isinstance(layers, dict):
+        layers = {k: one(k, v, True) if v.ndim == 3 else v for k, v in layers.items()}
+    else:
+        layers = [{k: one(k, v, False) if v.ndim == 2 else v for k, v in layer.items()} for layer in layers]
+    return {**weights, "layers": layers}
 
 
 def convert_checkpoint(model: str, out: str, dtype: str = "auto", revision: str | None = None) -> str:

@@ -90,7 +90,7 @@ class ModelRunner:
         blocks = cdiv(max_model_len, block_size)
         self.max_blocks_per_seq = cdiv(blocks, KV_CHUNK_BLOCKS) * KV_CHUNK_BLOCKS
         cfg = self.model_config
-        dtype = kv_dtype or model.embed[...].dtype
+        dtype = kv_dtype or model.dtype
         self.plan = model.shard_plan   # its devices (tensor parallelism: the pool is sharded by KV heads)
         self.kv_pool = self.plan.zeros(kv_pool_shape(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
                                                      cfg.head_dim), dtype, POOL_SPEC)

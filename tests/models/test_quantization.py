@@ -1,0 +1,131 @@
+"""Weight-only quantization (int8, fp8, int4) and GGUF blocks kept quantized.
+
+The oracle for a quantized model is transformers on the same quantized weights: each HF linear
+weight replaced by its de-quantized value (fp32), so the comparison isolates our packing, fusing,
+sharding and matmuls from the quantization error itself, which is bounded separately.
+"""
+
+import functools
+import os
+
+import gguf
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxpaged.models import quantization as qz
+from jaxpaged.models.loader import load_model
+from tests.models.test_llama_family import assert_close, empty_pool, scattered_blocks
+from tests.tiny_models import hf_logits, tiny_checkpoint
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@functools.cache
+def dequantized_checkpoint(arch: str, mode: str) -> str:
+    """The tiny checkpoint with every layer's linear weight replaced by de-quantize(quantize(w))."""
+    from safetensors.numpy import load_file, save_file
+
+    src = tiny_checkpoint(arch)
+    dst = src + f"-dequantized-{mode}"
+    if not os.path.isdir(dst):
+        import shutil
+        shutil.copytree(src, dst)
+        tensors = load_file(os.path.join(src, "model.safetensors"))
+        for name, w in tensors.items():
+            if name.endswith(".weight") and name.startswith("model.layers.") and name.split(".")[-2] in LINEARS:
+                tensors[name] = np.ascontiguousarray(qz.quantize(w.T, mode).dequantize().T)
+        save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def forward_logits(path: str, tokens: list[int], **load_kwargs) -> np.ndarray:
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxpaged.runner.batch_builder import BatchShape, SeqChunk, build_forward_batch
+
+    loaded = load_model(path, dtype="float32", **load_kwargs)
+    graphdef, state = nnx.split(loaded.model)
+    block_size = 16
+    rng = np.random.default_rng(0)
+    chunk = SeqChunk(tokens, 0, scattered_blocks(rng, 3), logits_positions=list(range(len(tokens))))
+    batch = build_forward_batch([chunk], block_size, 8, BatchShape(num_tokens=48, num_seqs=4, num_logits=48,
+                                                                    q_tile=16))
+    forward = jax.jit(lambda state, pool, batch: nnx.merge(graphdef, state)(pool, batch))
+    _, logits = forward(state, empty_pool(loaded.config, block_size), batch)
+    return np.asarray(logits)[:len(tokens)], loaded
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("mode", qz.MODES)
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_quantized_model_matches_transformers_on_the_same_quantized_weights(arch, mode, scan_layers):
+    tokens = np.random.default_rng(1).integers(3, 320, 40).tolist()
+    ours, loaded = forward_logits(tiny_checkpoint(arch), tokens, quantization=mode, scan_layers=scan_layers)
+    assert loaded.quantization == mode
+    layer = loaded.model.layers if scan_layers else loaded.model.layers[0]
+    assert isinstance(layer["wqkv"].get_value(), qz.QuantizedWeight)
+    assert_close(ours, hf_logits(dequantized_checkpoint(arch, mode), tokens))
+    # and the weights really were quantized (the accuracy is measured on the real model, in test_smollm2)
+    assert np.abs(ours - hf_logits(tiny_checkpoint(arch), tokens)).max() > 1e-3
+
+
+def test_weight_bytes_shrink_with_each_mode():
+    base = qz.weight_nbytes(load_model(tiny_checkpoint("qwen2"), dtype="float32", quantization=None).model.layers)
+    ratios = {m: base / qz.weight_nbytes(load_model(tiny_checkpoint("qwen2"), dtype="float32",
+                                                    quantization=m).model.layers) for m in qz.MODES}
+    assert ratios["int8"] > 3.5 and ratios["fp8"] > 3.5 and ratios["int4"] > 5, ratios
+
+
+@pytest.mark.parametrize("mode", qz.MODES)
+def test_quantize_error_is_within_half_a_step(mode):
+    w = np.random.default_rng(0).standard_normal((256, 96)).astype(np.float32)
+    q = qz.quantize(w, mode)
+    err = np.abs(q.dequantize() - w)
+    step = np.repeat(q.scale, q.group_size, axis=0)
+    if mode == "fp8":   # e4m3 keeps 3 mantissa bits: relative error at most 2^-4
+        assert np.all(err <= np.abs(w) * 2 ** -4 + step * 2 ** -9)
+    else:
+        assert np.all(err <= step / 2 + 1e-7)
+    packed = q.packed()
+    assert packed.values.dtype == {"int8": np.int8, "fp8": ml_dtypes.float8_e4m3fn, "int4": np.uint8}[mode]
+    assert packed.in_features == 256 and packed.out_features == 96
+    np.testing.assert_array_equal(np.asarray(qz.QuantizedWeight(*[jax.numpy.asarray(a) for a in
+                                                                 (packed.values, packed.scale)], None,
+                                                               bits=packed.bits, group_size=packed.group_size,
+                                                               zero=packed.zero).dequantize(np.float32)),
+                                  q.dequantize())
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_blocks_decode_to_what_gguf_dequantizes(kind):
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((48, 128)).astype(np.float32)
+    w[3, :32] = 0.25   # a constant block: Q4_1's scale is 0 there
+    qtype = gguf.GGMLQuantizationType[kind]
+    raw = gguf.quants.quantize(w, qtype)
+    expected = gguf.quants.dequantize(raw, qtype).reshape(48, 128)
+    host = qz.from_gguf_blocks(kind, raw, 48, 128)
+    np.testing.assert_allclose(host.T.dequantize().T, expected, rtol=1e-6, atol=1e-7)
+    device = host.T.packed()
+    np.testing.assert_allclose(np.asarray(jax.tree.map(jax.numpy.asarray, device).dequantize(np.float32)).T,
+                               expected, rtol=1e-6, atol=1e-7)
+
+
+def test_bad_quantization_values_and_combinations_raise_naming_the_field(tmp_path):
+    from jaxpaged.engine.arg_utils import EngineArgs
+
+    with pytest.raises(ValueError, match="quantization must be one of .*'int8'"):
+        EngineArgs(quantization="int3")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of .*'fp8_e5m2'"):
+        EngineArgs(kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="quantization='gguf' needs a checkpoint quantized that way"):
+        load_model(tiny_checkpoint("llama"), dtype="float32", quantization="gguf")
+    assert qz.resolve_quantization("auto", "gguf") == "gguf"
+    assert qz.resolve_quantization(None, "gguf") is None
+    with pytest.raises(ValueError, match="quantization='int8' cannot re-quantize a checkpoint already quantized"):
+        qz.resolve_quantization("int8", "gguf")
+    with pytest.raises(ValueError, match="int4.*divisible by 32"):
+        qz.quantize(np.ones((48, 8), np.float32), "int4")
