@@ -43,13 +43,28 @@ def pages_view(kv_pool: jax.Array) -> jax.Array:
     return kv_pool.reshape(num_layers * two * num_blocks, kv_heads, block_size, head_dim)
 
 
+def is_fp8(dtype) -> bool:
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
+def quantize_kv(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """x / scale in the fp8 `dtype`, clipped to its finite range (e4m3fn has no infinity)."""
+    top = float(jnp.finfo(dtype).max)
+    return jnp.clip(x.astype(jnp.float32) / scale, -top, top).astype(dtype)
+
+
 def write_kv(kv_pool: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array,
-             slot_mapping: jax.Array) -> jax.Array:
+             slot_mapping: jax.Array, kv_scale: jax.Array | None = None) -> jax.Array:
     """Scatter k, v ([T, kv_heads, head_dim]) into `layer` of the pool at `slot_mapping` (i32[T]).
 
     Pure: returns the updated pool. Slots < 0 (padding tokens) are dropped. Inside a jit
-    whose pool is donated (or a loop carry) XLA performs the scatter in place.
+    whose pool is donated (or a loop carry) XLA performs the scatter in place. An fp8 pool
+    stores k / kv_scale[0] and v / kv_scale[1] (f32[2], this layer's scales; readers multiply back,
+    see `scaled_attention`).
     """
+    if is_fp8(kv_pool.dtype):
+        scale = jnp.ones((2,), jnp.float32) if kv_scale is None else kv_scale
+        k, v = quantize_kv(k, scale[0], kv_pool.dtype), quantize_kv(v, scale[1], kv_pool.dtype)
     _, _, num_blocks, kv_heads, block_size, head_dim = kv_pool.shape
     rows = kv_pool.reshape(-1, head_dim)               # one row per (layer, K|V, block, head, offset)
     plane_rows = num_blocks * kv_heads * block_size
@@ -62,3 +77,14 @@ def write_kv(kv_pool: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array,
     values = jnp.concatenate([k.reshape(-1, head_dim), v.reshape(-1, head_dim)]).astype(kv_pool.dtype)
     rows = rows.at[indices].set(values, mode="drop", unique_indices=False)
     return rows.reshape(kv_pool.shape)
+
+
+def scaled_attention(attention, q: jax.Array, kv_pool: jax.Array, layer, md, sliding_window, kv_scale, **kwargs):
+    """`attention` over a pool whose K and V are stored divided by kv_scale (f32[2]): the K scale is
+    folded into the queries and the V scale into the output, so the kernels only cast the fp8 pages
+    to the queries' dtype. A pool in the model dtype is read as it is."""
+    if not is_fp8(kv_pool.dtype):
+        return attention(q, kv_pool, layer, md, sliding_window, **kwargs)
+    q = (q.astype(jnp.float32) * kv_scale[0]).astype(q.dtype)
+    out = attention(q, kv_pool, layer, md, sliding_window, **kwargs)
+    return (out.astype(jnp.float32) * kv_scale[1]).astype(q.dtype)

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
+from pallas_kernels.layout import is_fp8
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.reference import tile_layout, validate_inputs
 
@@ -67,8 +68,9 @@ def _validate_kernel_inputs(q, kv_pool, md, kv_chunk_blocks, num_kv_splits):
         raise ValueError(f"num_kv_splits must be None or >= 1, got {num_kv_splits}")
     if q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
         raise ValueError(f"q dtype must be float32, bfloat16 or float16, got {q.dtype}")
-    if kv_pool.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
-        raise ValueError(f"kv_pool dtype must be float32, bfloat16 or float16, got {kv_pool.dtype}")
+    if kv_pool.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2):
+        raise ValueError("kv_pool dtype must be float32, bfloat16, float16, float8_e4m3fn or float8_e5m2, "
+                         f"got {kv_pool.dtype}")
 
 
 def visible_pages(kv_len, first_pos, num_queries, window, *, block_size: int, max_blocks: int):
@@ -122,7 +124,8 @@ def _attention_kernel(info_ref, tables_ref, cap_ref, q_ref, kv_ref, *out_refs, g
     page_in_step = jnp.arange(pages_per_step, dtype=jnp.int32)
 
     q = q_ref[...]
-    compute_dtype = jnp.promote_types(q.dtype, kv_ref.dtype)
+    # an fp8 pool's pages are cast to q's dtype (its scales are applied outside, see layout.scaled_attention)
+    compute_dtype = q.dtype if is_fp8(kv_ref.dtype) else jnp.promote_types(q.dtype, kv_ref.dtype)
     q = q.astype(compute_dtype)
 
     def step(j, carry):

@@ -10,7 +10,9 @@ walks only the keys its rows can see (up to its last query's position, from its 
 window start), in chunks of `chunk_blocks` pages gathered through the block table. Those chunks
 are divided evenly among `num_splits` programs (split-K: a long decode context keeps the GPU
 busy when there are few sequences); each writes an unnormalised (acc, max, sum) and a small jnp
-reduction combines them. Dots take the pool's dtype (q is cast to it) and accumulate in fp32.
+reduction combines them. Dots take the pool's dtype (q is cast to it) and accumulate in fp32; an fp8
+pool's pages are cast to q's dtype instead (`compute_dtype`): its scales are applied outside, see
+`pallas_kernels.layout.scaled_attention`.
 
 `kernel_call_args` and `combine_splits` are public so that tests replay the very same launch on
 CPU (a numpy emulation of the tiling, and this kernel under Triton's interpreter) besides
@@ -28,6 +30,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
+from pallas_kernels.layout import is_fp8
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.reference import tile_layout, num_query_tiles, validate_inputs
 
@@ -36,6 +39,12 @@ _TARGET_PROGRAMS = 264  # two waves of an H100/H200's 132 SMs: below that, split
 _MAX_SPLITS = 16
 _MIN_DOT = 16           # tl.dot needs every dimension >= 16
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+_FP8 = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+
+
+def compute_dtype(q_dtype, pool_dtype):
+    """The dots' input dtype: the pool's, or q's when the pool is fp8."""
+    return q_dtype if is_fp8(pool_dtype) else pool_dtype
 
 
 def _pow2_at_least(n: int) -> int:
@@ -110,7 +119,8 @@ def _paged_attention_kernel(
         NUM_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, Q_TILE: tl.constexpr,
         ROWS: tl.constexpr, ROW_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, NUM_BLOCKS: tl.constexpr, MAX_BLOCKS: tl.constexpr,
-        CHUNK: tl.constexpr, NUM_SPLITS: tl.constexpr, SM_SCALE: tl.constexpr, PRECISION: tl.constexpr):
+        CHUNK: tl.constexpr, NUM_SPLITS: tl.constexpr, SM_SCALE: tl.constexpr, PRECISION: tl.constexpr,
+        KV_FP8: tl.constexpr):
     tile = tl.program_id(0) // ROW_BLOCKS
     row_block = tl.program_id(0) % ROW_BLOCKS
     kv_head = tl.program_id(1)
@@ -132,7 +142,8 @@ def _paged_attention_kernel(
     d_ok = d < HEAD_DIM
     q_off = ((q_start + first_row + row) * NUM_HEADS + kv_head * GROUP + r % GROUP) * HEAD_DIM
     q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    q = q.to(pool_ptr.dtype.element_ty)
+    if not KV_FP8:
+        q = q.to(pool_ptr.dtype.element_ty)
 
     # Keys this program can see: up to its last query (causal), from its first query's window.
     start_row = row_block * ROWS // GROUP
@@ -162,6 +173,9 @@ def _paged_attention_kernel(
         kv_mask = k_ok[:, None] & d_ok[None, :]
         k = tl.load(pool_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(pool_ptr + PLANE + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * SM_SCALE
         safe_cap = tl.where(cap > 0, cap, 1.0)
         s = tl.where(cap > 0, safe_cap * _tanh(s / safe_cap), s)
@@ -183,9 +197,11 @@ def _paged_attention_kernel(
 
 def _validate(q, kv_pool, layer, md, sliding_window, soft_cap, sm_scale, kv_chunk_blocks) -> None:
     validate_inputs(q, kv_pool, md)
-    for name, x in (("q", q), ("kv_pool", kv_pool)):
-        if x.dtype not in _DTYPES:
-            raise ValueError(f"{name} dtype must be float32, bfloat16 or float16, got {x.dtype}")
+    if q.dtype not in _DTYPES:
+        raise ValueError(f"q dtype must be float32, bfloat16 or float16, got {q.dtype}")
+    if kv_pool.dtype not in _DTYPES + _FP8:
+        raise ValueError("kv_pool dtype must be float32, bfloat16, float16, float8_e4m3fn or float8_e5m2, "
+                         f"got {kv_pool.dtype}")
     for name, x in (("layer", layer), ("sliding_window", sliding_window), ("soft_cap", soft_cap)):
         if jnp.ndim(x) != 0:
             raise ValueError(f"{name} must be a scalar, got shape {jnp.shape(x)}")
@@ -241,7 +257,8 @@ def kernel_call_args(q, kv_pool, layer, md: AttentionMetadata, sliding_window=0,
     """Validates, then returns (launch, operands, out_type, constexprs, token gather) of the kernel
     call: everything triton_call is given, so a replay on CPU launches exactly the same thing."""
     _validate(q, kv_pool, layer, md, sliding_window, soft_cap, sm_scale, kv_chunk_blocks)
-    launch = plan_launch(q.shape, kv_pool.shape, md.block_tables.shape, md.q_tile, kv_chunk_blocks, kv_pool.dtype)
+    dots = compute_dtype(q.dtype, kv_pool.dtype)
+    launch = plan_launch(q.shape, kv_pool.shape, md.block_tables.shape, md.q_tile, kv_chunk_blocks, dots)
     tiles, tokens = _tile_operands(md, q.shape[0])
     slots = launch.num_tiles * launch.kv_heads * launch.num_splits * launch.row_blocks * launch.rows
     out_type = (jax.ShapeDtypeStruct((slots, launch.head_dim_pad), jnp.float32),
@@ -253,7 +270,8 @@ def kernel_call_args(q, kv_pool, layer, md: AttentionMetadata, sliding_window=0,
                 ROWS=launch.rows, ROW_BLOCKS=launch.row_blocks, HEAD_DIM=launch.head_dim,
                 HEAD_DIM_PAD=launch.head_dim_pad, BLOCK_SIZE=launch.block_size, NUM_BLOCKS=launch.num_blocks,
                 MAX_BLOCKS=launch.max_blocks, CHUNK=launch.chunk_tokens, NUM_SPLITS=launch.num_splits,
-                SM_SCALE=float(sm_scale), PRECISION="ieee" if kv_pool.dtype == jnp.float32 else "tf32")
+                SM_SCALE=float(sm_scale), PRECISION="ieee" if dots == jnp.float32 else "tf32",
+                KV_FP8=is_fp8(kv_pool.dtype))
     return launch, (q, kv_pool, *scalars, *ints, *tiles), out_type, meta, tokens
 
 

@@ -12,6 +12,7 @@ from jaxpaged.models.loader import LoadedModel, load_model
 from jaxpaged.parallel import ShardPlan
 from jaxpaged.runner import multihost
 from jaxpaged.runner.model_runner import ModelRunner
+from pallas_kernels.layout import kv_storage_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -111,11 +112,16 @@ def _num_blocks(args: EngineArgs, loaded: LoadedModel, max_model_len: int, per_b
     return sizing.num_blocks
 
 
+def kv_dtype(args: EngineArgs, loaded: LoadedModel):
+    """The KV pool's element type: the model dtype, or fp8 (kv_cache_dtype)."""
+    return kv_storage_dtype(args.kv_cache_dtype, loaded.model.dtype)
+
+
 def _new_runner(args: EngineArgs, loaded: LoadedModel, num_blocks: int, max_model_len: int,
                 num_host_blocks: int = 0) -> ModelRunner:
     return ModelRunner(loaded.model, num_blocks, args.block_size, max_model_len, args.max_num_seqs,
-                       args.batched_tokens(max_model_len), num_host_blocks=num_host_blocks,
-                       max_logprobs=args.max_logprobs)
+                       args.batched_tokens(max_model_len), kv_dtype=kv_dtype(args, loaded),
+                       num_host_blocks=num_host_blocks, max_logprobs=args.max_logprobs)
 
 
 def build_runner(args: EngineArgs, loaded: LoadedModel, use_tqdm: bool = True):
@@ -126,7 +132,7 @@ def build_runner(args: EngineArgs, loaded: LoadedModel, use_tqdm: bool = True):
         raise ValueError(f"max_model_len ({args.max_model_len}) is larger than the model's "
                          f"max_position_embeddings ({model_max})")
     max_model_len = args.max_model_len or model_max
-    per_block = ModelRunner.bytes_per_block(cfg, args.block_size, loaded.dtype)
+    per_block = ModelRunner.bytes_per_block(cfg, args.block_size, kv_dtype(args, loaded))
     enable_compilation_cache()   # the KV sizing compiles the step's largest buckets
     num_blocks = multihost.broadcast_value(_num_blocks(args, loaded, max_model_len, per_block))   # rank 0's
     capacity = (num_blocks - 1) * args.block_size

@@ -23,6 +23,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -31,6 +32,7 @@ from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.quantization import QuantizedWeight, embedding_lookup, linear
 from jaxpaged.parallel import MODEL_AXIS, ShardPlan
 from pallas_kernels import write_kv
+from pallas_kernels.layout import scaled_attention
 from pallas_kernels.backends import get_attention
 
 
@@ -113,6 +115,9 @@ class LlamaFamilyForCausalLM(nnx.Module):
         self.embed = nnx.Param(weights["embed"])   # [vocab, hidden], or a QuantizedWeight [hidden, vocab]
         self.final_norm = nnx.Param(weights["final_norm"])
         self.lm_head = nnx.Param(weights["lm_head"]) if "lm_head" in weights else None
+        # f32[num_layers, 2]: each layer's K and V scale in an fp8 KV pool (stored = value / scale); unused
+        # by a pool in the model dtype. 1.0 unless set (calculate_kv_scales, or a checkpoint's k/v_scale)
+        self.kv_scales = nnx.Param(shard_plan.put(np.ones((cfg.num_layers, 2), np.float32)))
         layers = weights["layers"]
         self.scan_layers = isinstance(layers, dict)
         depths = ({leaf.shape[0] for leaf in jax.tree.leaves(layers)} if self.scan_layers else {len(layers)})
@@ -166,7 +171,7 @@ class LlamaFamilyForCausalLM(nnx.Module):
                                      batch, cos, sin)
         if self.scan_layers:
             xs = ({k: v.get_value() for k, v in self.layers.items()}, jnp.arange(cfg.num_layers, dtype=jnp.int32),
-                  jnp.asarray(cfg.sliding_windows, jnp.int32))
+                  jnp.asarray(cfg.sliding_windows, jnp.int32), self.kv_scales[...])
 
             def scan_step(carry, xs):
                 return layer_fn(*carry, *xs), None
@@ -175,16 +180,17 @@ class LlamaFamilyForCausalLM(nnx.Module):
         else:
             for i, layer in enumerate(self.layers):
                 hidden, kv_pool = layer_fn(hidden, kv_pool, {k: v.get_value() for k, v in layer.items()},
-                                           jnp.int32(i), jnp.int32(cfg.sliding_windows[i]))
+                                           jnp.int32(i), jnp.int32(cfg.sliding_windows[i]), self.kv_scales[i])
         return kv_pool, hidden
 
 
 def _decoder_layer(cfg: ModelConfig, plan: ShardPlan, attention, batch: ForwardBatch, cos, sin, hidden, kv_pool, w,
-                   layer, window):
+                   layer, window, kv_scale):
     """One layer (the body of both loops): (hidden, kv_pool) -> (hidden, kv_pool) with its K/V written.
 
     `w` holds this layer's weights (`layer_weight_shapes`); `layer` (i32[]) is its plane of the
-    pool, `window` (i32[]) its sliding window, 0 for full attention. The fused q/k/v and gate/up
+    pool, `window` (i32[]) its sliding window, 0 for full attention, `kv_scale` (f32[2]) its K and V
+    scales in an fp8 pool. The fused q/k/v and gate/up
     columns are shard-major (see jaxpaged.parallel): viewed as [tokens, tp, per shard], each
     device splits its own columns.
     """
@@ -205,11 +211,13 @@ def _decoder_layer(cfg: ModelConfig, plan: ShardPlan, attention, batch: ForwardB
     q = apply_rotary(q, cos, sin)
     k = apply_rotary(k, cos, sin)
 
-    def write_and_attend(kv_pool, q, k, v, slot_mapping, md, layer, window):
-        kv_pool = write_kv(kv_pool, layer, k, v, slot_mapping)
-        return kv_pool, attention(q, kv_pool, layer, md, window, sm_scale=cfg.head_dim ** -0.5)
+    def write_and_attend(kv_pool, q, k, v, slot_mapping, md, layer, window, kv_scale):
+        kv_pool = write_kv(kv_pool, layer, k, v, slot_mapping, kv_scale)
+        return kv_pool, scaled_attention(attention, q, kv_pool, layer, md, window, kv_scale,
+                                         sm_scale=cfg.head_dim ** -0.5)
 
-    kv_pool, attn = plan.attention(write_and_attend)(kv_pool, q, k, v, batch.slot_mapping, batch.attn, layer, window)
+    kv_pool, attn = plan.attention(write_and_attend)(kv_pool, q, k, v, batch.slot_mapping, batch.attn, layer, window,
+                                                      kv_scale)
     out = linear(attn.reshape(num_tokens, cfg.q_size), w["wo"])
     if cfg.o_bias:
         out = out + w["bo"]

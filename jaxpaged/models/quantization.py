@@ -9,7 +9,7 @@ A quantized linear weight is a `QuantizedWeight` in our [in, out] layout: its va
 | ------ | -------------------------------------------- | ------------------------- | ------------------ |
 | int8   | int8 [K, N]                                  | per output channel        | `quantization="int8"` |
 | fp8    | float8_e4m3fn [K, N]                         | per output channel        | `quantization="fp8"`  |
-| int4   | uint8 [K // 2, N], two 4-bit values per byte | groups of 128, 64 or 32   | `quantization="int4"` |
+| int4   | uint8 [K // 2, N], two 4-bit values per byte | groups of 32              | `quantization="int4"` |
 | Q8_0   | int8 [K, N]                                  | groups of 32              | a GGUF file        |
 | Q4_0   | 4-bit as int4, zero 8                        | groups of 32              | a GGUF file        |
 | Q4_1   | 4-bit, zero 0, plus offsets (the minimums)   | groups of 32              | a GGUF file        |
@@ -63,7 +63,7 @@ def resolve_quantization(requested: str | None, checkpoint: str | None) -> str |
 
 
 FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)   # 448
-INT4_GROUP_SIZES = (128, 64, 32)
+INT4_GROUP = 32
 
 
 @jax.tree_util.register_dataclass
@@ -207,12 +207,12 @@ def combine(parts: list, fn):
 
 
 def int4_group_size(in_features: int, tp: int = 1) -> int:
-    """The largest of 128, 64, 32 dividing each device's share of the input rows."""
-    for g in INT4_GROUP_SIZES:
-        if in_features % (g * tp) == 0:
-            return g
-    raise ValueError(f"quantization='int4' needs input sizes divisible by 32 x tensor_parallel_size ({32 * tp}); "
-                     f"a weight has {in_features} input rows")
+    """int4's group: 32 input rows (GGUF's Q4_0 block), whatever the tensor parallelism, so every layout
+    computes with the same weights; each device's share of the rows must hold whole groups."""
+    if in_features % (INT4_GROUP * tp):
+        raise ValueError(f"quantization='int4' needs input sizes divisible by 32 x tensor_parallel_size "
+                         f"({INT4_GROUP * tp}); a weight has {in_features} input rows")
+    return INT4_GROUP
 
 
 def quantize(w: np.ndarray, mode: str, tp: int = 1) -> HostQuantized:

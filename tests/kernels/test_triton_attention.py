@@ -25,7 +25,8 @@ import pytest
 from pallas_kernels.layout import kv_pool_shape
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.reference import ragged_paged_attention_reference
-from pallas_kernels.triton_attention import combine_splits, kernel_call_args, ragged_paged_attention_triton
+from pallas_kernels.triton_attention import (combine_splits, compute_dtype, kernel_call_args,
+                                             ragged_paged_attention_triton)
 from tests.kernels.cases import live_tokens, random_case
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -39,7 +40,8 @@ def emulate_kernel(q, kv_pool, layer, md, sliding_window=0, soft_cap=0.0, *, sm_
     q, pool, (layer,), (window,), (cap,), kv_lens, tables, cu_q_lens, tile_seq, tile_first_row, tile_rows = (
         np.asarray(x) for x in operands)
     pages = pool[layer]                                        # [2, num_blocks, kv_heads, block_size, head_dim]
-    queries = q.astype(pages.dtype).astype(np.float32)
+    dots = compute_dtype(q.dtype, pages.dtype)                 # the dots' input dtype
+    queries = q.astype(dots).astype(np.float32)
     group, rows, chunk, block_size = launch.group, launch.rows, launch.chunk_tokens, launch.block_size
     live_rows, masked = launch.q_tile * group, np.float32(-1e30)    # the kernel's mask value
     acc = np.zeros((launch.num_tiles, launch.kv_heads, launch.num_splits, launch.row_blocks * rows,
@@ -71,8 +73,8 @@ def emulate_kernel(q, kv_pool, layer, md, sliding_window=0, soft_cap=0.0, *, sm_
             k_pos = c * chunk + np.arange(chunk)
             k_ok = (k_pos < kv_len) & (k_pos // block_size < launch.max_blocks)
             block_id = np.where(k_ok, tables[seq, np.minimum(k_pos // block_size, launch.max_blocks - 1)], 0)
-            k, v = (np.where(k_ok[:, None], pages[kv, block_id, kv_head, k_pos % block_size], 0).astype(np.float32)
-                    for kv in (0, 1))
+            k, v = (np.where(k_ok[:, None], pages[kv, block_id, kv_head, k_pos % block_size].astype(dots),
+                             0).astype(np.float32) for kv in (0, 1))
             s = (qt @ k.T) * np.float32(sm_scale)
             if cap > 0:
                 with np.errstate(over="ignore"):
@@ -85,7 +87,7 @@ def emulate_kernel(q, kv_pool, layer, md, sliding_window=0, soft_cap=0.0, *, sm_
             p = np.where(mask, np.exp(s - m_new[:, None]), 0.0).astype(np.float32)
             alpha = np.exp(m_i - m_new)
             l_i = l_i * alpha + p.sum(axis=1)
-            acc_i = acc_i * alpha[:, None] + p.astype(pages.dtype).astype(np.float32) @ v
+            acc_i = acc_i * alpha[:, None] + p.astype(dots).astype(np.float32) @ v
             m_i = m_new
         slots = (tile, kv_head, split, slice(row_block * rows, (row_block + 1) * rows))
         acc[slots][:, :launch.head_dim], m_out[slots], l_out[slots] = acc_i, m_i, l_i
@@ -179,7 +181,7 @@ def test_triton_code_under_interpreter_matches_reference():
     assert fp32_error < 1e-5 and fp16_error < 1e-2, (fp32_error, fp16_error)
 
 
-def lower_for_gpu(device_kind, dtype, head_dim, group, q_tile, block_size):
+def lower_for_gpu(device_kind, dtype, head_dim, group, q_tile, block_size, pool_dtype=None):
     """jax-triton's CompilationResult (PTX, shared memory) of the kernel lowered for `device_kind`.
 
     Without the CUDA plugin jaxlib has no TritonKernel, so lowering stops right after the PTX is
@@ -187,7 +189,7 @@ def lower_for_gpu(device_kind, dtype, head_dim, group, q_tile, block_size):
     shape = jax.ShapeDtypeStruct
     kv_heads, num_seqs, max_blocks = 2, 8, 32
     q = shape((64, kv_heads * group, head_dim), dtype)
-    pool = shape(kv_pool_shape(2, 300, block_size, kv_heads, head_dim), dtype)
+    pool = shape(kv_pool_shape(2, 300, block_size, kv_heads, head_dim), pool_dtype or dtype)
     md = AttentionMetadata(shape((num_seqs,), jnp.int32), shape((num_seqs, max_blocks), jnp.int32),
                            shape((num_seqs + 1,), jnp.int32), q_tile=q_tile)
     device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform="cuda")

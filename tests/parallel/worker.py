@@ -11,16 +11,19 @@ import sys
 
 def shard_fractions(llm) -> dict:
     """For each replica: array name -> (devices holding it, the largest fraction of it any device holds)."""
+    import jax
     from flax import nnx
 
     out = []
     for engine in llm.llm_engine.replicas():
         runner = engine.runner
-        arrays = {"/".join(map(str, path)): v for path, v in nnx.to_flat_state(runner.state)}
+        arrays = {}
+        for path, v in nnx.to_flat_state(runner.state):   # a QuantizedWeight: one entry per array, "wqkv/values"
+            for sub, leaf in jax.tree_util.tree_leaves_with_path(getattr(v, "value", v)):
+                arrays["/".join(map(str, path)) + "".join(f"/{k.name}" for k in sub)] = leaf
         arrays["kv_pool"] = runner.kv_pool
         info = {}
         for name, a in arrays.items():
-            a = getattr(a, "value", a)
             fractions = [s.data.size / a.size for s in a.addressable_shards]
             info[name] = [sorted({str(s.device) for s in a.addressable_shards}), max(fractions)]
         out.append(info)
