@@ -79,6 +79,17 @@ def write_kv(kv_pool: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array,
     return rows.reshape(kv_pool.shape)
 
 
+def calibrated_kv_scale(kv_scale: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array,
+                        dtype) -> jax.Array:
+    """A layer's K and V scales (f32[2]) for an fp8 pool: kv_scale where set (> 0); where 0 (vLLM's
+    calculate_kv_scales, not yet calibrated) the largest |K| and |V| of this batch's tokens over the fp8
+    type's largest value, so the batch's values just fit."""
+    valid = (slot_mapping >= 0)[:, None, None]
+    amax = jnp.stack([jnp.max(jnp.where(valid, jnp.abs(x.astype(jnp.float32)), 0.0)) for x in (k, v)])
+    fresh = jnp.maximum(amax / float(jnp.finfo(dtype).max), 1e-8)
+    return jnp.where(kv_scale > 0, kv_scale, fresh)
+
+
 def scaled_attention(attention, q: jax.Array, kv_pool: jax.Array, layer, md, sliding_window, kv_scale, **kwargs):
     """`attention` over a pool whose K and V are stored divided by kv_scale (f32[2]): the K scale is
     folded into the queries and the V scale into the output, so the kernels only cast the fp8 pages

@@ -204,7 +204,7 @@ def offline_step_ms(model: str | None, prompts: list[str], work: list[tuple[str,
     and `batch` sequences all decoding, the mean of `steps` steps after every prompt was prefilled."""
     from jaxpaged import LLM, RequestOutputKind, SamplingParams
 
-    llm = LLM(model, dtype="float32", use_tqdm=False, compile_on_startup=True)
+    llm = LLM(model, dtype="float32", quantization=None, use_tqdm=False, compile_on_startup=True)
     engine = llm.llm_engine
     out = []
     clock = StepClock(engine.replicas()[0].runner)

@@ -69,7 +69,9 @@ class Subprocess:
 
 
 def jaxpaged_command(model: str | None, port: int) -> list[str]:
-    cmd = [sys.executable, "-m", "jaxpaged.cli", "serve", "--dtype", "float32", "--host", "127.0.0.1",
+    # fp32 weights, as transformers serve holds them (the default keeps the built-in GGUF quantized)
+    cmd = [sys.executable, "-m", "jaxpaged.cli", "serve", "--dtype", "float32", "--quantization", "none",
+           "--host", "127.0.0.1",
            "--port", str(port), "--uvicorn-log-level", "warning"]
     return cmd + (["--model", model] if model else [])
 

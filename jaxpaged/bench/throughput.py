@@ -72,12 +72,15 @@ class StepClock:
                 f"{1e3 * self.fetch_s / steps:.1f} ms, host {1e3 * (elapsed - self.fetch_s) / steps:.1f} ms")
 
 
-def run_jaxpaged(work, dtype: str, model: str | None = None, **parallel) -> tuple[float, int, int, object, str]:
-    """Default engine arguments (but the parallel layout), no warm-up on the workload: what a user gets."""
+def run_jaxpaged(work, dtype: str, model: str | None = None, quantization: str | None = None,
+                 **parallel) -> tuple[float, int, int, object, str]:
+    """Default engine arguments (but the parallel layout), no warm-up on the workload: what a user gets.
+    `quantization=None` (not the default "auto", which keeps the built-in GGUF's blocks quantized):
+    the same fp32 weights transformers runs."""
     from jaxpaged import LLM, SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(model, dtype=dtype, use_tqdm=False, **parallel)
+    llm = LLM(model, dtype=dtype, quantization=quantization, use_tqdm=False, **parallel)
     startup = time.perf_counter() - start
     prompts = [{"prompt_token_ids": p} for p, _ in work]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in work]

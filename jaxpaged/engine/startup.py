@@ -121,7 +121,8 @@ def _new_runner(args: EngineArgs, loaded: LoadedModel, num_blocks: int, max_mode
                 num_host_blocks: int = 0) -> ModelRunner:
     return ModelRunner(loaded.model, num_blocks, args.block_size, max_model_len, args.max_num_seqs,
                        args.batched_tokens(max_model_len), kv_dtype=kv_dtype(args, loaded),
-                       num_host_blocks=num_host_blocks, max_logprobs=args.max_logprobs)
+                       num_host_blocks=num_host_blocks, max_logprobs=args.max_logprobs,
+                       calculate_kv_scales=args.calculate_kv_scales)
 
 
 def build_runner(args: EngineArgs, loaded: LoadedModel, use_tqdm: bool = True):

@@ -29,10 +29,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpaged.models.batch import ForwardBatch
 from jaxpaged.models.config import ModelConfig
-from jaxpaged.models.quantization import QuantizedWeight, embedding_lookup, linear
+from jaxpaged.models.quantization import QuantizedWeight, embedding_lookup, linear, matmul_kernel
 from jaxpaged.parallel import MODEL_AXIS, ShardPlan
 from pallas_kernels import write_kv
-from pallas_kernels.layout import scaled_attention
+from pallas_kernels.layout import calibrated_kv_scale, is_fp8, scaled_attention
 from pallas_kernels.backends import get_attention
 
 
@@ -107,10 +107,13 @@ class LlamaFamilyForCausalLM(nnx.Module):
     behind the layer axis) is scanned, a list of one dict per layer is unrolled."""
 
     def __init__(self, cfg: ModelConfig, weights: dict, attention_backend: str = "reference",
-                 shard_plan: ShardPlan = ShardPlan()):
+                 shard_plan: ShardPlan = ShardPlan(), quantized_matmul: str = "auto"):
         self.config = cfg
         self.attention_backend = attention_backend   # a resolved name (see pallas_kernels.backends)
         self.shard_plan = shard_plan                 # the devices the weights lie on (jaxpaged.parallel)
+        # a quantized decode matmul's kernel (models.quantization.matmul_kernel); one device only, since a
+        # pallas_call cannot be partitioned over a mesh
+        self.quantized_matmul = quantized_matmul if shard_plan.size == 1 else "reference"
         self.dtype = weights["final_norm"].dtype   # the activations' (norms are never quantized)
         self.embed = nnx.Param(weights["embed"])   # [vocab, hidden], or a QuantizedWeight [hidden, vocab]
         self.final_norm = nnx.Param(weights["final_norm"])
@@ -137,10 +140,11 @@ class LlamaFamilyForCausalLM(nnx.Module):
         cfg = self.config
         hidden = rms_norm(hidden, self.final_norm[...], cfg.rms_norm_eps)
         embed = self.embed.get_value()
+        kernel = matmul_kernel(self.quantized_matmul)
         if self.lm_head is not None:
-            logits = linear(hidden, self.lm_head.get_value())
+            logits = linear(hidden, self.lm_head.get_value(), kernel)
         elif isinstance(embed, QuantizedWeight):
-            logits = linear(hidden, embed)
+            logits = linear(hidden, embed, kernel)
         else:
             logits = jnp.einsum("td,vd->tv", hidden, embed)
         return logits.astype(jnp.float32)
@@ -151,7 +155,7 @@ class LlamaFamilyForCausalLM(nnx.Module):
         hidden = rms_norm(hidden, self.final_norm[...], cfg.rms_norm_eps)
         head = self.embed.get_value() if self.lm_head is None else self.lm_head.get_value()
         if isinstance(head, QuantizedWeight):
-            logits = linear(hidden, head).T
+            logits = linear(hidden, head, matmul_kernel(self.quantized_matmul)).T
         elif self.lm_head is None:
             logits = head @ hidden.T
         else:
@@ -168,25 +172,33 @@ class LlamaFamilyForCausalLM(nnx.Module):
             seq_lens = md.kv_lens[jnp.clip(token_seq, 0, md.kv_lens.shape[0] - 1)]
         cos, sin = rotary_cos_sin(cfg, batch.positions, seq_lens)
         layer_fn = functools.partial(_decoder_layer, cfg, self.shard_plan, get_attention(self.attention_backend),
+                                     functools.partial(linear, kernel=matmul_kernel(self.quantized_matmul)),
                                      batch, cos, sin)
         if self.scan_layers:
             xs = ({k: v.get_value() for k, v in self.layers.items()}, jnp.arange(cfg.num_layers, dtype=jnp.int32),
                   jnp.asarray(cfg.sliding_windows, jnp.int32), self.kv_scales[...])
 
             def scan_step(carry, xs):
-                return layer_fn(*carry, *xs), None
+                hidden, kv_pool, kv_scale = layer_fn(*carry, *xs)
+                return (hidden, kv_pool), kv_scale
 
-            (hidden, kv_pool), _ = jax.lax.scan(scan_step, (hidden, kv_pool), xs)
+            (hidden, kv_pool), kv_scales = jax.lax.scan(scan_step, (hidden, kv_pool), xs)
         else:
+            used = []
             for i, layer in enumerate(self.layers):
-                hidden, kv_pool = layer_fn(hidden, kv_pool, {k: v.get_value() for k, v in layer.items()},
-                                           jnp.int32(i), jnp.int32(cfg.sliding_windows[i]), self.kv_scales[i])
+                hidden, kv_pool, kv_scale = layer_fn(hidden, kv_pool, {k: v.get_value() for k, v in layer.items()},
+                                                     jnp.int32(i), jnp.int32(cfg.sliding_windows[i]),
+                                                     self.kv_scales[i])
+                used.append(kv_scale)
+            kv_scales = jnp.stack(used)
+        self.kv_scales[...] = kv_scales   # calibrated where they were 0 (see pallas_kernels.layout)
         return kv_pool, hidden
 
 
-def _decoder_layer(cfg: ModelConfig, plan: ShardPlan, attention, batch: ForwardBatch, cos, sin, hidden, kv_pool, w,
-                   layer, window, kv_scale):
-    """One layer (the body of both loops): (hidden, kv_pool) -> (hidden, kv_pool) with its K/V written.
+def _decoder_layer(cfg: ModelConfig, plan: ShardPlan, attention, linear, batch: ForwardBatch, cos, sin, hidden,
+                   kv_pool, w, layer, window, kv_scale):
+    """One layer (the body of both loops): (hidden, kv_pool) -> (hidden, kv_pool, kv_scale) with its K/V
+    written and the K/V scales it wrote them with.
 
     `w` holds this layer's weights (`layer_weight_shapes`); `layer` (i32[]) is its plane of the
     pool, `window` (i32[]) its sliding window, 0 for full attention, `kv_scale` (f32[2]) its K and V
@@ -211,6 +223,9 @@ def _decoder_layer(cfg: ModelConfig, plan: ShardPlan, attention, batch: ForwardB
     q = apply_rotary(q, cos, sin)
     k = apply_rotary(k, cos, sin)
 
+    if is_fp8(kv_pool.dtype):   # outside the shard_map: the largest |K| of every device's heads
+        kv_scale = calibrated_kv_scale(kv_scale, k, v, batch.slot_mapping, kv_pool.dtype)
+
     def write_and_attend(kv_pool, q, k, v, slot_mapping, md, layer, window, kv_scale):
         kv_pool = write_kv(kv_pool, layer, k, v, slot_mapping, kv_scale)
         return kv_pool, scaled_attention(attention, q, kv_pool, layer, md, window, kv_scale,
@@ -233,4 +248,4 @@ def _decoder_layer(cfg: ModelConfig, plan: ShardPlan, attention, batch: ForwardB
     mlp = linear(jax.nn.silu(gate.astype(jnp.float32)).astype(up.dtype) * up, w["w_down"])
     if cfg.mlp_bias:
         mlp = mlp + w["b_down"]
-    return hidden + mlp, kv_pool
+    return hidden + mlp, kv_pool, kv_scale

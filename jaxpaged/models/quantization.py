@@ -119,10 +119,35 @@ class QuantizedWeight:
         return dataclasses.replace(self, values=spec, scale=for_groups(self.scale), offset=for_groups(self.offset))
 
 
-def linear(x: jax.Array, w) -> jax.Array:
-    """x @ w for a plain or quantized [in, out] weight; the result in x's dtype."""
+KERNEL_MAX_ROWS = 64
+"""Rows up to which `linear` hands a quantized matmul to the kernel (decode steps); a longer step is
+compute-bound and de-quantizes the weight once for XLA's matmul."""
+
+
+def matmul_kernel(name: str):
+    """The quantized matmul `linear` uses for few rows: None ("reference": de-quantize, then XLA's matmul)
+    or "pallas", the W8A16 / W4A16 kernel (pallas_kernels.quantized_matmul; interpret mode off a GPU).
+    "auto": pallas on a GPU, reference elsewhere."""
+    if name not in ("auto", "reference", "pallas"):
+        raise ValueError(f"quantized_matmul must be one of 'auto', 'reference', 'pallas', got {name!r}")
+    platform = jax.devices()[0].platform
+    if name == "reference" or (name == "auto" and platform != "gpu"):
+        return None
+    from pallas_kernels.quantized_matmul import quantized_matmul_pallas
+
+    def kernel(x, w: QuantizedWeight):
+        return quantized_matmul_pallas(x, w.values, w.scale, w.offset, bits=w.bits, group_size=w.group_size,
+                                       zero=w.zero, interpret=platform != "gpu")
+    return kernel
+
+
+def linear(x: jax.Array, w, kernel=None) -> jax.Array:
+    """x @ w for a plain or quantized [in, out] weight; the result in x's dtype. `kernel` (from
+    `matmul_kernel`) takes quantized matmuls of up to KERNEL_MAX_ROWS rows."""
     if not isinstance(w, QuantizedWeight):
         return x @ w
+    if kernel is not None and x.shape[0] <= KERNEL_MAX_ROWS:
+        return kernel(x, w)
     if w.group_size == w.in_features and w.offset is None:   # per channel: scale the output
         y = jnp.matmul(x, w.unpacked(x.dtype), preferred_element_type=jnp.float32)
         return (y * w.scale).astype(x.dtype)

@@ -52,6 +52,7 @@ from jaxpaged.runner.step_results import StepResult, unpack_prompt_logprobs, unp
 from jaxpaged.runner.structured_outputs import bitmask_words, step_bitmask
 from jaxpaged.sampling_params import MAX_LOGPROBS
 from pallas_kernels import kv_pool_shape
+from pallas_kernels.layout import is_fp8
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class _Pending:
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, kv_dtype=None, num_host_blocks: int = 0,
-                 max_logprobs: int = MAX_LOGPROBS):
+                 max_logprobs: int = MAX_LOGPROBS, calculate_kv_scales: bool = False):
         self.model_config = model.config
         self.graphdef, self.state = nnx.split(model)
         self.block_size = block_size
@@ -94,6 +95,11 @@ class ModelRunner:
         self.plan = model.shard_plan   # its devices (tensor parallelism: the pool is sharded by KV heads)
         self.kv_pool = self.plan.zeros(kv_pool_shape(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
                                                      cfg.head_dim), dtype, POOL_SPEC)
+        # fp8 KV scales from the first step's tokens (vLLM's calculate_kv_scales): 0 = not yet calibrated
+        self.calibrating_kv_scales = calculate_kv_scales and is_fp8(dtype)
+        if self.calibrating_kv_scales:
+            scales = self.state["kv_scales"]
+            scales.set_value(self.plan.put(np.zeros(scales.get_value().shape, np.float32)))
         self.max_logprobs = max_logprobs   # K: every step returns this many top logprobs per row
         self.bitmask_words = bitmask_words(cfg.vocab_size)   # structured outputs: i32 words per mask row
         self._all_allowed = {}              # sample rows -> a device bitmask of all ones (no transfer per step)
@@ -227,15 +233,25 @@ class ModelRunner:
             # an unconstrained step's sampler follows at once with the all-ones mask: no OP_SAMPLE
             self.channel.send(OP_STEP, (shape.num_tokens, shape.num_seqs, shape.num_logits, shape.q_tile,
                                         int(prev is not None), int(not constrained)), buffer)
-        forward, _ = self._executables(shape)
-        self.kv_pool, self.slot_state, sample_rows, prompt_packed = forward(
-            self.state, self.kv_pool, self.slot_state, self.plan.put(buffer), prev_tokens)
-        self.steps_run += 1
+        sample_rows, prompt_packed = self.run_forward(shape, buffer, prev_tokens)
         pending = _Pending(shape, sample_rows, constrained, prompt_packed if lp_rows else None, rows, lp_rows,
                            self.max_logprobs)
         if not constrained:
             self.sample(pending)
         return pending
+
+    def run_forward(self, shape: BatchShape, buffer: np.ndarray, prev_tokens: jax.Array):
+        """Launch the forward of a step (its inputs packed in `buffer`); returns (sample rows, prompt
+        logprobs), both left on the device. The first step of an engine calibrating its fp8 KV scales
+        (calculate_kv_scales) sets them for every later step."""
+        forward, _ = self._executables(shape)
+        self.kv_pool, self.slot_state, sample_rows, prompt_packed, kv_scales = forward(
+            self.state, self.kv_pool, self.slot_state, self.plan.put(buffer), prev_tokens)
+        if self.calibrating_kv_scales:
+            self.state["kv_scales"].set_value(kv_scales)
+            self.calibrating_kv_scales = False
+        self.steps_run += 1
+        return sample_rows, prompt_packed
 
     def sample(self, pending: _Pending) -> None:
         """Queue the sampler of a dispatched step (no-op if queued). Its constrained rows' bitmask is

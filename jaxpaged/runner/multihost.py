@@ -155,10 +155,8 @@ def follow(runner) -> int:
         elif op == OP_STEP:
             shape = BatchShape(*args[:4])
             prev_tokens = last_tokens if args[4] else runner._no_prev_tokens
-            forward, sampler = runner._executables(shape)
-            runner.kv_pool, runner.slot_state, sample_rows, _ = forward(
-                runner.state, runner.kv_pool, runner.slot_state, runner.plan.put(payload), prev_tokens)
-            runner.steps_run += 1
+            _, sampler = runner._executables(shape)
+            sample_rows, _ = runner.run_forward(shape, payload, prev_tokens)
             if args[5]:   # unconstrained: the sampler at once, everything allowed
                 runner.slot_state, _, last_tokens = sampler(runner.state, runner.slot_state, sample_rows,
                                                             runner._bitmask_arg(shape, None))

@@ -100,7 +100,8 @@ def forward_fn(statics: StepStatics, state, kv_pool, slots: SlotState, buffer, p
     the previous step's sampled tokens, of which row prev_source[i] becomes input token
     prev_index[i] (out-of-bounds indices are dropped).
 
-    Returns (kv_pool, slots, SampleRows, prompt_packed f32[T * (2 + 2K)]).
+    Returns (kv_pool, slots, SampleRows, prompt_packed f32[T * (2 + 2K)], kv_scales f32[L, 2]): the
+    last, the fp8 KV scales the step wrote with (calibrated by this step where they were 0).
     """
     f = statics.layout.unpack(buffer)
     slots = apply_step_updates(slots, f["updates"])
@@ -120,9 +121,9 @@ def forward_fn(statics: StepStatics, state, kv_pool, slots: SlotState, buffer, p
     # the sampler and the next step (compiled for exactly these shardings) take them as they are
     plan = statics.plan
     kv_pool = plan.constrain(kv_pool, POOL_SPEC)
-    slots, rows, prompt_packed = (jax.tree.map(lambda a: plan.constrain(a, P()), x)
-                                  for x in (slots, rows, prompt_packed))
-    return kv_pool, slots, rows, prompt_packed
+    slots, rows, prompt_packed, kv_scales = (jax.tree.map(lambda a: plan.constrain(a, P()), x)
+                                             for x in (slots, rows, prompt_packed, model.kv_scales[...]))
+    return kv_pool, slots, rows, prompt_packed, kv_scales
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))

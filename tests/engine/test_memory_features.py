@@ -12,11 +12,11 @@ from tests.tiny_models import tiny_checkpoint
 BLOCK = 8
 
 
-def make_llm(**kwargs) -> LLM:
+def make_llm(model: str | None = None, **kwargs) -> LLM:
     opts = dict(dtype="float32", block_size=BLOCK, num_gpu_blocks_override=96, max_model_len=128,
                 compile_on_startup=False, max_num_seqs=16)
     opts.update(kwargs)
-    return LLM(tiny_checkpoint("llama"), **opts)
+    return LLM(model or tiny_checkpoint("llama"), **opts)
 
 
 @functools.cache

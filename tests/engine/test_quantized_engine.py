@@ -87,3 +87,47 @@ def test_server_streams_what_the_offline_quantized_engine_generates():
             assert "".join(chunk.choices[0].text for chunk in stream) == want.outputs[0].text
     finally:
         engine.shutdown()
+
+
+@functools.cache
+def loud_checkpoint() -> str:
+    """The tiny llama with its V projections x300: values of about a thousand, past fp8 e4m3's 448."""
+    import os
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    src = tiny_checkpoint("llama")
+    dst = src + "-loud-v"
+    if not os.path.isdir(dst):
+        shutil.copytree(src, dst)
+        tensors = load_file(os.path.join(src, "model.safetensors"))
+        tensors = {k: v * 300 if "v_proj" in k else v for k, v in tensors.items()}
+        save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_calculate_kv_scales_sets_each_layers_scales_from_the_first_prompts():
+    """An fp8 pool's scales are 1.0 by default, which clips this model's V; with calculate_kv_scales, the
+    first step's largest |K| and |V| per layer over fp8's largest value, kept afterwards: the prompt's
+    logprobs (teacher-forced, so tokens cannot diverge) come back close to the fp32 pool's."""
+    prompt = {"prompt_token_ids": list(np.random.default_rng(2).integers(3, 320, 40))}
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=0, ignore_eos=True)
+
+    def prompt_logprobs(**kwargs):
+        llm = make_llm(**kwargs)
+        out = llm.generate(prompt, params, use_tqdm=False)[0]
+        lps = [next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
+        return np.array(lps), np.asarray(llm.llm_engine.runner.state["kv_scales"].get_value()), llm
+
+    def llm_for(**kwargs):
+        return prompt_logprobs(model=loud_checkpoint(), **kwargs)
+
+    fp32, _, _ = llm_for()
+    clipped, default_scales, _ = llm_for(kv_cache_dtype="fp8")
+    calibrated, scales, llm = llm_for(kv_cache_dtype="fp8", calculate_kv_scales=True)
+    assert np.all(default_scales == 1.0)
+    assert scales.shape == (3, 2) and np.all(scales > 0) and np.all(scales[:, 1] > 1.0)   # |V| > 448
+    assert np.abs(calibrated - fp32).mean() < 0.05 < np.abs(clipped - fp32).mean()
+    llm.generate(prompt, params, use_tqdm=False)   # kept, not calibrated again
+    np.testing.assert_array_equal(np.asarray(llm.llm_engine.runner.state["kv_scales"].get_value()), scales)

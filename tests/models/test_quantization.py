@@ -40,13 +40,13 @@ def dequantized_checkpoint(arch: str, mode: str) -> str:
     return dst
 
 
-def forward_logits(path: str, tokens: list[int], **load_kwargs) -> np.ndarray:
-    import jax.numpy as jnp
+def forward_logits(path: str, tokens: list[int], quantized_matmul: str = "auto", **load_kwargs) -> np.ndarray:
     from flax import nnx
 
     from jaxpaged.runner.batch_builder import BatchShape, SeqChunk, build_forward_batch
 
     loaded = load_model(path, dtype="float32", **load_kwargs)
+    loaded.model.quantized_matmul = quantized_matmul
     graphdef, state = nnx.split(loaded.model)
     block_size = 16
     rng = np.random.default_rng(0)
@@ -129,3 +129,24 @@ def test_bad_quantization_values_and_combinations_raise_naming_the_field(tmp_pat
         qz.resolve_quantization("int8", "gguf")
     with pytest.raises(ValueError, match="int4.*divisible by 32"):
         qz.quantize(np.ones((48, 8), np.float32), "int4")
+
+
+@pytest.mark.parametrize("arch,quantization", [("llama", "int4"), ("qwen2", "int8"), ("llama", "fp8")])
+def test_the_matmul_kernel_gives_the_reference_logits(arch, quantization):
+    """The whole model with every quantized matmul in the Pallas kernel (interpret mode on CPU; a
+    48-token step is decode-shaped) against the de-quantizing jnp path."""
+    tokens = np.random.default_rng(2).integers(3, 320, 40).tolist()
+    ours, _ = forward_logits(tiny_checkpoint(arch), tokens, quantized_matmul="pallas", quantization=quantization)
+    ref, _ = forward_logits(tiny_checkpoint(arch), tokens, quantized_matmul="reference", quantization=quantization)
+    assert_close(ours, ref)
+
+
+def test_the_builtin_gguf_blocks_run_through_the_kernel():
+    """Q4_1 layers and the Q8_0 tied LM head [576, 49152] of the real model, kernel against reference."""
+    from jaxpaged.models.builtin import builtin_model_path
+
+    tokens = list(range(100, 140))
+    ours, loaded = forward_logits(builtin_model_path(), tokens, quantized_matmul="pallas")
+    ref, _ = forward_logits(builtin_model_path(), tokens, quantized_matmul="reference")
+    assert isinstance(loaded.model.embed.get_value(), qz.QuantizedWeight)
+    assert_close(ours, ref)
