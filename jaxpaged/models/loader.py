@@ -22,6 +22,7 @@ from jaxpaged.models.config import ModelConfig, model_config_from_hf
 from jaxpaged.models.registry import model_class_for
 from jaxpaged.models.llama import layer_weight_shapes, weight_shapes
 from jaxpaged.models.orbax_io import FORMAT_FILE, is_converted, load_converted
+from jaxpaged.models.prequantized import checkpoint_quantization, fp8_reader
 from jaxpaged.models.quantization import HostQuantized, QuantizedWeight, combine, quantize, resolve_quantization
 from jaxpaged.parallel import ShardPlan, check_tensor_parallel, fuse_columns, kv_head_replicas, repeat_heads
 
@@ -287,9 +288,16 @@ def load_model(model: str, dtype: str = "auto", revision: str | None = None,
         cfg = model_config_from_hf(hf_config)
         checkpoint = Checkpoint(folder)
         dtype = resolve_dtype(dtype, _CHECKPOINT_DTYPES[checkpoint.dtype_name()])
-        quantization = resolve_quantization(quantization, None)
-        weights = convert_hf_weights(checkpoint.get, checkpoint.__contains__, cfg, dtype, scan_layers, shard_plan,
-                                     quantization)
+        get, method = checkpoint.get, checkpoint_quantization(hf_config)
+        quantization = resolve_quantization(quantization, method)
+        if method is not None and quantization in (method, None):   # kept, or de-quantized: read with its scales
+            if method != "fp8":
+                raise ValueError(f"{folder!r} is quantized as {method!r}, which jaxpaged cannot load; pre-quantized "
+                                 "checkpoints it reads: fp8 (transformers' fp8 and compressed-tensors float8), and "
+                                 "GGUF files")
+            get = fp8_reader(checkpoint.get, checkpoint.__contains__, dequantize=quantization is None)
+        weights = convert_hf_weights(get, checkpoint.__contains__, cfg, dtype, scan_layers, shard_plan,
+                                     None if quantization == method else quantization)
         source = folder
     model_cls = model_class_for(cfg.architecture)
     cfg = sharded_config(cfg, shard_plan.size)

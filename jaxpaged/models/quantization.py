@@ -37,15 +37,16 @@ from jax.sharding import PartitionSpec as P
 MODES = ("int8", "fp8", "int4")
 """The values of `quantization=` that quantize float weights at load."""
 CHECKPOINT_MODES = ("gguf",)
-"""Quantization a checkpoint brings with it (kept, not re-quantized)."""
+"""Quantization only a checkpoint brings with it (kept, not re-quantized); "fp8" may be either."""
 
 ALLOWED = (None, "auto") + MODES + CHECKPOINT_MODES
 
 
 def resolve_quantization(requested: str | None, checkpoint: str | None) -> str | None:
     """What the loader does, from `quantization=` and the checkpoint's own quantization (`checkpoint`:
-    "gguf" when a GGUF file holds Q8_0/Q4_0/Q4_1 matrices, else None): "auto" keeps the checkpoint's,
-    None de-quantizes it, a mode quantizes float weights. Raises ValueError for a bad combination."""
+    "gguf" when a GGUF file holds Q8_0/Q4_0/Q4_1 matrices, "fp8" for an FP8 Hugging Face checkpoint,
+    another method's name, or None): "auto" keeps the checkpoint's, None de-quantizes it, a mode
+    quantizes float weights. Raises ValueError for a bad combination."""
     if requested not in ALLOWED:
         raise ValueError(f"quantization must be one of {', '.join(repr(m) for m in ALLOWED)}, got {requested!r}")
     if requested == "auto":

@@ -1,0 +1,117 @@
+"""FP8 Hugging Face checkpoints (transformers' block-wise "fp8", compressed-tensors float8 per
+channel) load as they are: the device holds the checkpoint's own fp8 bytes, and the logits are
+transformers' on the de-quantized weights."""
+
+import functools
+import json
+import os
+import shutil
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxpaged.models import quantization as qz
+from jaxpaged.models.loader import load_model
+from tests.models.test_llama_family import assert_close
+from tests.models.test_quantization import LINEARS, forward_logits
+from tests.tiny_models import hf_logits, tiny_checkpoint
+
+FP8_MAX = 448.0
+CONFIGS = {
+    "fp8-blocks": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32],
+                   "modules_to_not_convert": ["lm_head"]},
+    "compressed-tensors-channel": {"quant_method": "compressed-tensors", "format": "float-quantized",
+                                   "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                                       "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}}},
+                                   "ignore": ["lm_head"]},
+}
+
+
+def quantize_fp8(w: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(fp8 values [out, in], the scale tensor as the format stores it, the de-quantized weight)."""
+    out_f, in_f = w.shape
+    if kind == "fp8-blocks":
+        blocks = w.reshape(out_f // 32, 32, in_f // 32, 32)
+        scale = np.abs(blocks).max(axis=(1, 3)) / FP8_MAX                   # [out / 32, in / 32]
+        full = np.repeat(np.repeat(scale, 32, 0), 32, 1)
+    else:
+        scale = np.abs(w).max(axis=1, keepdims=True) / FP8_MAX               # [out, 1]
+        full = np.repeat(scale, in_f, 1)
+    values = (w / full).astype(ml_dtypes.float8_e4m3fn)
+    return values, scale.astype(np.float32), values.astype(np.float32) * full
+
+
+@functools.cache
+def checkpoints(kind: str) -> tuple[str, str]:
+    """(the FP8 checkpoint, the same weights de-quantized as an fp32 one) from the tiny llama."""
+    from safetensors.numpy import load_file, save_file
+
+    src = tiny_checkpoint("llama")
+    fp8, dequantized = src + f"-{kind}", src + f"-{kind}-dequantized"
+    if not os.path.isdir(fp8):
+        tensors = load_file(os.path.join(src, "model.safetensors"))
+        quantized, plain = {}, {}
+        for name, w in tensors.items():
+            if name.endswith(".weight") and name.split(".")[-2] in LINEARS:
+                values, scale, back = quantize_fp8(w, kind)
+                quantized[name] = values
+                quantized[name[:-len("weight")] + ("weight_scale_inv" if kind == "fp8-blocks" else "weight_scale")] = scale
+                plain[name] = back
+            else:
+                quantized[name] = plain[name] = w
+        import torch
+        from safetensors.torch import save_file as save_torch   # numpy's writer has no float8 (safetensors #682)
+
+        def as_torch(a):
+            if a.dtype == ml_dtypes.float8_e4m3fn:
+                return torch.from_numpy(a.view(np.uint8).copy()).view(torch.float8_e4m3fn)
+            return torch.from_numpy(np.ascontiguousarray(a))
+        shutil.copytree(src, fp8)
+        save_torch({k: as_torch(v) for k, v in quantized.items()}, os.path.join(fp8, "model.safetensors"),
+                   metadata={"format": "pt"})
+        shutil.copytree(src, dequantized)
+        save_file(plain, os.path.join(dequantized, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(fp8, "config.json")) as f:
+            config = json.load(f)
+        config["quantization_config"] = CONFIGS[kind]
+        with open(os.path.join(fp8, "config.json"), "w") as f:
+            json.dump(config, f)
+    return fp8, dequantized
+
+
+@pytest.mark.parametrize("kind", CONFIGS)
+def test_fp8_checkpoints_load_without_requantizing(kind):
+    fp8, dequantized = checkpoints(kind)
+    tokens = np.random.default_rng(3).integers(3, 320, 40).tolist()
+    ours, loaded = forward_logits(fp8, tokens, scan_layers=False)
+    assert loaded.quantization == "fp8"
+    wqkv = loaded.model.layers[0]["wqkv"].get_value()
+    assert isinstance(wqkv, qz.QuantizedWeight) and wqkv.values.dtype == ml_dtypes.float8_e4m3fn
+    assert wqkv.group_size == (32 if kind == "fp8-blocks" else 64)
+    from jaxpaged.models.safetensors_io import Checkpoint   # the checkpoint's own bytes, in our layout
+    stored = Checkpoint(fp8).get("model.layers.0.self_attn.q_proj.weight")
+    np.testing.assert_array_equal(np.asarray(wqkv.values)[:, :64].view(np.uint8), stored.view(np.uint8).T)
+    assert_close(ours, hf_logits(dequantized, tokens))
+    # quantization=None de-quantizes: the same logits from float weights
+    plain, loaded = forward_logits(fp8, tokens, quantization=None)
+    assert loaded.quantization is None and not isinstance(loaded.model.layers["wqkv"].get_value(), qz.QuantizedWeight)
+    assert_close(plain, hf_logits(dequantized, tokens))
+
+
+def test_bad_combinations_with_prequantized_checkpoints_raise():
+    fp8, _ = checkpoints("fp8-blocks")
+    with pytest.raises(ValueError, match="quantization='int4' cannot re-quantize a checkpoint already quantized as 'fp8'"):
+        load_model(fp8, quantization="int4")
+    gptq = tiny_checkpoint("llama") + "-gptq"
+    if not os.path.isdir(gptq):
+        shutil.copytree(tiny_checkpoint("llama"), gptq)
+        with open(os.path.join(gptq, "config.json")) as f:
+            config = json.load(f)
+        config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+        with open(os.path.join(gptq, "config.json"), "w") as f:
+            json.dump(config, f)
+    with pytest.raises(ValueError, match="quantization='fp8' cannot re-quantize a checkpoint already quantized as 'gptq'"):
+        load_model(gptq, quantization="fp8")
+    with pytest.raises(ValueError, match="quantized as 'gptq', which jaxpaged cannot load"):
+        load_model(gptq)
