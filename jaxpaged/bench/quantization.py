@@ -19,6 +19,7 @@ calibrated on the first prompts with calculate_kv_scales).
 
 import argparse
 import dataclasses
+import gc
 import math
 import os
 import tempfile
@@ -146,6 +147,8 @@ def decode_throughput(mode: Mode) -> tuple[float, float]:
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
+    del llm
+    gc.collect()
     return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed, startup
 
 
@@ -161,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     prefix = tokens[:64]
     reference = greedy_continuation(base, prefix)
     del base
+    gc.collect()   # each engine holds its KV pool (1 GiB on CPU) until collected
     rows = []
     for name in names:
         mode = MODES[name]
@@ -168,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         row = dict(mode=mode.name, ppl=perplexity(llm, tokens), agree=top1_agreement(llm, prefix, reference),
                    paris="Paris" in chat_answer(llm), weights=weight_bytes(llm), kv=kv_tokens(mode))
         del llm
+        gc.collect()
         if not ns.skip_speed:
             row["tok_s"], row["startup"] = decode_throughput(mode)
         rows.append(row)

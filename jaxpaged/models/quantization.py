@@ -9,7 +9,7 @@ A quantized linear weight is a `QuantizedWeight` in our [in, out] layout: its va
 | ------ | -------------------------------------------- | ------------------------- | ------------------ |
 | int8   | int8 [K, N]                                  | per output channel        | `quantization="int8"` |
 | fp8    | float8_e4m3fn [K, N]                         | per output channel        | `quantization="fp8"`  |
-| int4   | uint8 [K // 2, N], two 4-bit values per byte | groups of 32              | `quantization="int4"` |
+| int4   | uint8 [K // 2, N], two 4-bit values per byte | groups of 32, plus offsets (the minimums) | `quantization="int4"` |
 | Q8_0   | int8 [K, N]                                  | groups of 32              | a GGUF file        |
 | Q4_0   | 4-bit as int4, zero 8                        | groups of 32              | a GGUF file        |
 | Q4_1   | 4-bit, zero 0, plus offsets (the minimums)   | groups of 32              | a GGUF file        |
@@ -242,7 +242,8 @@ def int4_group_size(in_features: int, tp: int = 1) -> int:
 
 
 def quantize(w: np.ndarray, mode: str, tp: int = 1) -> HostQuantized:
-    """Quantize a float [in, out] weight: int8 / fp8 per output channel, int4 in groups (symmetric)."""
+    """Quantize a float [in, out] weight: int8 / fp8 per output channel (symmetric), int4 in groups of 32
+    (asymmetric: a scale and a minimum per group)."""
     w = np.asarray(w, np.float32)
     k, n = w.shape
     if mode in ("int8", "fp8"):
@@ -254,14 +255,15 @@ def quantize(w: np.ndarray, mode: str, tp: int = 1) -> HostQuantized:
         else:
             values = np.clip(w / scale, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
         return HostQuantized(values, scale, None, bits=8, group_size=k, kind=mode)
-    if mode == "int4":
+    if mode == "int4":   # asymmetric, as AWQ and GGUF's Q4_1: 16 steps from each group's minimum to its maximum
         g = int4_group_size(k, tp)
         groups = w.reshape(k // g, g, n)
-        scale = np.max(np.abs(groups), axis=1) / 7.0
+        low, high = groups.min(axis=1), groups.max(axis=1)
+        scale = ((high - low) / 15.0).astype(np.float32)
         scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
-        values = np.clip(np.rint(groups / scale[:, None, :]), -8, 7).astype(np.int16) + 8
-        return HostQuantized(values.reshape(k, n).astype(np.uint8), scale, None, bits=4, group_size=g, zero=8,
-                             kind="int4")
+        values = np.clip(np.rint((groups - low[:, None, :]) / scale[:, None, :]), 0, 15)
+        return HostQuantized(values.reshape(k, n).astype(np.uint8), scale, low.astype(np.float32), bits=4,
+                             group_size=g, kind="int4")
     raise ValueError(f"quantization must be one of None, {', '.join(repr(m) for m in MODES)}, got {mode!r}")
 
 

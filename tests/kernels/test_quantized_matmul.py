@@ -14,8 +14,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is dep
 
 # name -> (bits, group_size (None: per channel), zero, offset?, values dtype)
 FORMATS = {"int8": (8, None, 0, False, jnp.int8), "fp8": (8, None, 0, False, jnp.float8_e4m3fn),
-           "Q8_0": (8, 32, 0, False, jnp.int8), "int4": (4, 32, 8, False, jnp.uint8),
-           "Q4_1": (4, 32, 0, True, jnp.uint8)}
+           "Q8_0": (8, 32, 0, False, jnp.int8), "Q4_0": (4, 32, 8, False, jnp.uint8),
+           "int4 / Q4_1": (4, 32, 0, True, jnp.uint8)}
 
 
 def weight(fmt: str, k: int, n: int, seed: int = 0):
@@ -56,14 +56,14 @@ def test_dequantize_unpacks_nibbles_in_row_order():
     (dict(bits=3), "bits"), (dict(group_size=48), "group_size"), (dict(x_cols=100), "columns"),
 ])
 def test_bad_inputs_are_named(change, name):
-    values, scale, offset, statics = weight("int4", 192, 96)
+    values, scale, offset, statics = weight("Q4_0", 192, 96)
     statics = {**statics, **{k: v for k, v in change.items() if k != "x_cols"}}
     x = jnp.ones((2, change.get("x_cols", 192)), jnp.float32)
     with pytest.raises(ValueError, match=name):
         quantized_matmul_pallas(x, values, scale, offset, **statics, interpret=True)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4", "Q4_1"])
+@pytest.mark.parametrize("fmt", ["int8", "Q4_0", "int4 / Q4_1"])
 def test_lowers_to_a_triton_kernel_for_cuda(fmt):
     values, scale, offset, statics = weight(fmt, 576, 1536)
     x = jax.ShapeDtypeStruct((8, 576), jnp.bfloat16)

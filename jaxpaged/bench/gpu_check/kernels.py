@@ -225,3 +225,42 @@ def attention_timing(ctx: Context) -> Iterator[Row]:
 
                 yield guarded("attention", case, run)
             del args
+
+
+def quantized_matmul_timing(ctx: Context) -> Iterator[Row]:
+    """The W8A16 / W4A16 kernel against the bf16 matmul (XLA) and against de-quantize-then-matmul, at
+    decode-shaped row counts: median ms and the weight bytes read per second."""
+    from jaxpaged.models.quantization import quantize
+    from pallas_kernels.quantized_matmul import quantized_matmul_pallas, quantized_matmul_reference
+
+    sizes = ctx.sizes
+    platform = jax.devices()[0].platform
+    k, n = sizes.qmm_shape
+    w = np.random.default_rng(0).standard_normal((k, n), np.float32) * 0.02
+    dense = jnp.asarray(w, jnp.bfloat16)
+    for mode in ("int8", "int4"):
+        q = quantize(w, mode).packed()
+        arrays = tuple(None if a is None else jnp.asarray(a) for a in (q.values, q.scale, q.offset))
+        statics = dict(bits=q.bits, group_size=q.group_size, zero=q.zero)
+        kernel = jax.jit(functools.partial(quantized_matmul_pallas, **statics, interpret=platform != "gpu"))
+        dequantizing = jax.jit(functools.partial(quantized_matmul_reference, **statics))
+        q_bytes = sum(a.nbytes for a in arrays if a is not None)
+        for rows in sizes.qmm_rows:
+            x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, k)), jnp.bfloat16)
+            case = f"w{q.bits}a16 {rows} rows x {k}x{n}"
+
+            def run(case=case, x=x):
+                bf16_s = time_call(jax.jit(lambda x, w: x @ w), x, dense, rounds=sizes.timing_rounds,
+                                   round_s=sizes.timing_round_s)
+                kernel_s = time_call(kernel, x, *arrays, rounds=sizes.timing_rounds, round_s=sizes.timing_round_s)
+                deq_s = time_call(dequantizing, x, *arrays, rounds=sizes.timing_rounds, round_s=sizes.timing_round_s)
+                diff = float(jnp.abs(kernel(x, *arrays).astype(jnp.float32)
+                                     - dequantizing(x, *arrays).astype(jnp.float32)).max())
+                metrics = {"ms": kernel_s * 1e3, "bf16 ms": bf16_s * 1e3, "vs bf16": bf16_s / kernel_s,
+                           "dequant ms": deq_s * 1e3, "weight GB/s": q_bytes / kernel_s / 1e9,
+                           "max diff vs dequant": diff}
+                note = "interpret mode" if platform != "gpu" else ""
+                return Row("qmatmul", case, "ok", metrics, note=note,
+                           data={"kernel_s": kernel_s, "bf16_s": bf16_s, "dequant_s": deq_s, "weight_bytes": q_bytes})
+
+            yield guarded("qmatmul", case, run)
