@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from pallas_kernels.layout import is_fp8
+from pallas_kernels.layout import fp8_values, is_fp8
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.reference import tile_layout, validate_inputs
 
@@ -68,9 +68,9 @@ def _validate_kernel_inputs(q, kv_pool, md, kv_chunk_blocks, num_kv_splits):
         raise ValueError(f"num_kv_splits must be None or >= 1, got {num_kv_splits}")
     if q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
         raise ValueError(f"q dtype must be float32, bfloat16 or float16, got {q.dtype}")
-    if kv_pool.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2):
-        raise ValueError("kv_pool dtype must be float32, bfloat16, float16, float8_e4m3fn or float8_e5m2, "
-                         f"got {kv_pool.dtype}")
+    if kv_pool.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16) and not is_fp8(kv_pool.dtype):
+        raise ValueError("kv_pool dtype must be float32, bfloat16, float16, or an fp8 pool's bytes (uint8: e4m3, "
+                         f"int8: e5m2; see layout.kv_storage_dtype), got {kv_pool.dtype}")
 
 
 def visible_pages(kv_len, first_pos, num_queries, window, *, block_size: int, max_blocks: int):
@@ -133,8 +133,8 @@ def _attention_kernel(info_ref, tables_ref, cap_ref, q_ref, kv_ref, *out_refs, g
         page0 = page_begin + j * pages_per_step
         pages = tables_ref[seq, pl.ds(page0, pages_per_step)]
         pages = jnp.where(page0 + page_in_step < page_stop, pages, 0)
-        k = kv_ref[layer, 0, pages, head, :, :].reshape(step_tokens, head_dim).astype(compute_dtype)
-        v = kv_ref[layer, 1, pages, head, :, :].reshape(step_tokens, head_dim).astype(compute_dtype)
+        k = fp8_values(kv_ref[layer, 0, pages, head, :, :]).reshape(step_tokens, head_dim).astype(compute_dtype)
+        v = fp8_values(kv_ref[layer, 1, pages, head, :, :]).reshape(step_tokens, head_dim).astype(compute_dtype)
         k_pos = page0 * block_size + jnp.arange(step_tokens, dtype=jnp.int32)
         key_valid = k_pos < key_stop
         # Slots past kv_len hold stale data of earlier owners; zeroing V keeps a NaN there

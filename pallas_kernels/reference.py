@@ -20,7 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.layout import pages_view
+from pallas_kernels.layout import fp8_values, pages_view
 from pallas_kernels.metadata import AttentionMetadata
 
 _MASKED = -1e30
@@ -146,8 +146,8 @@ def _tiled_attention(q, kv_pool, layer, md, sliding_window, soft_cap, *, sm_scal
         acc, m, l = carry
         block_idx = jnp.clip(c * chunk + jnp.arange(chunk, dtype=jnp.int32), 0, max_blocks - 1)
         block_ids = tables[:, block_idx]                                            # [N, chunk]
-        k = kv_chunk(k_base, block_ids).astype(jnp.float32)
-        v = kv_chunk(v_base, block_ids).astype(jnp.float32)
+        k = fp8_values(kv_chunk(k_base, block_ids)).astype(jnp.float32)
+        v = fp8_values(kv_chunk(v_base, block_ids)).astype(jnp.float32)
         s = _soft_capped(jnp.einsum("nqhgd,nhkd->nhgqk", q_tiles, k), cap)
         k_pos = c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)       # [ck]
         mask = (k_pos[None, None, :] < kv_len[:, None, None]) & (k_pos[None, None, :] <= q_pos[:, :, None])
@@ -215,8 +215,8 @@ def _flat_pages_attention(q, kv_pool, layer, md, sliding_window, soft_cap, *, sm
         seq = jnp.clip(jnp.searchsorted(pages_end, flat, side="right", method="compare_all"), 0, num_seqs - 1)
         page = first_page[seq] + flat - pages_start[seq]                            # [P] index in seq's table
         block_ids = md.block_tables[seq, jnp.clip(page, 0, max_blocks - 1)]
-        k = pages.at[k_base + block_ids].get(mode="promise_in_bounds").astype(jnp.float32)   # [P, h, bs, D]
-        v = pages.at[v_base + block_ids].get(mode="promise_in_bounds").astype(jnp.float32)
+        k, v = (fp8_values(pages.at[base + block_ids].get(mode="promise_in_bounds")).astype(jnp.float32)
+                for base in (k_base, v_base))                                         # [P, h, bs, D]
         s = _soft_capped(jnp.einsum("phgd,phkd->phgk", queries[seq], k), cap)        # [P, h, g, bs]
         k_pos = page[:, None] * block_size + offsets                                # [P, bs]
         q_pos = kv_len[seq][:, None] - 1

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from pallas_kernels.layout import is_fp8
+from pallas_kernels.layout import fp8_type, is_fp8
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.reference import tile_layout, num_query_tiles, validate_inputs
 
@@ -39,9 +39,7 @@ _TARGET_PROGRAMS = 264  # two waves of an H100/H200's 132 SMs: below that, split
 _MAX_SPLITS = 16
 _MIN_DOT = 16           # tl.dot needs every dimension >= 16
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-_FP8 = (jnp.float8_e4m3fn, jnp.float8_e5m2)
-
-
+_FP8_CODES = {None: 0, jnp.dtype(jnp.float8_e4m3fn): 1, jnp.dtype(jnp.float8_e5m2): 2}   # the kernel's KV_FP8
 def compute_dtype(q_dtype, pool_dtype):
     """The dots' input dtype: the pool's, or q's when the pool is fp8."""
     return q_dtype if is_fp8(pool_dtype) else pool_dtype
@@ -173,9 +171,12 @@ def _paged_attention_kernel(
         kv_mask = k_ok[:, None] & d_ok[None, :]
         k = tl.load(pool_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(pool_ptr + PLANE + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if KV_FP8:
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
+        if KV_FP8 == 1:   # the pool holds fp8 bytes (layout.kv_storage_dtype)
+            k = k.to(tl.float8e4nv, bitcast=True).to(q.dtype)
+            v = v.to(tl.float8e4nv, bitcast=True).to(q.dtype)
+        elif KV_FP8 == 2:
+            k = k.to(tl.float8e5, bitcast=True).to(q.dtype)
+            v = v.to(tl.float8e5, bitcast=True).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * SM_SCALE
         safe_cap = tl.where(cap > 0, cap, 1.0)
         s = tl.where(cap > 0, safe_cap * _tanh(s / safe_cap), s)
@@ -199,9 +200,9 @@ def _validate(q, kv_pool, layer, md, sliding_window, soft_cap, sm_scale, kv_chun
     validate_inputs(q, kv_pool, md)
     if q.dtype not in _DTYPES:
         raise ValueError(f"q dtype must be float32, bfloat16 or float16, got {q.dtype}")
-    if kv_pool.dtype not in _DTYPES + _FP8:
-        raise ValueError("kv_pool dtype must be float32, bfloat16, float16, float8_e4m3fn or float8_e5m2, "
-                         f"got {kv_pool.dtype}")
+    if kv_pool.dtype not in _DTYPES and not is_fp8(kv_pool.dtype):
+        raise ValueError("kv_pool dtype must be float32, bfloat16, float16, or an fp8 pool's bytes (uint8: e4m3, "
+                         f"int8: e5m2; see layout.kv_storage_dtype), got {kv_pool.dtype}")
     for name, x in (("layer", layer), ("sliding_window", sliding_window), ("soft_cap", soft_cap)):
         if jnp.ndim(x) != 0:
             raise ValueError(f"{name} must be a scalar, got shape {jnp.shape(x)}")
@@ -271,7 +272,7 @@ def kernel_call_args(q, kv_pool, layer, md: AttentionMetadata, sliding_window=0,
                 HEAD_DIM_PAD=launch.head_dim_pad, BLOCK_SIZE=launch.block_size, NUM_BLOCKS=launch.num_blocks,
                 MAX_BLOCKS=launch.max_blocks, CHUNK=launch.chunk_tokens, NUM_SPLITS=launch.num_splits,
                 SM_SCALE=float(sm_scale), PRECISION="ieee" if dots == jnp.float32 else "tf32",
-                KV_FP8=is_fp8(kv_pool.dtype))
+                KV_FP8=_FP8_CODES[fp8_type(kv_pool.dtype)])
     return launch, (q, kv_pool, *scalars, *ints, *tiles), out_type, meta, tokens
 
 

@@ -127,7 +127,7 @@ def weight_bytes(llm) -> int:
     from flax import nnx
     runner = llm.llm_engine.runner
     return sum(leaf.nbytes for path, v in nnx.to_flat_state(runner.state) if path[0] != "kv_scales"
-               for leaf in jax.tree.leaves(getattr(v, "value", v)))
+               for leaf in jax.tree.leaves(v.get_value() if isinstance(v, nnx.Variable) else v))
 
 
 def kv_tokens(mode: Mode) -> int:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import use_abstract_mesh
 
-from pallas_kernels.layout import kv_pool_shape, kv_storage_dtype, scaled_attention, write_kv
+from pallas_kernels.layout import as_storage, fp8_values, kv_pool_shape, kv_storage_dtype, scaled_attention, write_kv
 from pallas_kernels.pallas_attention import ragged_paged_attention_pallas
 from pallas_kernels.reference import ragged_paged_attention_reference
 from tests.kernels.cases import live_tokens, random_case
@@ -22,6 +22,7 @@ from tests.kernels.test_triton_attention import REPO, emulate_kernel, lower_for_
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 FP8 = [jnp.float8_e4m3fn, jnp.float8_e5m2]
+STORAGE = {jnp.float8_e4m3fn: jnp.uint8, jnp.float8_e5m2: jnp.int8}
 SCALE = jnp.asarray([0.05, 3.0], jnp.float32)   # K, V of the layer read
 
 
@@ -32,8 +33,9 @@ def fp8_case(seed: int, fp8, dtype=jnp.float32, **overrides):
     q, pool, layer, md, kwargs = random_case(np.random.default_rng(seed), **{**case, **overrides})
     pool = pool.astype(jnp.float32)
     scales = jnp.ones((pool.shape[0], 2), jnp.float32).at[layer].set(SCALE)[:, :, None, None, None, None]
-    stored = jnp.clip(pool / scales, -float(jnp.finfo(fp8).max), float(jnp.finfo(fp8).max)).astype(fp8)
-    return q, stored, stored.astype(jnp.float32) * scales, layer, md, kwargs
+    values = jnp.clip(pool / scales, -float(jnp.finfo(fp8).max), float(jnp.finfo(fp8).max)).astype(fp8)
+    stored = as_storage(values, STORAGE[fp8])   # the pool holds the values' bytes
+    return q, stored, values.astype(jnp.float32) * scales, layer, md, kwargs
 
 
 def check(out, want, md, tol):
@@ -42,8 +44,8 @@ def check(out, want, md, tol):
     assert np.isfinite(err) and err < tol, err
 
 
-@pytest.mark.parametrize("kv_cache_dtype,expected", [("auto", jnp.bfloat16), ("fp8", jnp.float8_e4m3fn),
-                                                     ("fp8_e4m3", jnp.float8_e4m3fn), ("fp8_e5m2", jnp.float8_e5m2)])
+@pytest.mark.parametrize("kv_cache_dtype,expected", [("auto", jnp.bfloat16), ("fp8", jnp.uint8),
+                                                     ("fp8_e4m3", jnp.uint8), ("fp8_e5m2", jnp.int8)])
 def test_kv_cache_dtype_names(kv_cache_dtype, expected):
     assert kv_storage_dtype(kv_cache_dtype, jnp.bfloat16) == expected
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8"):
@@ -53,14 +55,14 @@ def test_kv_cache_dtype_names(kv_cache_dtype, expected):
 @pytest.mark.parametrize("fp8", FP8)
 def test_write_kv_stores_values_divided_by_the_layer_scales(fp8):
     rng = np.random.default_rng(0)
-    pool = jnp.zeros(kv_pool_shape(2, 4, 8, 2, 16), fp8)
+    pool = jnp.zeros(kv_pool_shape(2, 4, 8, 2, 16), STORAGE[fp8])
     k = jnp.asarray(rng.standard_normal((5, 2, 16)) * 0.1, jnp.float32)
     v = jnp.asarray(rng.standard_normal((5, 2, 16)) * 30, jnp.float32)
     v = v.at[0, 0, 0].set(1e6)   # beyond fp8's range: clipped to its largest finite value, not NaN
     slots = jnp.asarray([9, 10, 11, 24, -1], jnp.int32)
     pool = write_kv(pool, jnp.int32(1), k, v, slots, SCALE)
-    assert pool.dtype == fp8
-    back = pool.astype(jnp.float32)
+    assert pool.dtype == STORAGE[fp8] and fp8_values(pool).dtype == fp8
+    back = fp8_values(pool).astype(jnp.float32)
     rel = 2.0 ** -3 if fp8 == jnp.float8_e4m3fn else 2.0 ** -2   # half a step of 3 (e4m3) or 2 mantissa bits
     for t, slot in enumerate([9, 10, 11, 24]):
         block, offset = divmod(slot, 8)
@@ -110,19 +112,17 @@ import json, numpy as np, torch, jax.numpy as jnp
 from pallas_kernels import triton_attention as ta
 from pallas_kernels.reference import ragged_paged_attention_reference
 from tests.kernels.cases import live_tokens
+from pallas_kernels.layout import fp8_values
 from tests.kernels.test_fp8_kv_cache import fp8_case
 q, stored, dequantized, layer, md, kwargs = fp8_case(4, jnp.float8_e4m3fn, sliding_window=9)
 launch, operands, out_type, meta, tokens = ta.kernel_call_args(q, stored, layer, md, **kwargs, kv_chunk_blocks=2)
 def tensor(x):
-    x = np.array(x)
-    if x.dtype == jnp.float8_e4m3fn:
-        return torch.from_numpy(x.view(np.uint8)).view(torch.float8_e4m3fn)
-    return torch.from_numpy(x)
+    return torch.from_numpy(np.array(x))
 outs = [torch.zeros(o.shape, dtype=torch.float32) for o in out_type]
 ta._paged_attention_kernel[launch.grid](*(tensor(x) for x in operands), *outs, **meta)
 got = ta.combine_splits(*(jnp.asarray(o.numpy()) for o in outs), launch, tokens, jnp.float32)
 # the scales are the caller's (scaled_attention): compare against the stored values themselves
-want = ragged_paged_attention_reference(q, stored.astype(jnp.float32), layer, md, **kwargs)
+want = ragged_paged_attention_reference(q, fp8_values(stored).astype(jnp.float32), layer, md, **kwargs)
 print(json.dumps(float(jnp.abs(got - want)[:live_tokens(md)].max())))
 """
 
@@ -147,5 +147,5 @@ def test_pallas_lowers_for_cuda_with_an_fp8_pool():
 
 def test_triton_kernel_compiles_for_sm90_with_an_fp8_pool():
     pytest.importorskip("jax_triton")
-    result = lower_for_gpu("NVIDIA H200", jnp.bfloat16, 128, 4, 16, 16, pool_dtype=jnp.float8_e4m3fn)
+    result = lower_for_gpu("NVIDIA H200", jnp.bfloat16, 128, 4, 16, 16, pool_dtype=jnp.uint8)
     assert ".target sm_90a" in result.binary and "mma" in result.binary

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.layout import kv_pool_shape
+from pallas_kernels.layout import fp8_values, kv_pool_shape
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.reference import ragged_paged_attention_reference
 from pallas_kernels.triton_attention import (combine_splits, compute_dtype, kernel_call_args,
@@ -39,8 +39,8 @@ def emulate_kernel(q, kv_pool, layer, md, sliding_window=0, soft_cap=0.0, *, sm_
                                                               sm_scale=sm_scale, kv_chunk_blocks=kv_chunk_blocks)
     q, pool, (layer,), (window,), (cap,), kv_lens, tables, cu_q_lens, tile_seq, tile_first_row, tile_rows = (
         np.asarray(x) for x in operands)
-    pages = pool[layer]                                        # [2, num_blocks, kv_heads, block_size, head_dim]
-    dots = compute_dtype(q.dtype, pages.dtype)                 # the dots' input dtype
+    pages = np.asarray(fp8_values(jnp.asarray(pool[layer])))   # [2, num_blocks, kv_heads, block_size, head_dim]
+    dots = compute_dtype(q.dtype, pool.dtype)                  # the dots' input dtype
     queries = q.astype(dots).astype(np.float32)
     group, rows, chunk, block_size = launch.group, launch.rows, launch.chunk_tokens, launch.block_size
     live_rows, masked = launch.q_tile * group, np.float32(-1e30)    # the kernel's mask value

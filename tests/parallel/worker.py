@@ -19,7 +19,7 @@ def shard_fractions(llm) -> dict:
         runner = engine.runner
         arrays = {}
         for path, v in nnx.to_flat_state(runner.state):   # a QuantizedWeight: one entry per array, "wqkv/values"
-            for sub, leaf in jax.tree_util.tree_leaves_with_path(getattr(v, "value", v)):
+            for sub, leaf in jax.tree_util.tree_leaves_with_path(v.get_value() if isinstance(v, nnx.Variable) else v):
                 arrays["/".join(map(str, path)) + "".join(f"/{k.name}" for k in sub)] = leaf
         arrays["kv_pool"] = runner.kv_pool
         info = {}
