@@ -119,7 +119,7 @@ class LlamaFamilyForCausalLM(nnx.Module):
         self.final_norm = nnx.Param(weights["final_norm"])
         self.lm_head = nnx.Param(weights["lm_head"]) if "lm_head" in weights else None
         # f32[num_layers, 2]: each layer's K and V scale in an fp8 KV pool (stored = value / scale); unused
-        # by a pool in the model dtype. 1.0 unless set (calculate_kv_scales, or a checkpoint's k/v_scale)
+        # by a pool in the model dtype. 1.0 unless calculate_kv_scales measures them on the first step
         self.kv_scales = nnx.Param(shard_plan.put(np.ones((cfg.num_layers, 2), np.float32)))
         layers = weights["layers"]
         self.scan_layers = isinstance(layers, dict)
@@ -202,9 +202,9 @@ def _decoder_layer(cfg: ModelConfig, plan: ShardPlan, attention, linear, batch: 
 
     `w` holds this layer's weights (`layer_weight_shapes`); `layer` (i32[]) is its plane of the
     pool, `window` (i32[]) its sliding window, 0 for full attention, `kv_scale` (f32[2]) its K and V
-    scales in an fp8 pool. The fused q/k/v and gate/up
-    columns are shard-major (see jaxpaged.parallel): viewed as [tokens, tp, per shard], each
-    device splits its own columns.
+    scales in an fp8 pool; `linear` is the matmul (models.quantization.linear with its kernel). The
+    fused q/k/v and gate/up columns are shard-major (see jaxpaged.parallel): viewed as [tokens, tp,
+    per shard], each device splits its own columns.
     """
     num_tokens, tp = hidden.shape[0], plan.size
     x = rms_norm(hidden, w["input_norm"], cfg.rms_norm_eps)

@@ -122,24 +122,15 @@ def put_weight(plan: ShardPlan, name: str, value, stacked: bool = False):
     spec = plan.weight_spec(name, stacked)
     if name == "embed" and isinstance(value, QuantizedWeight):   # kept as its LM head [hidden, vocab]
         spec = P(*reversed(tuple(spec)))
-    if not isinstance(value, QuantizedWeight):
-        return plan.put(value, spec)
-    specs = value.specs(spec)
-    return dataclasses.replace(value, values=plan.put(value.values, specs.values),
-                               scale=plan.put(value.scale, specs.scale),
-                               offset=None if value.offset is None else plan.put(value.offset, specs.offset))
+    return value.map_arrays(plan.put, spec) if isinstance(value, QuantizedWeight) else plan.put(value, spec)
 
 
 def _empty_stack(plan: ShardPlan, name: str, num_layers: int, layer_value):
     """Zeros [num_layers, ...] shaped like one layer's device weight (every array of a QuantizedWeight)."""
     def zeros(a, spec):
         return plan.zeros((num_layers, *a.shape), a.dtype, spec)
-    if not isinstance(layer_value, QuantizedWeight):
-        return zeros(layer_value, plan.weight_spec(name, True))
-    specs = layer_value.specs(plan.weight_spec(name, True))
-    return dataclasses.replace(layer_value, values=zeros(layer_value.values, specs.values),
-                               scale=zeros(layer_value.scale, specs.scale),
-                               offset=None if layer_value.offset is None else zeros(layer_value.offset, specs.offset))
+    spec = plan.weight_spec(name, True)
+    return layer_value.map_arrays(zeros, spec) if isinstance(layer_value, QuantizedWeight) else zeros(layer_value, spec)
 
 
 def _as_layer_weight(value, quantization: str | None, np_dtype, tp: int):

@@ -119,6 +119,12 @@ class QuantizedWeight:
             return P(*parts)
         return dataclasses.replace(self, values=spec, scale=for_groups(self.scale), offset=for_groups(self.offset))
 
+    def map_arrays(self, fn, spec: P) -> "QuantizedWeight":
+        """fn(array, its partition spec) for each array of this weight sharded as `spec` (see `specs`)."""
+        specs = self.specs(spec)
+        return dataclasses.replace(self, values=fn(self.values, specs.values), scale=fn(self.scale, specs.scale),
+                                   offset=None if self.offset is None else fn(self.offset, specs.offset))
+
 
 KERNEL_MAX_ROWS = 64
 """Rows up to which `linear` hands a quantized matmul to the kernel (decode steps); a longer step is
