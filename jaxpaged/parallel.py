@@ -165,6 +165,24 @@ class ShardPlan:
             return x
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
+    def matmul(self, kernel, spec: P):
+        """kernel(x, w) -> x @ w for a weight sharded as `spec`, run per shard (a pallas_call cannot be
+        partitioned by XLA): column-parallel (P(None, model)) each device computes its output columns,
+        row-parallel (P(model, None)) its input rows' partial sums, added over the devices."""
+        if self.mesh is None:
+            return kernel
+        column = tuple(spec) == (None, MODEL_AXIS)
+
+        def per_shard(x, w):
+            y = kernel(x, w)
+            return y if column else jax.lax.psum(y, MODEL_AXIS)
+
+        def call(x, w):
+            return jax.shard_map(per_shard, mesh=self.mesh, in_specs=(P() if column else P(None, MODEL_AXIS),
+                                                                       w.specs(spec)),
+                                 out_specs=P(None, MODEL_AXIS) if column else P(), check_vma=False)(x, w)
+        return call
+
     def attention(self, fn):
         """fn(kv_pool, q, k, v, *replicated) -> (kv_pool, out [T, heads, head_dim]) run per shard:
         each device writes and reads its own KV heads with its own query heads."""

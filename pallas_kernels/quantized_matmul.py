@@ -121,7 +121,7 @@ def quantized_matmul_pallas(x, values, scale, offset=None, *, bits: int, group_s
     _validate(x, values, scale, offset, bits, group_size)
     m, k = x.shape
     n = values.shape[1]
-    per_channel = group_size == k
+    per_channel = group_size == k and offset is None   # one group with offsets walks as a group
     step = _CHANNEL_STEP if per_channel and k % _CHANNEL_STEP == 0 else 32 if per_channel else group_size
     if k % step:
         raise ValueError(f"per-channel weights need input rows divisible by 32, got {k}")

@@ -111,9 +111,7 @@ class LlamaFamilyForCausalLM(nnx.Module):
         self.config = cfg
         self.attention_backend = attention_backend   # a resolved name (see pallas_kernels.backends)
         self.shard_plan = shard_plan                 # the devices the weights lie on (jaxpaged.parallel)
-        # a quantized decode matmul's kernel (models.quantization.matmul_kernel); one device only, since a
-        # pallas_call cannot be partitioned over a mesh
-        self.quantized_matmul = quantized_matmul if shard_plan.size == 1 else "reference"
+        self.quantized_matmul = quantized_matmul     # a quantized decode matmul's kernel (quantization.matmul_kernel)
         self.dtype = weights["final_norm"].dtype   # the activations' (norms are never quantized)
         self.embed = nnx.Param(weights["embed"])   # [vocab, hidden], or a QuantizedWeight [hidden, vocab]
         self.final_norm = nnx.Param(weights["final_norm"])
@@ -140,11 +138,10 @@ class LlamaFamilyForCausalLM(nnx.Module):
         cfg = self.config
         hidden = rms_norm(hidden, self.final_norm[...], cfg.rms_norm_eps)
         embed = self.embed.get_value()
-        kernel = matmul_kernel(self.quantized_matmul)
         if self.lm_head is not None:
-            logits = linear(hidden, self.lm_head.get_value(), kernel)
-        elif isinstance(embed, QuantizedWeight):
-            logits = linear(hidden, embed, kernel)
+            logits = self.matmul(hidden, self.lm_head.get_value(), "lm_head")
+        elif isinstance(embed, QuantizedWeight):   # kept as its LM head, sharded like one
+            logits = self.matmul(hidden, embed, "lm_head")
         else:
             logits = jnp.einsum("td,vd->tv", hidden, embed)
         return logits.astype(jnp.float32)
@@ -155,12 +152,19 @@ class LlamaFamilyForCausalLM(nnx.Module):
         hidden = rms_norm(hidden, self.final_norm[...], cfg.rms_norm_eps)
         head = self.embed.get_value() if self.lm_head is None else self.lm_head.get_value()
         if isinstance(head, QuantizedWeight):
-            logits = linear(hidden, head, matmul_kernel(self.quantized_matmul)).T
+            logits = self.matmul(hidden, head, "lm_head").T
         elif self.lm_head is None:
             logits = head @ hidden.T
         else:
             logits = jnp.einsum("dv,td->vt", head, hidden)
         return logits.astype(jnp.float32)
+
+    def matmul(self, x: jax.Array, w, name: str) -> jax.Array:
+        """x @ the weight `name` (plain or quantized; a quantized decode step through the kernel, per shard)."""
+        kernel = matmul_kernel(self.quantized_matmul)
+        if kernel is not None and isinstance(w, QuantizedWeight):
+            kernel = self.shard_plan.matmul(kernel, self.shard_plan.weight_spec(name, False))
+        return linear(x, w, kernel)
 
     def hidden_states(self, kv_pool: jax.Array, batch: ForwardBatch) -> tuple[jax.Array, jax.Array]:
         cfg = self.config
@@ -172,8 +176,7 @@ class LlamaFamilyForCausalLM(nnx.Module):
             seq_lens = md.kv_lens[jnp.clip(token_seq, 0, md.kv_lens.shape[0] - 1)]
         cos, sin = rotary_cos_sin(cfg, batch.positions, seq_lens)
         layer_fn = functools.partial(_decoder_layer, cfg, self.shard_plan, get_attention(self.attention_backend),
-                                     functools.partial(linear, kernel=matmul_kernel(self.quantized_matmul)),
-                                     batch, cos, sin)
+                                     self.matmul, batch, cos, sin)
         if self.scan_layers:
             xs = ({k: v.get_value() for k, v in self.layers.items()}, jnp.arange(cfg.num_layers, dtype=jnp.int32),
                   jnp.asarray(cfg.sliding_windows, jnp.int32), self.kv_scales[...])
@@ -195,20 +198,20 @@ class LlamaFamilyForCausalLM(nnx.Module):
         return kv_pool, hidden
 
 
-def _decoder_layer(cfg: ModelConfig, plan: ShardPlan, attention, linear, batch: ForwardBatch, cos, sin, hidden,
+def _decoder_layer(cfg: ModelConfig, plan: ShardPlan, attention, matmul, batch: ForwardBatch, cos, sin, hidden,
                    kv_pool, w, layer, window, kv_scale):
     """One layer (the body of both loops): (hidden, kv_pool) -> (hidden, kv_pool, kv_scale) with its K/V
     written and the K/V scales it wrote them with.
 
     `w` holds this layer's weights (`layer_weight_shapes`); `layer` (i32[]) is its plane of the
     pool, `window` (i32[]) its sliding window, 0 for full attention, `kv_scale` (f32[2]) its K and V
-    scales in an fp8 pool; `linear` is the matmul (models.quantization.linear with its kernel). The
+    scales in an fp8 pool; `matmul(x, w, name)` multiplies by a weight (the model's `matmul`). The
     fused q/k/v and gate/up columns are shard-major (see jaxpaged.parallel): viewed as [tokens, tp,
     per shard], each device splits its own columns.
     """
     num_tokens, tp = hidden.shape[0], plan.size
     x = rms_norm(hidden, w["input_norm"], cfg.rms_norm_eps)
-    qkv = linear(x, w["wqkv"])
+    qkv = matmul(x, w["wqkv"], "wqkv")
     if cfg.qkv_bias:
         qkv = qkv + w["bqkv"]
     qkv = qkv.reshape(num_tokens, tp, -1)
@@ -233,19 +236,19 @@ def _decoder_layer(cfg: ModelConfig, plan: ShardPlan, attention, linear, batch: 
 
     kv_pool, attn = plan.attention(write_and_attend)(kv_pool, q, k, v, batch.slot_mapping, batch.attn, layer, window,
                                                       kv_scale)
-    out = linear(attn.reshape(num_tokens, cfg.q_size), w["wo"])
+    out = matmul(attn.reshape(num_tokens, cfg.q_size), w["wo"], "wo")
     if cfg.o_bias:
         out = out + w["bo"]
     hidden = hidden + out
     x = rms_norm(hidden, w["post_norm"], cfg.rms_norm_eps)
-    gate_up = linear(x, w["w_gate_up"])
+    gate_up = matmul(x, w["w_gate_up"], "w_gate_up")
     if cfg.mlp_bias:
         gate_up = gate_up + w["b_gate_up"]
     gate_up = gate_up.reshape(num_tokens, tp, -1)
     inter_local = cfg.intermediate_size // tp
     gate = gate_up[..., :inter_local].reshape(num_tokens, cfg.intermediate_size)
     up = gate_up[..., inter_local:].reshape(num_tokens, cfg.intermediate_size)
-    mlp = linear(jax.nn.silu(gate.astype(jnp.float32)).astype(up.dtype) * up, w["w_down"])
+    mlp = matmul(jax.nn.silu(gate.astype(jnp.float32)).astype(up.dtype) * up, w["w_down"], "w_down")
     if cfg.mlp_bias:
         mlp = mlp + w["b_down"]
     return hidden + mlp, kv_pool, kv_scale

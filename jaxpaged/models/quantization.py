@@ -143,14 +143,16 @@ def matmul_kernel(name: str):
     from pallas_kernels.quantized_matmul import quantized_matmul_pallas
 
     def kernel(x, w: QuantizedWeight):
-        return quantized_matmul_pallas(x, w.values, w.scale, w.offset, bits=w.bits, group_size=w.group_size,
+        group = w.in_features // w.scale.shape[-2]   # from the shapes: a row-parallel shard's channels span its rows
+        return quantized_matmul_pallas(x, w.values, w.scale, w.offset, bits=w.bits, group_size=group,
                                        zero=w.zero, interpret=platform != "gpu")
     return kernel
 
 
 def linear(x: jax.Array, w, kernel=None) -> jax.Array:
     """x @ w for a plain or quantized [in, out] weight; the result in x's dtype. `kernel` (from
-    `matmul_kernel`) takes quantized matmuls of up to KERNEL_MAX_ROWS rows."""
+    `matmul_kernel`, per shard under a mesh: ShardPlan.matmul) takes quantized matmuls of up to
+    KERNEL_MAX_ROWS rows."""
     if not isinstance(w, QuantizedWeight):
         return x @ w
     if kernel is not None and x.shape[0] <= KERNEL_MAX_ROWS:

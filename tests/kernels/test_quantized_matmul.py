@@ -34,10 +34,11 @@ def weight(fmt: str, k: int, n: int, seed: int = 0):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("rows,dtype", [(1, jnp.float32), (5, jnp.bfloat16), (20, jnp.float32)])
-def test_matches_the_reference(fmt, rows, dtype):
-    values, scale, offset, statics = weight(fmt, 192, 96)
-    x = jnp.asarray(np.random.default_rng(1).standard_normal((rows, 192)), dtype)
+@pytest.mark.parametrize("rows,dtype,k", [(1, jnp.float32, 192), (5, jnp.bfloat16, 192), (20, jnp.float32, 192),
+                                          (48, jnp.float32, 32)])   # 32: one group (a row-parallel shard's)
+def test_matches_the_reference(fmt, rows, dtype, k):
+    values, scale, offset, statics = weight(fmt, k, 96)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((rows, k)), dtype)
     want = quantized_matmul_reference(x, values, scale, offset, **statics)
     got = quantized_matmul_pallas(x, values, scale, offset, **statics, interpret=True)
     assert got.shape == (rows, 96) and got.dtype == dtype

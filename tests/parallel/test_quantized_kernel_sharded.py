@@ -1,0 +1,44 @@
+"""The W8A16 / W4A16 kernel under tensor parallelism (8 forced CPU devices, in a subprocess; the
+kernel in interpret mode): per shard under shard_map, column-parallel weights give their output
+columns and row-parallel ones partial sums added over the devices; the logits are the single
+device's de-quantizing path's."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.parallel.layout_checks import ROOT
+
+SCRIPT = """
+import json, os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax, numpy as np
+from jaxpaged.parallel import ShardPlan
+from tests.models.test_quantization import forward_logits
+from tests.tiny_models import tiny_checkpoint
+mode = sys.argv[1]
+tokens = np.random.default_rng(5).integers(3, 320, 40).tolist()
+path = tiny_checkpoint("llama")
+ref, _ = forward_logits(path, tokens, quantized_matmul="reference", quantization=mode)
+out = {}
+for tp in (1, 2):
+    plan = ShardPlan.for_devices(jax.devices()[:tp]) if tp > 1 else ShardPlan()
+    got, loaded = forward_logits(path, tokens, quantized_matmul="pallas", quantization=mode, shard_plan=plan)
+    out[tp] = float(np.abs(got - ref).max() / np.abs(ref).max())
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_the_kernel_per_shard_gives_the_single_device_logits(mode):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    run = subprocess.run([sys.executable, "-c", SCRIPT, mode], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert run.returncode == 0 and lines, run.stderr[-3000:]
+    errors = json.loads(lines[-1][len("RESULT "):])
+    assert errors["1"] < 1e-4 and errors["2"] < 1e-4, errors
