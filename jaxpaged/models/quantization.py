@@ -9,7 +9,7 @@ A quantized linear weight is a `QuantizedWeight` in our [in, out] layout: its va
 | ------ | -------------------------------------------- | ------------------------- | ------------------ |
 | int8   | int8 [K, N]                                  | per output channel        | `quantization="int8"` |
 | fp8    | float8_e4m3fn [K, N]                         | per output channel        | `quantization="fp8"`  |
-| int4   | uint8 [K // 2, N], two 4-bit values per byte | groups of 32, plus offsets (the minimums) | `quantization="int4"` |
+| int4   | uint8 [K // 2, N], two 4-bit values per byte | groups of 32, + offsets   | `quantization="int4"` |
 | Q8_0   | int8 [K, N]                                  | groups of 32              | a GGUF file        |
 | Q4_0   | 4-bit as int4, zero 8                        | groups of 32              | a GGUF file        |
 | Q4_1   | 4-bit, zero 0, plus offsets (the minimums)   | groups of 32              | a GGUF file        |

@@ -56,7 +56,8 @@ def checkpoints(kind: str) -> tuple[str, str]:
             if name.endswith(".weight") and name.split(".")[-2] in LINEARS:
                 values, scale, back = quantize_fp8(w, kind)
                 quantized[name] = values
-                quantized[name[:-len("weight")] + ("weight_scale_inv" if kind == "fp8-blocks" else "weight_scale")] = scale
+                suffix = "weight_scale_inv" if kind == "fp8-blocks" else "weight_scale"
+                quantized[name[:-len("weight")] + suffix] = scale
                 plain[name] = back
             else:
                 quantized[name] = plain[name] = w
@@ -101,7 +102,8 @@ def test_fp8_checkpoints_load_without_requantizing(kind):
 
 def test_bad_combinations_with_prequantized_checkpoints_raise():
     fp8, _ = checkpoints("fp8-blocks")
-    with pytest.raises(ValueError, match="quantization='int4' cannot re-quantize a checkpoint already quantized as 'fp8'"):
+    with pytest.raises(ValueError, match="quantization='int4' cannot re-quantize a checkpoint already quantized "
+                                         "as 'fp8'"):
         load_model(fp8, quantization="int4")
     gptq = tiny_checkpoint("llama") + "-gptq"
     if not os.path.isdir(gptq):
@@ -111,7 +113,8 @@ def test_bad_combinations_with_prequantized_checkpoints_raise():
         config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
         with open(os.path.join(gptq, "config.json"), "w") as f:
             json.dump(config, f)
-    with pytest.raises(ValueError, match="quantization='fp8' cannot re-quantize a checkpoint already quantized as 'gptq'"):
+    with pytest.raises(ValueError, match="quantization='fp8' cannot re-quantize a checkpoint already quantized "
+                                         "as 'gptq'"):
         load_model(gptq, quantization="fp8")
     with pytest.raises(ValueError, match="quantized as 'gptq', which jaxpaged cannot load"):
         load_model(gptq)
