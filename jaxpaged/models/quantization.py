@@ -86,10 +86,6 @@ class QuantizedWeight:
     def out_features(self) -> int:
         return self.values.shape[-1]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.values, self.scale, self.offset) if a is not None)
-
     def unpacked(self, dtype) -> jax.Array:
         """The values minus `zero`, [..., K, N] in `dtype` (exact: they are small integers or fp8)."""
         v = self.values
@@ -99,13 +95,10 @@ class QuantizedWeight:
         return v - self.zero if self.zero else v
 
     def dequantize(self, dtype) -> jax.Array:
-        """The full-precision [..., K, N] weight in `dtype`."""
-        v = self.unpacked(jnp.float32)
-        *lead, k, n = v.shape
-        groups = v.reshape(*lead, k // self.group_size, self.group_size, n) * self.scale[..., :, None, :]
-        if self.offset is not None:
-            groups = groups + self.offset[..., :, None, :]
-        return groups.reshape(*lead, k, n).astype(dtype)
+        """The full-precision [K, N] weight in `dtype` (the kernel's own jnp reference)."""
+        from pallas_kernels.quantized_matmul import dequantize   # here: importing Pallas warns of its Triton backend
+        return dequantize(self.values, self.scale, self.offset, bits=self.bits, group_size=self.group_size,
+                          zero=self.zero, dtype=dtype)
 
     def specs(self, spec: P) -> "QuantizedWeight":
         """The partition specs of each array for a weight sharded as `spec` (a scale with one group
