@@ -47,6 +47,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-nodes", type=int, default=d.num_nodes, help="hosts running the engine together")
     parser.add_argument("--node-rank", type=int, default=d.node_rank,
                         help="this host's rank: 0 schedules and serves, the others run its steps")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                             'or \'{"model": DRAFT, "num_speculative_tokens": 4}\'')
 
 
 def engine_kwargs(ns: argparse.Namespace) -> dict:

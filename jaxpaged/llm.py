@@ -122,6 +122,9 @@ class LLM:
                              "(n > 1 for several candidates) to constrain the output")
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if any(e.speculator is not None for e in self.llm_engine.replicas()):
+            raise ValueError("beam search is not supported with speculative_config: make an LLM without "
+                             "speculative_config for beam search")
         prompts = _as_prompt_list(prompts)
         if any(isinstance(p, dict) and p.get("cache_salt") is not None for p in prompts):
             raise ValueError("cache_salt is not supported by beam_search yet; drop it from the prompt dicts")

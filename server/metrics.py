@@ -27,6 +27,10 @@ _HELP = {
     "prefix_cache_hits_total": "Prompt tokens served from the prefix cache.",
     "swapped_out_blocks_total": "KV blocks swapped out to host memory.",
     "swapped_in_blocks_total": "KV blocks swapped back in to the device.",
+    "spec_decode_num_drafts_total": "Speculative decoding: verifications (one request's drafts in one step).",
+    "spec_decode_num_draft_tokens_total": "Speculative decoding: draft tokens proposed and verified.",
+    "spec_decode_num_accepted_tokens_total": "Speculative decoding: draft tokens accepted.",
+    "spec_decode_num_accepted_tokens_per_pos_total": "Speculative decoding: accepted draft tokens by position.",
 }
 # jaxpaged name -> vLLM V1's (counters without their _total, as prometheus_client adds it)
 VLLM_NAMES = {
@@ -39,6 +43,10 @@ VLLM_NAMES = {
     "request_success_total": "vllm:request_success_total",
     "prefix_cache_queries_total": "vllm:prefix_cache_queries_total",
     "prefix_cache_hits_total": "vllm:prefix_cache_hits_total",
+    "spec_decode_num_drafts_total": "vllm:spec_decode_num_drafts_total",
+    "spec_decode_num_draft_tokens_total": "vllm:spec_decode_num_draft_tokens_total",
+    "spec_decode_num_accepted_tokens_total": "vllm:spec_decode_num_accepted_tokens_total",
+    "spec_decode_num_accepted_tokens_per_pos_total": "vllm:spec_decode_num_accepted_tokens_per_pos_total",
     "time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
     "time_per_output_token_seconds": "vllm:time_per_output_token_seconds",
     "e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
@@ -76,16 +84,31 @@ class _EngineCollector:
         # one replica: labels [model_name]; data parallelism: one sample per replica, labelled
         # data_rank (sum by model_name for the whole server)
         labels = _LABELS if len(per_rank) == 1 else _LABELS + ["data_rank"]
-        for name in per_rank[0]:
+        families: dict[str, list[tuple[str, dict[str, str]]]] = {}   # name -> (engine key, extra labels)
+        for key in per_rank[0]:
+            name, extra = _split_labels(key)
+            families.setdefault(name, []).append((key, extra))
+        for name, keys in families.items():
             short = name.split(":", 1)[-1]
             names = [name] + ([VLLM_NAMES[short]] if self.vllm_names and short in VLLM_NAMES else [])
             for exported in names:
                 family = CounterMetricFamily if short.endswith("_total") else GaugeMetricFamily
-                metric = family(exported, _HELP.get(short, short.replace("_", " ")), labels=labels)
-                for rank, metrics in enumerate(per_rank):
-                    metric.add_metric([self.model_name] if len(per_rank) == 1 else [self.model_name, str(rank)],
-                                      float(metrics[name]))
+                metric = family(exported, _HELP.get(short, short.replace("_", " ")),
+                                labels=labels + list(keys[0][1]))
+                for key, extra in keys:
+                    for rank, metrics in enumerate(per_rank):
+                        base = [self.model_name] if len(per_rank) == 1 else [self.model_name, str(rank)]
+                        metric.add_metric(base + list(extra.values()), float(metrics[key]))
                 yield metric
+
+
+def _split_labels(key: str) -> tuple[str, dict[str, str]]:
+    """'name{a="1",b="2"}' -> ('name', {'a': '1', 'b': '2'}); a key without braces has no labels."""
+    if not key.endswith("}") or "{" not in key:
+        return key, {}
+    name, _, rest = key[:-1].partition("{")
+    pairs = (item.split("=", 1) for item in rest.split(",") if item)
+    return name, {k.strip(): v.strip().strip('"') for k, v in pairs}
 
 
 class _Histograms:

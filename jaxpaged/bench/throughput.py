@@ -7,6 +7,12 @@ requested tokens count as useful output.
 
     python -m jaxpaged.bench.throughput [--dtype float32|bfloat16] [--skip-hf] [-tp N] [-dp N]
 
+Speculative decoding (`--speculative-config JSON`): the same engine with and without it, same run
+and same workload (no transformers): `--workload random` (the above) or `--workload repeat`
+(chat prompts asking the built-in model to repeat a passage of tests/data/english_text.txt, the
+repetition-heavy case prompt lookup is for; outputs stop at EOS, up to the passage's length + 32).
+Greedy outputs must match token for token; acceptance rates are reported.
+
 With -tp/-dp the engine runs sharded over N devices / as N replicas (on CPU, give it devices
 with XLA_FLAGS=--xla_force_host_platform_device_count=8); the step clock then times replica 0.
 """
@@ -25,6 +31,61 @@ def make_workload(num_requests: int, vocab: int, seed: int = 0) -> list[tuple[li
         output_len = int(np.clip(2 * prompt_len + rng.integers(-16, 17), 32, 256))
         work.append((rng.integers(100, vocab - 100, prompt_len).tolist(), output_len))
     return work
+
+
+def make_repeat_workload(num_requests: int, tokenizer, seed: int = 0) -> list[tuple[list[int], int]]:
+    """Chat prompts "Repeat this text exactly" over 2-5 consecutive sentences of the English text."""
+    import os
+    import re
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "data", "english_text.txt")
+    with open(path) as f:
+        sentences = re.split(r"(?<=[.!?])\s+", " ".join(f.read().split()))
+    rng = np.random.default_rng(seed)
+    work = []
+    for _ in range(num_requests):
+        start = int(rng.integers(0, len(sentences) - 5))
+        passage = " ".join(sentences[start:start + int(rng.integers(2, 6))])
+        messages = [{"role": "user", "content": f"Repeat the following text exactly, with nothing else:\n\n{passage}"}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+        work.append((ids, len(tokenizer.encode(passage)) + 32))
+    return work
+
+
+def run_speculative(work, spec_config: str, model: str | None, ignore_eos: bool, **overrides) -> list[str]:
+    """The default engine without and with `spec_config` on `work` (each started apart, start-up not
+    timed); returns the report's lines."""
+    import json
+
+    from jaxpaged import LLM, SamplingParams
+
+    lines, results = [], []
+    for spec in (None, json.loads(spec_config)):
+        start = time.perf_counter()
+        llm = LLM(model, use_tqdm=False, speculative_config=spec, **overrides)
+        startup = time.perf_counter() - start
+        prompts = [{"prompt_token_ids": p} for p, _ in work]
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=ignore_eos) for _, n in work]
+        clock = StepClock(llm.llm_engine.runner)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        tokens = [o.outputs[0].token_ids for o in outputs]
+        results.append((elapsed, tokens, llm.get_metrics()))
+        lines.append(f"{'speculative ' + json.dumps(spec) if spec else 'no speculation':60s} {elapsed:8.1f} s "
+                     f"{sum(map(len, tokens)) / elapsed:10.1f} out tok/s  (start-up {startup:.1f} s; "
+                     f"{clock.summary(elapsed)})")
+        del llm
+    (base_s, base_tokens, _), (spec_s, spec_tokens, m) = results
+    drafts = m["jaxpaged:spec_decode_num_draft_tokens_total"]
+    accepted = m["jaxpaged:spec_decode_num_accepted_tokens_total"]
+    per_pos = [m[k] for k in sorted(k for k in m if "per_pos" in k)]
+    lines.append(f"speed-up (output tok/s): {base_s / spec_s:.2f}x; greedy outputs identical: "
+                 f"{base_tokens == spec_tokens}")
+    lines.append(f"verifications {m['jaxpaged:spec_decode_num_drafts_total']}, draft tokens {drafts}, accepted "
+                 f"{accepted} ({accepted / max(drafts, 1):.0%}); accepted per position {per_pos}")
+    return lines
 
 
 def matmul_gflops(dtype: str) -> float:
@@ -157,9 +218,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=None, help="engine override (tests); the README's "
                                                                        "figures use the default")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="likewise")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help="compare the engine without and with this speculative_config (no transformers)")
+    parser.add_argument("--workload", default="random", choices=["random", "repeat"],
+                        help="random tokens (default) or repeat-this-text chat prompts (built-in model)")
     ns = parser.parse_args(argv)
     overrides = {k: v for k, v in (("max_num_seqs", ns.max_num_seqs),
                                    ("max_num_batched_tokens", ns.max_num_batched_tokens)) if v is not None}
+    if ns.speculative_config is not None:
+        if ns.workload == "repeat":
+            from jaxpaged.models.builtin import builtin_model_path
+            from jaxpaged.models.gguf_loader import load_gguf_tokenizer
+            work = make_repeat_workload(ns.num_requests, load_gguf_tokenizer(ns.model or builtin_model_path()))
+        else:
+            work = make_workload(ns.num_requests, vocab_size(ns.model))
+        print(f"workload: {ns.workload}, {len(work)} requests, {sum(len(p) for p, _ in work)} prompt tokens, "
+              f"max_tokens {sum(n for _, n in work)}; default engine arguments"
+              f"{' but ' + str(overrides) if overrides else ''}")
+        for line in run_speculative(work, ns.speculative_config, ns.model, ns.workload == "random", **overrides):
+            print(line)
+        return 0
     work = make_workload(ns.num_requests, vocab_size(ns.model))
     ours_s, out_tokens, prompt_tokens, cfg, info = run_jaxpaged(
         work, ns.dtype, ns.model, tensor_parallel_size=ns.tensor_parallel_size,

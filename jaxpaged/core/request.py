@@ -57,6 +57,9 @@ class Request:
         # tokens sampled by steps dispatched but not fetched yet (async scheduling): their
         # positions are computed by the next step, whose input token comes from the device
         self.num_placeholders = 0
+        # speculative decoding: tokens proposed to follow the last one, verified by the next step
+        # (the scheduler may use fewer; cleared once the step is planned)
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

@@ -41,6 +41,8 @@ class ScheduledChunk:
     start: int                 # num_computed_tokens before this step
     num_new_tokens: int
     block_ids: list[int]       # the request's whole block table
+    # speculative decoding: the chunk's last num_drafts tokens are request.spec_token_ids[:num_drafts]
+    num_drafts: int = 0
     # whether this step reaches the end of the request's tokens (so a token is sampled);
     # fixed when scheduled, before commit() adds the placeholder
     samples: bool = dataclasses.field(init=False)
@@ -49,7 +51,7 @@ class ScheduledChunk:
     forks: list[Request] = dataclasses.field(init=False)
 
     def __post_init__(self):
-        self.samples = self.start + self.num_new_tokens == self.request.num_tokens_with_placeholders
+        self.samples = self.start + self.num_new_tokens - self.num_drafts == self.request.num_tokens_with_placeholders
         self.forks = list(self.request.pending_forks) if self.samples else []
 
 
@@ -164,6 +166,8 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
+            num_drafts = self._num_drafts(request, num_new, budget)
+            num_new += num_drafts
             while self.kv_cache.allocate_slots(request, num_new) is None:
                 victim = self.running.pop()
                 swap_out += self._preempt(victim)
@@ -173,7 +177,7 @@ class Scheduler:
             if request in preempted:
                 break
             chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new,
-                                         self.kv_cache.blocks_of(request.request_id)))
+                                         self.kv_cache.blocks_of(request.request_id), num_drafts))
             budget -= num_new
             i += 1
 
@@ -243,6 +247,16 @@ class Scheduler:
             request.num_sampled_tokens >= request.max_tokens
             or request.num_tokens_with_placeholders >= self.config.max_model_len)
 
+    def _num_drafts(self, request: Request, num_new: int, budget: int) -> int:
+        """Speculative decoding: how many of the request's proposed tokens its decode step verifies:
+        as many as fit the budget, the model length and max_tokens (a step keeps at most one
+        token more than it verifies)."""
+        if not request.spec_token_ids or num_new != 1 or request.num_placeholders:
+            return 0
+        return max(0, min(len(request.spec_token_ids), budget - 1,
+                          self.config.max_model_len - request.num_tokens - 1,
+                          request.max_tokens - request.num_output_tokens - 1))
+
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
         num_new = request.num_tokens_with_placeholders - num_computed
         if num_new > budget:
@@ -280,6 +294,7 @@ class Scheduler:
         for chunk in output.chunks:
             request = chunk.request
             request.num_computed_tokens = chunk.start + chunk.num_new_tokens
+            request.spec_token_ids = []
             if chunk.samples:
                 request.num_placeholders += 1
             if chunk.forks and not request.is_finished:
@@ -301,11 +316,22 @@ class Scheduler:
                 if request.is_finished or request.num_placeholders == 0:
                     continue
                 request.num_placeholders -= 1
+                # speculative decoding: the drafts' slots are taken back; accept_draft() re-adds
+                # each one whose token is kept
+                if request is chunk.request and request.num_computed_tokens == chunk.start + chunk.num_new_tokens:
+                    request.num_computed_tokens -= chunk.num_drafts
                 token = sampled.get(request.request_id)
                 if token is not None:
                     request.append_output_token(token)
                     got_token.append(request)
         return got_token
+
+    @staticmethod
+    def accept_draft(request: Request, token: int) -> None:
+        """Speculative decoding: a verified step keeps one more token of `request` (an accepted draft,
+        or the token after the last one), whose predecessor's K/V the step computed."""
+        request.append_output_token(token)
+        request.num_computed_tokens += 1
 
     def check_invariants(self) -> None:
         self.kv_cache.check_invariants()

@@ -42,6 +42,7 @@ class EngineArgs:
     distributed_coordinator: str | None = None  # HOST:PORT of rank 0's jax.distributed coordinator (several hosts)
     num_nodes: int = 1                        # hosts running this engine together (each runs the same command)
     node_rank: int = 0                        # this host's rank; 0 schedules (and serves), the others follow
+    speculative_config: dict | str | None = None  # {"method": "ngram", "num_speculative_tokens": 4, ...} (or JSON)
 
     def batched_tokens(self, max_model_len: int) -> int:
         """The per-step token budget: given, or 2048 (at least max_model_len without chunked prefill)."""
@@ -90,5 +91,7 @@ class EngineArgs:
                 "1 when num_nodes > 1 (several hosts run one tensor-parallel replica)")
         require("max_logprobs", isinstance(self.max_logprobs, int) and 0 <= self.max_logprobs <= MAX_LOGPROBS,
                 f"an int in [0, {MAX_LOGPROBS}]")
+        from jaxpaged.engine.spec_decode import SpeculativeConfig
+        SpeculativeConfig.parse(self.speculative_config)   # ValueErrors name the key and what it allows
         require("generation_config", isinstance(self.generation_config, str) and self.generation_config != "",
                 "'auto', 'vllm' or a folder holding generation_config.json")

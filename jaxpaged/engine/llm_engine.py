@@ -33,10 +33,11 @@ from jaxpaged.core.request import Request, RequestStatus
 from jaxpaged.core.scheduler import Scheduler, SchedulerConfig
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.generation_config import load_generation_defaults
-from jaxpaged.engine.metrics import EngineMetrics
+from jaxpaged.engine.metrics import PREFIX, EngineMetrics
+from jaxpaged.engine.spec_decode import SpeculativeConfig, Speculator
 from jaxpaged.engine.output_processor import (RequestState, SequenceState, detokenize, record_logprobs,
                                               record_prompt_logprobs, token_stop)
-from jaxpaged.engine.startup import build_runner, load_model_and_tokenizer
+from jaxpaged.engine.startup import build_draft_proposer, build_runner, load_model_and_tokenizer
 from jaxpaged.runner.structured_outputs import GrammarCompiler
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
@@ -82,6 +83,11 @@ class LLMEngine:
         self._in_flight = collections.deque()           # (plan, pending) dispatched, not fetched, oldest first
         self._ids = itertools.count()
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)   # structured outputs
+        spec = SpeculativeConfig.parse(args.speculative_config)
+        self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
+        if spec is not None and spec.method == "draft_model":
+            self.speculator.use_draft_model(build_draft_proposer(args, spec, self.loaded, num_blocks, self.max_model_len,
+                                                                 use_tqdm))
         if self.runner.channel is not None and self.runner.channel.is_leader:
             atexit.register(self.shutdown)   # followers must not wait forever for a step
 
@@ -207,16 +213,26 @@ class LLMEngine:
         tokens are fetched while this call's step runs.
         """
         overlap = self.args.async_scheduling
+        spec = self.speculator
+        # speculative decoding: proposals need every token, so a step that proposes fetches all first
+        proposing = spec is not None and spec.wants_tokens(self.scheduler.running)
         outputs = []
-        while len(self._in_flight) > (1 if overlap else 0):   # plan with at most one step unfetched
+        while len(self._in_flight) > (1 if overlap and not proposing else 0):   # at most one step unfetched
             outputs += self._complete()
+        if proposing:
+            spec.propose(self.scheduler.running)
         plan = self.scheduler.schedule()
+        verifies = any(chunk.num_drafts for chunk in plan.chunks)
+        if spec is not None:
+            spec.end_step()
         self.metrics.num_preemptions_total += len(plan.preempted)
         self.metrics.swapped_out_blocks_total += len(plan.swap_out)
         self.metrics.swapped_in_blocks_total += len(plan.swap_in)
         if not plan.is_empty:
             prev = self._in_flight[-1][1] if self._in_flight else None
             try:
+                if verifies and spec.drafter is not None:
+                    spec.drafter.fill(plan)
                 pending = self.runner.dispatch(plan, prev)
             except Exception as exc:
                 error = self._fail_steps([plan], exc)
@@ -236,8 +252,9 @@ class LLMEngine:
                     raise error from exc
         else:
             self.runner.move_blocks(plan)
-        # with overlap, step t's tokens while step t+1 runs; else this step's own
-        while len(self._in_flight) > (1 if overlap and not plan.is_empty else 0):
+        # with overlap, step t's tokens while step t+1 runs; else this step's own (and a verifying
+        # step's: the next proposals need its tokens)
+        while len(self._in_flight) > (1 if overlap and not plan.is_empty and not verifies else 0):
             outputs += self._complete()
         return outputs
 
@@ -298,15 +315,24 @@ class LLMEngine:
                 record_prompt_logprobs(self._states[seq.parent_id], lps, self.tokenizer)
         for request in got_token:
             seq = self._seqs[request.request_id]
-            record_logprobs(seq, result.sampled[request.request_id], self.tokenizer)
-            self.metrics.generation_tokens_total += 1
-            stop = token_stop(request, self.max_model_len)
-            if request.matcher is not None:
-                stop = self._advance_grammar(request, stop)
-            if stop is not None:
-                status, seq.stop_reason = stop
-                seq.finish_reason = status.finish_reason
-                self.scheduler.finish_request(request.request_id, status)
+            rid = request.request_id
+            kept = result.accepted.get(rid, ())   # speculative decoding: the tokens after the first
+            seq.step_logprobs = []
+            if rid in result.num_drafts:
+                self.speculator.observe(rid, result.num_drafts[rid], len(kept))
+            for i, token in enumerate((result.sampled[rid], *kept)):
+                if i:
+                    self.scheduler.accept_draft(request, token.token_id)
+                record_logprobs(seq, token, self.tokenizer)
+                self.metrics.generation_tokens_total += 1
+                stop = token_stop(request, self.max_model_len)
+                if request.matcher is not None:
+                    stop = self._advance_grammar(request, stop)
+                if stop is not None:
+                    status, seq.stop_reason = stop
+                    seq.finish_reason = status.finish_reason
+                    self.scheduler.finish_request(rid, status)
+                    break
             self._to_detokenize.append(seq)
 
     def _advance_grammar(self, request, stop):
@@ -354,7 +380,10 @@ class LLMEngine:
 
     # ---- introspection -------------------------------------------------------------------
     def get_metrics(self) -> dict[str, float]:
-        return self.metrics.snapshot(self.scheduler, self.kv_cache)
+        out = self.metrics.snapshot(self.scheduler, self.kv_cache)
+        if self.speculator is not None:
+            out.update({PREFIX + k: v for k, v in self.speculator.metrics().items()})
+        return out
 
     # ---- several hosts ----------------------------------------------------------------------
     @property

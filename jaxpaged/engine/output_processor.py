@@ -35,6 +35,7 @@ class SequenceState:
         self.num_detokenized = 0
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
+        self.step_logprobs: list[float] = []   # the last step's tokens' logprobs (speculative decoding)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         # DELTA: how much earlier outputs carried. The text's last `text_hold_back` characters
@@ -138,6 +139,7 @@ def token_stop(request: Request, max_model_len: int) -> tuple[RequestStatus, int
 
 def record_logprobs(seq: SequenceState, sampled: SampledToken, tokenizer) -> None:
     seq.cumulative_logprob += sampled.logprob
+    seq.step_logprobs.append(sampled.logprob)
     if seq.logprobs is None:
         return
     k = seq.request.sampling_params.logprobs
@@ -171,11 +173,40 @@ def _decoded(tokenizer, token_id: int) -> str | None:
 
 
 def detokenize(seq: SequenceState) -> tuple[str, int] | None:
-    """Bring seq.text up to date; returns (stop string, truncate-to) when a stop string matched."""
+    """Bring seq.text up to date; returns (stop string, truncate-to) when a stop string matched.
+
+    Several new tokens (speculative decoding) are added one at a time while stop strings are
+    asked for: the tokens after the one that completes a stop string are dropped, as they would
+    never have been sampled without speculation."""
     request = seq.request
     params = request.sampling_params
     new_ids = request.output_token_ids[seq.num_detokenized:]
+    if len(new_ids) > 1 and params.stop and seq.detokenizer is not None:
+        for i in range(len(new_ids)):
+            seq.num_detokenized += 1
+            matched = _detokenize_ids(seq, new_ids[i:i + 1])
+            if matched is not None:
+                _drop_last_tokens(seq, len(new_ids) - 1 - i)
+                return matched
+        return None
     seq.num_detokenized = request.num_output_tokens
+    return _detokenize_ids(seq, new_ids)
+
+
+def _drop_last_tokens(seq: SequenceState, n: int) -> None:
+    """Take back the last n output tokens (their logprobs too); the request is finishing."""
+    if n == 0:
+        return
+    request = seq.request
+    del request.output_token_ids[-n:], request.all_token_ids[-n:]
+    seq.cumulative_logprob -= sum(seq.step_logprobs[-n:])
+    if seq.logprobs is not None:
+        del seq.logprobs[-n:]
+
+
+def _detokenize_ids(seq: SequenceState, new_ids: list[int]) -> tuple[str, int] | None:
+    request = seq.request
+    params = request.sampling_params
     if seq.detokenizer is None or not new_ids:
         return None
     delta = seq.detokenizer.add_tokens(new_ids)

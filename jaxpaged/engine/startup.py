@@ -122,7 +122,14 @@ def _new_runner(args: EngineArgs, loaded: LoadedModel, num_blocks: int, max_mode
     return ModelRunner(loaded.model, num_blocks, args.block_size, max_model_len, args.max_num_seqs,
                        args.batched_tokens(max_model_len), kv_dtype=kv_dtype(args, loaded),
                        num_host_blocks=num_host_blocks, max_logprobs=args.max_logprobs,
-                       calculate_kv_scales=args.calculate_kv_scales)
+                       calculate_kv_scales=args.calculate_kv_scales,
+                       num_speculative_tokens=_num_speculative_tokens(args))
+
+
+def _num_speculative_tokens(args: EngineArgs) -> int:
+    from jaxpaged.engine.spec_decode import SpeculativeConfig
+    spec = SpeculativeConfig.parse(args.speculative_config)
+    return 0 if spec is None else spec.num_speculative_tokens
 
 
 def build_runner(args: EngineArgs, loaded: LoadedModel, use_tqdm: bool = True):
@@ -163,3 +170,24 @@ def build_runner(args: EngineArgs, loaded: LoadedModel, use_tqdm: bool = True):
         logger.info("compiled %d step variants in %.1f s (tokens x sequences buckets; nothing compiles "
                     "after start-up)", len(shapes), time.perf_counter() - start)
     return runner, max_model_len, num_blocks
+
+
+def build_draft_proposer(args: EngineArgs, spec, target: LoadedModel, num_blocks: int, max_model_len: int,
+                         use_tqdm: bool = True):
+    """speculative_config's draft model, with a KV pool of the target's block count and block size
+    (indexed by the target's block ids) and its step variants compiled like the target's."""
+    from jaxpaged.engine.spec_decode import DraftModelProposer
+    loaded = load_model(spec.model, args.dtype, args.revision, attention_backend=target.model.attention_backend,
+                        scan_layers=args.scan_layers, shard_plan=target.model.shard_plan,
+                        quantization=args.quantization)
+    if loaded.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"speculative_config model {spec.model!r} has a vocabulary of {loaded.config.vocab_size} "
+                         f"tokens, the target {target.config.vocab_size}: the draft must share the target's tokenizer")
+    runner = ModelRunner(loaded.model, num_blocks, args.block_size, max_model_len, args.max_num_seqs,
+                         args.batched_tokens(max_model_len), max_logprobs=0)
+    if args.compile_on_startup:
+        from tqdm.auto import tqdm
+        shapes = runner.warmup_shapes()
+        with tqdm(total=len(shapes), desc=f"Compiling {len(shapes)} draft step variants", disable=not use_tqdm) as bar:
+            runner.warmup(shapes, bar)
+    return DraftModelProposer(runner, args.block_size)

@@ -53,21 +53,26 @@ class BatchShape:
 
 def choose_shape(chunks: list[SeqChunk], token_floor: int = 8, seq_floor: int = 4,
                  max_tokens: int | None = None, max_seqs: int | None = None,
-                 num_sample_rows: int = 0) -> BatchShape:
-    """Bucketed shape for `chunks`; `num_sample_rows` > len(chunks) when n > 1 forks sample extra rows."""
+                 num_sample_rows: int = 0, row_per_token: bool = False,
+                 max_decode_seqs: int | None = None) -> BatchShape:
+    """Bucketed shape for `chunks`; `num_sample_rows` > len(chunks) when n > 1 forks sample extra rows.
+    `row_per_token` (speculative decoding): a step with a chunk of several tokens has a sample row
+    for each of its tokens (each draft token is verified by its own row); a decode-only step may
+    then hold up to `max_decode_seqs` one-token queries (default: max_seqs)."""
     total = sum(len(c.token_ids) for c in chunks)
     decode_only = all(len(c.token_ids) == 1 for c in chunks)
     # n > 1: forks sample beside their parent; the scheduler counts their seats in max_num_seqs
     rows = max(len(chunks), num_sample_rows)
     if decode_only:
-        num_seqs = next_bucket(rows, seq_floor, max_seqs)
+        num_seqs = next_bucket(rows, seq_floor, max_decode_seqs or max_seqs)
         return BatchShape(num_seqs, num_seqs, num_seqs, 1)
     # A step with a prompt chunk has one sequence bucket per token bucket, as many rows as it
     # could hold sequences: one compiled variant per token bucket. Padding rows cost no logits
     # matmul (the runner computes logits for the rows in use only).
     num_tokens = next_bucket(max(total, rows), token_floor, max_tokens)
-    num_seqs = num_tokens if max_seqs is None else min(num_tokens, max(max_seqs, rows))
-    return BatchShape(num_tokens, num_seqs, num_seqs, PREFILL_Q_TILE)
+    seqs = len(chunks) if row_per_token else rows   # (rows have their own bucket then)
+    num_seqs = num_tokens if max_seqs is None else min(num_tokens, max(max_seqs, seqs))
+    return BatchShape(num_tokens, num_seqs, num_tokens if row_per_token else num_seqs, PREFILL_Q_TILE)
 
 
 def build_forward_batch(chunks: list[SeqChunk], block_size: int, max_blocks_per_seq: int,

@@ -48,7 +48,7 @@ from jaxpaged.runner.multihost import (OP_MOVE, OP_SAMPLE, OP_STEP, OP_STOP, OP_
 from jaxpaged.runner.persistent_batch import (SlotState, SlotTable, StepLayout, apply_updates, pack_updates,
                                               warm_up_updates)
 from jaxpaged.runner.step import SampleStatics, StepStatics, forward_fn, sample_fn
-from jaxpaged.runner.step_results import StepResult, unpack_prompt_logprobs, unpack_sampled
+from jaxpaged.runner.step_results import StepResult, unpack_accepted, unpack_prompt_logprobs, unpack_sampled
 from jaxpaged.runner.structured_outputs import bitmask_words, step_bitmask
 from jaxpaged.sampling_params import MAX_LOGPROBS
 from pallas_kernels import kv_pool_shape
@@ -68,6 +68,7 @@ class _Pending:
     constrained: list[tuple[int, object]]             # (sample row, Request with a grammar matcher)
     prompt_packed: jax.Array | None                   # f32[T * (2 + 2K)]; None: no prompt logprobs asked
     rows: list[tuple[str, int]]                       # (request_id, sample row)
+    spec_rows: list[tuple[str, int, int]]             # (request_id, first sample row, drafts verified)
     lp_rows: list[tuple[str, int, int, int]]          # (request_id, first flat token, count, start position)
     num_logprobs: int
     packed: jax.Array | None = None                   # f32[S * (3 + 2K)]: one row per sample row (once sampled)
@@ -81,13 +82,19 @@ class _Pending:
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, kv_dtype=None, num_host_blocks: int = 0,
-                 max_logprobs: int = MAX_LOGPROBS, calculate_kv_scales: bool = False):
+                 max_logprobs: int = MAX_LOGPROBS, calculate_kv_scales: bool = False,
+                 num_speculative_tokens: int = 0):
         self.model_config = model.config
         self.graphdef, self.state = nnx.split(model)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # speculative decoding: a step verifying drafts has a sample row per token; one that only
+        # decodes and verifies lays each draft out as a one-token query of its own (a decode step
+        # with more rows, up to max_decode_seqs)
+        self.speculative = num_speculative_tokens > 0
+        self.max_decode_seqs = max_decode_queries(max_num_seqs, max_num_batched_tokens, num_speculative_tokens)
         blocks = cdiv(max_model_len, block_size)
         self.max_blocks_per_seq = cdiv(blocks, KV_CHUNK_BLOCKS) * KV_CHUNK_BLOCKS
         cfg = self.model_config
@@ -167,47 +174,68 @@ class ModelRunner:
         prev_rows = dict(prev.rows) if prev is not None else {}
         from_prev = []      # (flat token index, sample row of prev)
         flat = 0
-        chunks, rows, lp_rows, lp_targets = [], [], [], []
-        seq_slots, row_slots, count_slots = [], [], []
+        chunks, rows, lp_rows, lp_targets, spec_rows = [], [], [], [], []
+        seq_slots, row_slots, count_slots, row_draft, row_first = [], [], [], [], []
         sample_tokens = []  # per sample row: the flat index of the token whose logits it samples from
+        chunk_rows = []     # per chunk: its (first) sample row
         constrained = []    # (sample row, request with a grammar matcher): structured outputs
+        # only decodes and verifications: each verified token is a query of its own (a decode step)
+        one_token_queries = all(c.num_new_tokens - c.num_drafts == 1 for c in plan.chunks)
         for chunk in plan.chunks:
             request = chunk.request
             n = chunk.num_new_tokens
             slot = slots.slot_for(request)
             slots.sync_blocks(slot, chunk.block_ids, chunk.start // self.block_size)
-            tokens = request.all_token_ids[chunk.start:chunk.start + n]
-            if len(tokens) < n:   # the last token is a placeholder: the step in flight samples it
-                if len(tokens) != n - 1 or request.request_id not in prev_rows:
-                    raise RuntimeError(f"{request}: {n - len(tokens)} input tokens are not known yet")
+            d = chunk.num_drafts   # speculative decoding: the chunk ends with d draft tokens to verify
+            drafts = request.spec_token_ids[:d]
+            tokens = request.all_token_ids[chunk.start:chunk.start + n - d]
+            if len(tokens) < n - d:   # the last token is a placeholder: the step in flight samples it
+                if d or len(tokens) != n - 1 or request.request_id not in prev_rows:
+                    raise RuntimeError(f"{request}: {n - d - len(tokens)} input tokens are not known yet")
                 from_prev.append((flat + n - 1, prev_rows[request.request_id]))
                 tokens = tokens + [0]
+            tokens = tokens + drafts
             if request.sampling_params.prompt_logprobs is not None and chunk.start < request.num_prompt_tokens - 1:
                 count = min(n, request.num_prompt_tokens - 1 - chunk.start)
                 lp_rows.append((request.request_id, flat, count, chunk.start))
                 lp_targets.append((flat, request.all_token_ids[chunk.start + 1:chunk.start + 1 + count]))
+            first = len(sample_tokens)
+            chunk_rows.append(first)
             if chunk.samples:
-                rows.append((request.request_id, len(sample_tokens)))
+                rows.append((request.request_id, first))
                 if request.matcher is not None:
-                    constrained.append((len(sample_tokens), request))
-            sample_tokens.append(flat + n - 1)
-            seq_slots.append(slot)
-            row_slots.append(slot)
-            count_slots.append(slot if chunk.samples else slots.no_slot)
+                    constrained.append((first, request))
+                if d:
+                    spec_rows.append((request.request_id, first, d))
+            for j in range(d + 1):   # rows for the last known token and each draft
+                sample_tokens.append(flat + n - 1 - d + j)
+                row_slots.append(slot)
+                count_slots.append(slot if chunk.samples else slots.no_slot)
+                row_draft.append(drafts[j] if j < d else -1)
+                row_first.append(first)
             flat += n
-            chunks.append(SeqChunk(tokens, chunk.start, chunk.block_ids))
+            if d and one_token_queries:
+                for j, token in enumerate(tokens):
+                    chunks.append(SeqChunk([token], chunk.start + j, chunk.block_ids))
+                    seq_slots.append(slot)
+            else:
+                chunks.append(SeqChunk(tokens, chunk.start, chunk.block_ids))
+                seq_slots.append(slot)
         for i, chunk in enumerate(plan.chunks):   # n > 1: siblings sample their first token from the same logits
             for child in chunk.forks:
                 slot = slots.slot_for(child)
                 rows.append((child.request_id, len(sample_tokens)))
                 if child.matcher is not None:
                     constrained.append((len(sample_tokens), child))
-                sample_tokens.append(sample_tokens[i])
+                row_draft.append(-1)
+                row_first.append(len(sample_tokens))
+                sample_tokens.append(sample_tokens[chunk_rows[i]])
                 row_slots.append(slot)
                 count_slots.append(slot)
         shape = choose_shape(chunks, token_floor=TOKEN_FLOOR, seq_floor=SEQ_FLOOR, max_tokens=self.max_num_batched_tokens,
-                             max_seqs=self.max_num_seqs, num_sample_rows=len(sample_tokens))
-        layout = StepLayout(shape.num_tokens, shape.num_seqs)
+                             max_seqs=self.max_num_seqs, num_sample_rows=len(sample_tokens),
+                             row_per_token=self.speculative, max_decode_seqs=self.max_decode_seqs)
+        layout = StepLayout.of(shape)
         before, in_step = slots.take_updates(layout.num_updates)
         if before:   # requests with penalties, bias or min_tokens joined, or more updates than fit
             if self.channel is not None:
@@ -225,6 +253,8 @@ class ModelRunner:
         v["logits_indices"][:num_rows] = sample_tokens
         v["row_slots"][:num_rows] = row_slots
         v["count_slots"][:num_rows] = count_slots
+        v["row_draft"][:num_rows] = row_draft
+        v["row_first"][:num_rows] = row_first
         if from_prev:
             v["prev_index"][:len(from_prev)], v["prev_source"][:len(from_prev)] = zip(*from_prev)
         pack_updates(in_step, layout.num_updates, v["updates"])
@@ -234,8 +264,8 @@ class ModelRunner:
             self.channel.send(OP_STEP, (shape.num_tokens, shape.num_seqs, shape.num_logits, shape.q_tile,
                                         int(prev is not None), int(not constrained)), buffer)
         sample_rows, prompt_packed = self.run_forward(shape, buffer, prev_tokens)
-        pending = _Pending(shape, sample_rows, constrained, prompt_packed if lp_rows else None, rows, lp_rows,
-                           self.max_logprobs)
+        pending = _Pending(shape, sample_rows, constrained, prompt_packed if lp_rows else None, rows, spec_rows,
+                           lp_rows, self.max_logprobs)
         if not constrained:
             self.sample(pending)
         return pending
@@ -292,7 +322,7 @@ class ModelRunner:
         returns both jax.stages.Compiled."""
         forward = self._compiled.get(shape)
         if forward is None:
-            layout = StepLayout(shape.num_tokens, shape.num_seqs)
+            layout = StepLayout.of(shape)
             statics = StepStatics(self.graphdef, layout, shape.q_tile, self.block_size, self.max_logprobs,
                                   self.plan)
             buffer = layout.empty(self.slot_table.pad_slot)[0]   # its shape only: nothing moves while compiling
@@ -330,18 +360,20 @@ class ModelRunner:
         sampler is queued first if it was not)."""
         self.sample(pending)
         K = pending.num_logprobs
-        sampled = unpack_sampled(_to_host(pending.packed), pending.rows, pending.shape.num_logits, K)
+        packed = _to_host(pending.packed)
+        sampled = unpack_sampled(packed, pending.rows, pending.shape.num_logits, K)
         prompt = unpack_prompt_logprobs(_to_host(pending.prompt_packed), pending.lp_rows, K) if pending.lp_rows else {}
-        return StepResult(sampled, prompt)
+        accepted = unpack_accepted(packed, pending.spec_rows, pending.shape.num_logits, K)
+        return StepResult(sampled, prompt, accepted, {rid: d for rid, _, d in pending.spec_rows})
 
     # ---- start-up compilation ---------------------------------------------------------------
     def warmup_shapes(self) -> list[BatchShape]:
         """Every bucket a step can take: decode-only steps for each sequence bucket, and steps
         with a prompt chunk for each token bucket (choose_shape gives their sequence bucket)."""
-        shapes = [BatchShape(s, s, s, 1) for s in _buckets(SEQ_FLOOR, self.max_num_seqs)]
+        shapes = [BatchShape(s, s, s, 1) for s in _buckets(SEQ_FLOOR, self.max_decode_seqs)]
         for t in _buckets(TOKEN_FLOOR, self.max_num_batched_tokens):
             s = min(t, self.max_num_seqs)
-            shapes.append(BatchShape(t, s, s, PREFILL_Q_TILE))
+            shapes.append(BatchShape(t, s, t if self.speculative else s, PREFILL_Q_TILE))
         return shapes
 
     def warmup(self, shapes: list[BatchShape], progress=None) -> None:
@@ -365,8 +397,16 @@ class ModelRunner:
                                            self.swap_space)
         self.slot_state = warm_up_updates(self.slot_state, self.plan)
         if self.channel is not None:   # several hosts: the step inputs' broadcasts, up to the largest step's
-            self.channel.warm_up(max(max(StepLayout(s.num_tokens, s.num_seqs).size, s.num_logits * self.bitmask_words)
+            self.channel.warm_up(max(max(StepLayout.of(s).size, s.num_logits * self.bitmask_words)
                                      for s in shapes))
+
+
+def max_decode_queries(max_num_seqs: int, max_num_batched_tokens: int, num_speculative_tokens: int) -> int:
+    """The largest decode step: a query per sequence, and with speculation one per draft too (their
+    tokens within the budget, plus a row for each n > 1 fork sampling beside its parent)."""
+    if not num_speculative_tokens:
+        return max_num_seqs
+    return min(max_num_batched_tokens + max_num_seqs, max_num_seqs * (num_speculative_tokens + 1))
 
 
 def _sampler_key(shape: BatchShape) -> tuple[int, bool]:

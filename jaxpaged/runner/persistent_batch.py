@@ -270,6 +270,16 @@ class StepLayout:
 
     num_tokens: int
     num_seqs: int
+    num_rows: int | None = None   # sample rows (None: one per sequence); speculative decoding: one per token
+
+    @classmethod
+    def of(cls, shape) -> "StepLayout":
+        """The layout of a BatchShape's step."""
+        return cls(shape.num_tokens, shape.num_seqs, shape.num_logits)
+
+    @property
+    def rows(self) -> int:
+        return self.num_seqs if self.num_rows is None else self.num_rows
 
     @property
     def num_updates(self) -> int:
@@ -279,9 +289,10 @@ class StepLayout:
     @functools.cached_property
     def fields(self) -> dict[str, tuple[int, int]]:
         """name -> (offset, size) in the buffer."""
-        T, S = self.num_tokens, self.num_seqs
+        T, S, R = self.num_tokens, self.num_seqs, self.rows
         sizes = dict(input_ids=T, prompt_targets=T, seq_slots=S, start_pos=S, cu_q_lens=S + 1,
-                     logits_indices=S, row_slots=S, count_slots=S, prev_index=S, prev_source=S,
+                     logits_indices=R, row_slots=R, count_slots=R, row_draft=R, row_first=R,
+                     prev_index=S, prev_source=S,
                      updates=self.num_updates * UPDATE_WIDTH)
         out, offset = {}, 0
         for name, size in sizes.items():
@@ -303,6 +314,8 @@ class StepLayout:
         v["seq_slots"][:] = pad_slot
         v["row_slots"][:] = pad_slot
         v["count_slots"][:] = pad_slot + 1        # out of bounds: nothing counted
+        v["row_draft"][:] = -1                    # no draft token to verify
+        v["row_first"][:] = np.arange(self.rows)  # each row its own sequence's first row
         v["prev_index"][:] = self.num_tokens      # out of bounds: nothing handed over
         v["updates"][:] = -1
         return buffer, v
@@ -340,19 +353,32 @@ def attention_metadata(kv_lens, tables, cu_q_lens, q_tile: int) -> AttentionMeta
 
 
 def sampling_metadata(state: SlotState, row_slots: jax.Array, num_logprobs: int,
-                      bitmask: jax.Array | None = None) -> SamplingMetadata:
+                      bitmask: jax.Array | None = None, drafts: jax.Array | None = None,
+                      offsets: jax.Array | None = None) -> SamplingMetadata:
     """Traced: the sampler's inputs for sample rows reading slots `row_slots` (i32[S]); `bitmask`
-    (i32[S, ceil(V / 32)]): the structured-output masks, all ones for unconstrained rows."""
+    (i32[S, ceil(V / 32)]): the structured-output masks, all ones for unconstrained rows.
+    Speculative decoding: `drafts` (i32[S]) the draft token each row verifies (-1: none) and
+    `offsets` (i32[S]) the row's place among its sequence's rows (its token's index past the
+    slot's step count)."""
     p = state.params[row_slots]                                          # [S, NUM_PARAMS]
+    steps = p[:, P_STEPS] if offsets is None else p[:, P_STEPS] + offsets
     f32 = lambda column: jax.lax.bitcast_convert_type(p[:, column], jnp.float32)  # noqa: E731
     return SamplingMetadata(
         temperature=f32(P_TEMPERATURE), top_k=p[:, P_TOP_K], top_p=f32(P_TOP_P), min_p=f32(P_MIN_P),
         presence_penalty=f32(P_PRESENCE), frequency_penalty=f32(P_FREQUENCY),
         repetition_penalty=f32(P_REPETITION), seeds=jax.lax.bitcast_convert_type(p[:, P_SEED], jnp.uint32),
-        steps=p[:, P_STEPS], requested_logprobs=p[:, P_LOGPROBS], has_logit_bias=p[:, P_HAS_BIAS] != 0,
+        steps=steps, requested_logprobs=p[:, P_LOGPROBS], has_logit_bias=p[:, P_HAS_BIAS] != 0,
         output_counts=state.output_counts, prompt_mask=state.prompt_mask, logit_bias=state.logit_bias,
         all_greedy=False, num_logprobs=num_logprobs, rows=row_slots, min_tokens_ban=state.min_tokens_ban,
-        ban_active=p[:, P_STEPS] < p[:, P_MIN_TOKENS], bitmask=bitmask)
+        ban_active=p[:, P_STEPS] < p[:, P_MIN_TOKENS], bitmask=bitmask, draft_tokens=drafts)
+
+
+def emitted_rows(drafts: jax.Array, accepted: jax.Array, first: jax.Array) -> jax.Array:
+    """Traced: bool[S], the rows whose token a request keeps: every row whose sequence's earlier
+    rows (first[i] .. i - 1) all had their draft accepted (rows without a draft: always)."""
+    rejected = ((drafts >= 0) & ~accepted).astype(jnp.int32)
+    before = jnp.cumsum(rejected) - rejected            # rejections in rows 0 .. i - 1
+    return before == before[first]
 
 
 def count_sampled(state: SlotState, count_slots: jax.Array, tokens: jax.Array) -> SlotState:

@@ -49,6 +49,8 @@ class SamplingMetadata:
     ban_active: jax.Array | None = None  # bool[S]; the row has not reached its min_tokens
     # structured outputs: bit j of word w of row i allows token 32 w + j (all ones: unconstrained)
     bitmask: jax.Array | None = None  # i32[S, ceil(V / 32)]
+    # speculative decoding: the proposed token each row verifies (-1: none; see `sample`)
+    draft_tokens: jax.Array | None = None  # i32[S]
 
 
 @jax.tree_util.register_dataclass
@@ -59,6 +61,7 @@ class SamplerOutput:
     ranks: jax.Array  # i32[S]; 1-based rank of the sampled token
     topk_ids: jax.Array  # i32[S, K]
     topk_logprobs: jax.Array  # f32[S, K]
+    accepted: jax.Array | None = None  # bool[S]; the row's draft token was accepted (token_ids = draft)
 
 
 def token_logprobs(logits: jax.Array, target_ids: jax.Array, num_logprobs: int, wants_top: jax.Array | None = None
@@ -197,7 +200,16 @@ def _row_gumbel(seed, step, vocab):
     return jax.random.gumbel(key, (vocab,), jnp.float32)
 
 
+def _row_uniform(seed, step):
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), 1)
+    return jax.random.uniform(key, (), jnp.float32)
+
+
 def _random_sample(logits, md):
+    """(tokens i32[S], accepted bool[S]) for the random rows: a Gumbel-max draw from the processed
+    distribution p. A row with a draft token d (one-hot proposal q) keeps d with probability
+    min(1, p(d) / q(d)) = p(d), else draws from max(p - q, 0), which is p without d: the kept
+    or drawn token is distributed exactly as p (speculative sampling's rejection rule)."""
     is_greedy = md.temperature < GREEDY_EPS
     temperature = jnp.where(is_greedy, 1.0, md.temperature)
     logits = logits / temperature[:, None]
@@ -213,7 +225,18 @@ def _random_sample(logits, md):
     )
     # Gumbel-max: the noise of a row depends only on its (seed, step), never on the batch.
     noise = jax.vmap(_row_gumbel, in_axes=(0, 0, None))(md.seeds, md.steps, logits.shape[-1])
-    return jnp.argmax(logits + noise, axis=-1).astype(jnp.int32)
+    if md.draft_tokens is None:
+        return jnp.argmax(logits + noise, axis=-1).astype(jnp.int32), None
+    draft = md.draft_tokens
+    has_draft = draft >= 0
+    safe = jnp.maximum(draft, 0)
+    p_draft = jnp.exp(jnp.take_along_axis(logits, safe[:, None], axis=-1)[:, 0]
+                      - jax.nn.logsumexp(logits, axis=-1))
+    accepted = has_draft & (jax.vmap(_row_uniform)(md.seeds, md.steps) < p_draft)
+    residual = jnp.where(has_draft[:, None] & (jnp.arange(logits.shape[-1])[None, :] == safe[:, None]),
+                         -jnp.inf, logits)
+    tokens = jnp.argmax(residual + noise, axis=-1).astype(jnp.int32)
+    return jnp.where(accepted, draft, tokens), accepted
 
 
 def uses_output_tokens(params) -> bool:
@@ -230,8 +253,10 @@ def is_plain_greedy(md: SamplingMetadata) -> jax.Array:
     return plain if md.ban_active is None else plain & ~jnp.any(md.ban_active)
 
 
-def greedy_from_transposed(logits_t: jax.Array, num_logprobs: int = 0) -> SamplerOutput:
+def greedy_from_transposed(logits_t: jax.Array, num_logprobs: int = 0,
+                           draft_tokens: jax.Array | None = None) -> SamplerOutput:
     """The plain-greedy sampler on f32[V, S] logits (one column per row); top-K left as zeros.
+    A row's draft token (speculative decoding) is accepted when it is the argmax.
 
     On CPU a [V, S] matmul and column reductions run about a third faster than the [S, V] layout
     for decode-sized S. The argmax has rank 1; its logprob is max - logsumexp.
@@ -240,21 +265,34 @@ def greedy_from_transposed(logits_t: jax.Array, num_logprobs: int = 0) -> Sample
     lse = col_max + jnp.log(jnp.sum(jnp.exp(logits_t - col_max[None, :]), axis=0))
     tokens = jnp.argmax(logits_t, axis=0).astype(jnp.int32)
     empty = jnp.zeros((logits_t.shape[1], num_logprobs), jnp.int32)
-    return SamplerOutput(tokens, col_max - lse, jnp.ones_like(tokens), empty, empty.astype(jnp.float32))
+    accepted = None if draft_tokens is None else tokens == draft_tokens
+    return SamplerOutput(tokens, col_max - lse, jnp.ones_like(tokens), empty, empty.astype(jnp.float32), accepted)
 
 
 def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
-    """Turn f32[S, V] logits into one token per row; pure, meant to run inside a jit."""
+    """Turn f32[S, V] logits into one token per row; pure, meant to run inside a jit.
+
+    Speculative decoding (`md.draft_tokens`): a row with a draft token verifies it. A greedy row
+    accepts it when it is the argmax; a random row as `_random_sample` says. Either way the row's
+    token is the draft when accepted, else the one drawn in its place (the rejection sampler's
+    recovered token), so a sequence keeps its rows' tokens up to its first rejection."""
     logits = logits.astype(jnp.float32)
     processed = _apply_bias_and_penalties(logits, md)
     tokens = jnp.argmax(processed, axis=-1).astype(jnp.int32)
+    drafts = md.draft_tokens
+    accepted = None if drafts is None else tokens == drafts
     if not md.all_greedy:
         is_random = md.temperature >= GREEDY_EPS
-        random_tokens = jax.lax.cond(jnp.any(is_random), lambda: _random_sample(processed, md), lambda: tokens)
+        none = jnp.zeros_like(is_random)
+        random_tokens, random_accepted = jax.lax.cond(
+            jnp.any(is_random), lambda: _random_sample(processed, md),
+            lambda: (tokens, None if drafts is None else none))
         tokens = jnp.where(is_random, random_tokens, tokens)
+        if drafts is not None:
+            accepted = jnp.where(is_random, random_accepted, accepted)
     lp, ranks, topk_ids, topk_lp = token_logprobs(logits, tokens, md.num_logprobs,
                                                   jnp.any(md.requested_logprobs > 0))
-    return SamplerOutput(tokens, lp, ranks, topk_ids, topk_lp)
+    return SamplerOutput(tokens, lp, ranks, topk_ids, topk_lp, accepted)
 
 
 def _check(name, value, ok, allowed):

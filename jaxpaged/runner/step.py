@@ -21,7 +21,8 @@ from jaxpaged.core.kv_cache_manager import cdiv
 from jaxpaged.models.batch import ForwardBatch
 from jaxpaged.parallel import POOL_SPEC, ShardPlan
 from jaxpaged.runner.persistent_batch import (SlotState, StepLayout, apply_step_updates, attention_metadata,
-                                              count_sampled, forward_batch_arrays, sampling_metadata)
+                                              count_sampled, emitted_rows, forward_batch_arrays,
+                                              sampling_metadata)
 from jaxpaged.runner.sampler import greedy_from_transposed, is_plain_greedy, sample, token_logprobs
 
 
@@ -79,6 +80,8 @@ class SampleRows:
     hidden: jax.Array        # [S, hidden]: the hidden state of the token whose logits the row samples from
     row_slots: jax.Array     # i32[S]: the slot whose sampling parameters the row reads
     count_slots: jax.Array   # i32[S]: the slot that counts the row's token (out of bounds: it counts nowhere)
+    drafts: jax.Array        # i32[S]: the draft token the row verifies (speculative decoding; -1: none)
+    first: jax.Array         # i32[S]: the first row of the row's sequence (its own index unless speculating)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +116,8 @@ def forward_fn(statics: StepStatics, state, kv_pool, slots: SlotState, buffer, p
     model = nnx.merge(statics.graphdef, state)
     kv_pool, hidden = model.hidden_states(kv_pool, batch)
     K = statics.num_logprobs
-    rows = SampleRows(hidden[batch.logits_indices], f["row_slots"], f["count_slots"])
+    rows = SampleRows(hidden[batch.logits_indices], f["row_slots"], f["count_slots"], f["row_draft"],
+                      f["row_first"])
     targets = f["prompt_targets"]
     prompt_packed = jax.lax.cond(jnp.any(targets >= 0), lambda: _prompt_logprobs(model, hidden, targets, K),
                                  lambda: jnp.zeros(hidden.shape[0] * (2 + 2 * K), jnp.float32))
@@ -132,24 +136,68 @@ def sample_fn(statics: SampleStatics, state, slots: SlotState, rows: SampleRows,
     each sample row's allowed tokens (structured outputs; all ones: any), filled on the host
     while the forward runs.
 
-    Returns (slots, packed f32[S * (3 + 2K)], tokens i32[max_rows]).
+    Speculative decoding: a row with a draft token verifies it (sampler.sample); only the rows up to
+    each sequence's first rejection count their token (emitted_rows).
+
+    Returns (slots, packed f32[S * (4 + 2K)], tokens i32[max_rows]).
     """
     model = nnx.merge(statics.graphdef, state)
     K = statics.num_logprobs
-    smd = sampling_metadata(slots, rows.row_slots, K, bitmask)
+    S = rows.row_slots.shape[0]
+    smd = sampling_metadata(slots, rows.row_slots, K, bitmask, rows.drafts,
+                            jnp.arange(S, dtype=jnp.int32) - rows.first)
     # decode buckets are at most half padding; a prompt step's many padding rows skip the matmul
     num_rows = jnp.sum(rows.row_slots != slots.params.shape[0] - 1) if statics.skip_padding else None
     out = jax.lax.cond(
         is_plain_greedy(smd),   # the common decode case, in the CPU-friendly layout
-        lambda h: greedy_from_transposed(_row_logits(model.compute_logits_transposed, h, num_rows, 1), K),
-        lambda h: sample(_row_logits(model.compute_logits, h, num_rows, 0), smd),
+        lambda h: greedy_from_transposed(_row_logits(model.compute_logits_transposed, h, num_rows, 1), K,
+                                         smd.draft_tokens),
+        lambda h: _sample_rows(model, h, smd, num_rows),
         rows.hidden)
-    slots = count_sampled(slots, rows.count_slots, out.token_ids)
-    packed = _pack(out.token_ids, out.logprobs, out.ranks, out.topk_ids, out.topk_logprobs)
-    tokens = jnp.zeros(statics.max_rows, jnp.int32).at[:out.token_ids.shape[0]].set(out.token_ids)
+    emitted = emitted_rows(rows.drafts, out.accepted, rows.first)
+    slots = count_sampled(slots, jnp.where(emitted, rows.count_slots, slots.params.shape[0]), out.token_ids)
+    packed = _pack(out.token_ids, out.logprobs, out.ranks, out.topk_ids, out.topk_logprobs,
+                   out.accepted.astype(jnp.int32))
+    n = min(S, statics.max_rows)   # a speculative step's rows may outnumber them (nothing reads those)
+    tokens = jnp.zeros(statics.max_rows, jnp.int32).at[:n].set(out.token_ids[:n])
     plan = statics.plan
     slots, packed, tokens = (jax.tree.map(lambda a: plan.constrain(a, P()), x) for x in (slots, packed, tokens))
     return slots, packed, tokens
+
+
+# SamplingMetadata fields with one entry per sample row (the rest are [R + 1, V] slot state or static)
+_ROW_FIELDS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+               "repetition_penalty", "seeds", "steps", "requested_logprobs", "has_logit_bias", "rows", "ban_active",
+               "bitmask", "draft_tokens")
+
+
+def _sample_rows(model, hidden, smd, num_rows):
+    """sample() over the rows' logits; with `num_rows`, LOGIT_ROW_CHUNK rows at a time while any are
+    in use (a prompt or speculative step's many padding rows cost nothing), the rest zeros."""
+    if num_rows is None:
+        return sample(model.compute_logits(hidden), smd)
+    S = hidden.shape[0]
+    chunk = min(S, LOGIT_ROW_CHUNK)
+    padded = cdiv(S, chunk) * chunk
+    pad = lambda a: jnp.pad(a, [(0, padded - S)] + [(0, 0)] * (a.ndim - 1))  # noqa: E731
+    per_row = {name: pad(getattr(smd, name)) for name in _ROW_FIELDS}
+    hidden = pad(hidden)
+
+    def rows_of(i):
+        take = lambda a: jax.lax.dynamic_slice_in_dim(a, i * chunk, chunk, axis=0)  # noqa: E731
+        return take(hidden), dataclasses.replace(smd, **{k: take(v) for k, v in per_row.items()})
+
+    h0, md0 = rows_of(0)
+    out = jax.tree.map(lambda a: jnp.zeros((padded,) + a.shape[1:], a.dtype),
+                       jax.eval_shape(lambda: sample(model.compute_logits(h0), md0)))
+
+    def one(i, out):
+        h, md = rows_of(i)
+        part = sample(model.compute_logits(h), md)
+        return jax.tree.map(lambda o, p: jax.lax.dynamic_update_slice_in_dim(o, p, i * chunk, axis=0), out, part)
+
+    out = jax.lax.fori_loop(0, cdiv(num_rows, chunk), one, out)
+    return jax.tree.map(lambda a: a[:S], out)
 
 
 def _prompt_logprobs(model, hidden, targets, K):

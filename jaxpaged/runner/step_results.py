@@ -1,7 +1,7 @@
 """What a step brings back to the host, unpacked from its packed f32 outputs.
 
-The step's sampler packs, per sample row, [token, logprob, rank, top-K ids, top-K logprobs]
-(3 + 2K floats, integers bit-cast); prompt logprobs pack, per step token, [logprob, rank,
+The step's sampler packs, per sample row, [token, logprob, rank, top-K ids, top-K logprobs,
+draft accepted] (4 + 2K floats, integers bit-cast); prompt logprobs pack, per step token, [logprob, rank,
 top-K ids, top-K logprobs] (2 + 2K). `runner/step.py` (`_pack`) writes them.
 """
 
@@ -33,18 +33,43 @@ class PromptLogprobs:
 class StepResult:
     sampled: dict[str, SampledToken]
     prompt_logprobs: dict[str, PromptLogprobs]
+    # speculative decoding: request id -> the tokens it keeps after `sampled`'s (accepted drafts,
+    # then the recovered or bonus token), and how many drafts it verified
+    accepted: dict[str, list[SampledToken]] = dataclasses.field(default_factory=dict)
+    num_drafts: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def _as_int(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a).view(np.int32)
 
 
+def _token(main: np.ndarray, r: int, K: int) -> SampledToken:
+    return SampledToken(int(_as_int(main[r, 0:1])[0]), float(main[r, 1]), int(_as_int(main[r, 2:3])[0]),
+                        _as_int(main[r, 3:3 + K]).tolist(), main[r, 3 + K:3 + 2 * K].tolist())
+
+
+def _rows(flat: np.ndarray, num_rows: int, K: int) -> np.ndarray:
+    return flat.reshape(num_rows, 4 + 2 * K)
+
+
 def unpack_sampled(flat: np.ndarray, rows: list[tuple[str, int]], num_rows: int, K: int) -> dict[str, SampledToken]:
-    """request id -> its sampled token, for `rows` (request id, sample row) of f32[num_rows * (3 + 2K)]."""
-    main = flat.reshape(num_rows, 3 + 2 * K)
-    return {request_id: SampledToken(int(_as_int(main[r, 0:1])[0]), float(main[r, 1]), int(_as_int(main[r, 2:3])[0]),
-                                     _as_int(main[r, 3:3 + K]).tolist(), main[r, 3 + K:3 + 2 * K].tolist())
-            for request_id, r in rows}
+    """request id -> its sampled token, for `rows` (request id, sample row) of f32[num_rows * (4 + 2K)]."""
+    main = _rows(flat, num_rows, K)
+    return {request_id: _token(main, r, K) for request_id, r in rows}
+
+
+def unpack_accepted(flat: np.ndarray, spec_rows: list[tuple[str, int, int]], num_rows: int,
+                    K: int) -> dict[str, list[SampledToken]]:
+    """Speculative decoding: request id -> the tokens of the rows after its first one that it keeps,
+    for `spec_rows` (request id, first sample row, drafts verified): row j + 1 is kept when the
+    drafts of rows 0 .. j were all accepted."""
+    main = _rows(flat, num_rows, K)
+    out = {}
+    for request_id, first, num_drafts in spec_rows:
+        accepted = _as_int(main[first:first + num_drafts, -1])
+        kept = int(np.argmin(accepted)) if not accepted.all() else num_drafts
+        out[request_id] = [_token(main, first + 1 + j, K) for j in range(kept)]
+    return out
 
 
 def unpack_prompt_logprobs(flat: np.ndarray, lp_rows: list[tuple[str, int, int, int]],

@@ -26,22 +26,33 @@ def test_warm_up_batches_take_the_flag_from_their_shape():
     assert not build_forward_batch([], 8, 8, BatchShape(16, 4, 4, 16)).attn.decode_only
 
 
+@pytest.mark.parametrize("k", [0, 4])
 @pytest.mark.parametrize("max_seqs, max_tokens", [(256, 2048), (16, 512), (10, 100), (8, 64)])
-def test_every_step_shape_is_one_compiled_at_startup(max_seqs, max_tokens):
+def test_every_step_shape_is_one_compiled_at_startup(max_seqs, max_tokens, k):
+    """k > 0 (speculative decoding): decodes carry up to k drafts, laid out as one-token queries
+    when no prompt chunk runs beside them, else as chunks with a sample row per token."""
     import types
 
-    from jaxpaged.runner.model_runner import SEQ_FLOOR, TOKEN_FLOOR, ModelRunner
+    from jaxpaged.runner.model_runner import SEQ_FLOOR, TOKEN_FLOOR, ModelRunner, max_decode_queries
 
-    compiled = set(ModelRunner.warmup_shapes(types.SimpleNamespace(max_num_seqs=max_seqs,
-                                                                   max_num_batched_tokens=max_tokens)))
+    decode_cap = max_decode_queries(max_seqs, max_tokens, k)
+    compiled = set(ModelRunner.warmup_shapes(types.SimpleNamespace(max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens,
+                                                                   speculative=k > 0, max_decode_seqs=decode_cap)))
     rng = np.random.default_rng(max_seqs)
     for _ in range(3000):
         num_seqs = int(rng.integers(1, max_seqs + 1))
         decode = rng.random() < 0.3
         lengths = [1] * num_seqs if decode else rng.integers(1, 40, num_seqs).tolist()
-        if sum(lengths) > max_tokens:
+        drafts = rng.integers(0, k + 1, num_seqs) * (np.asarray(lengths) == 1) if k else np.zeros(num_seqs, int)
+        rows = [n if d == 0 else d + 1 for n, d in zip(lengths, drafts)]
+        if sum(rows) > max_tokens:
             continue
-        chunks = [SeqChunk([0] * n, 0, [1], [n - 1]) for n in lengths]
+        if decode:   # one-token queries, one sample row each
+            chunks = [SeqChunk([0], 0, [1], [0]) for _ in range(sum(rows))]
+        else:
+            chunks = [SeqChunk([0] * r, 0, [1], [r - 1]) for r in rows]
         forks = int(rng.integers(0, max_seqs - num_seqs + 1))   # seats the scheduler kept for n > 1
-        shape = choose_shape(chunks, TOKEN_FLOOR, SEQ_FLOOR, max_tokens, max_seqs, num_seqs + forks)
+        sample_rows = sum(d + 1 for d in drafts) + forks
+        shape = choose_shape(chunks, TOKEN_FLOOR, SEQ_FLOOR, max_tokens, max_seqs, sample_rows,
+                             row_per_token=k > 0, max_decode_seqs=decode_cap)
         assert shape in compiled, (lengths, forks, shape)
