@@ -61,3 +61,20 @@ def test_no_request_mix_compiles_after_startup():
     metrics = llm.get_metrics()
     assert metrics["jaxpaged:num_preemptions_total"] > 0 and metrics["jaxpaged:swapped_out_blocks_total"] > 0
     assert compiled == [], f"compiled after start-up: {compiled}"
+
+
+def test_speculative_steps_compile_nothing_after_startup():
+    """Verifying steps of every size (drafts of 0 to k tokens, alone or beside prompt chunks, greedy
+    and sampled rows) run executables built at start-up, for the target and the draft model."""
+    path = tiny_checkpoint("llama")
+    llm = LLM(path, dtype="float32", block_size=8, num_gpu_blocks_override=64, max_model_len=128, max_num_seqs=8,
+              max_num_batched_tokens=64, use_tqdm=False,
+              speculative_config={"model": path, "num_speculative_tokens": 3})
+    rng = np.random.default_rng(1)
+    prompts = [{"prompt_token_ids": rng.integers(3, 320, n).tolist()} for n in (1, 5, 17, 40, 64, 90, 9, 33, 12)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m) for m in (6, 12, 30, 9, 3)] + \
+             [SamplingParams(temperature=0.9, seed=i, max_tokens=14, logprobs=2, n=1 + i % 2) for i in range(4)]
+    with compilations() as compiled:
+        llm.generate(prompts, params, use_tqdm=False)
+    assert llm.get_metrics()["jaxpaged:spec_decode_num_accepted_tokens_total"] > 0
+    assert compiled == [], f"compiled after start-up: {compiled}"
