@@ -270,6 +270,7 @@ class Scheduler:
         them (recompute later); generated tokens are kept. Returns the swap-out pairs."""
         request.num_preemptions += 1
         self.num_preemptions += 1
+        request.spec_token_ids = []   # proposed for a step it will not run in
         if self.config.preemption_mode == "swap" and self.kv_cache.can_swap_out(request):
             pairs = self.kv_cache.swap_out(request)
             self.num_swapped_out_blocks += len(pairs)

@@ -92,6 +92,8 @@ class EngineArgs:
         require("max_logprobs", isinstance(self.max_logprobs, int) and 0 <= self.max_logprobs <= MAX_LOGPROBS,
                 f"an int in [0, {MAX_LOGPROBS}]")
         from jaxpaged.engine.spec_decode import SpeculativeConfig
-        SpeculativeConfig.parse(self.speculative_config)   # ValueErrors name the key and what it allows
+        spec = SpeculativeConfig.parse(self.speculative_config)   # ValueErrors name the key and what it allows
+        require("speculative_config", spec is None or spec.method != "draft_model" or self.num_nodes == 1,
+                "prompt lookup (method 'ngram') when num_nodes > 1 (a draft model runs on one host only)")
         require("generation_config", isinstance(self.generation_config, str) and self.generation_config != "",
                 "'auto', 'vllm' or a folder holding generation_config.json")

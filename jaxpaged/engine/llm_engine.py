@@ -37,7 +37,7 @@ from jaxpaged.engine.metrics import PREFIX, EngineMetrics
 from jaxpaged.engine.spec_decode import SpeculativeConfig, Speculator
 from jaxpaged.engine.output_processor import (RequestState, SequenceState, detokenize, record_logprobs,
                                               record_prompt_logprobs, token_stop)
-from jaxpaged.engine.startup import build_draft_proposer, build_runner, load_model_and_tokenizer
+from jaxpaged.engine.startup import build_draft_proposer, build_runner, load_draft_model, load_model_and_tokenizer
 from jaxpaged.runner.structured_outputs import GrammarCompiler
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
@@ -61,7 +61,9 @@ class LLMEngine:
         self.data_rank = data_rank   # which data-parallel replica (its devices: startup.engine_devices)
         self.loaded, self.tokenizer, self.model_name = load_model_and_tokenizer(args, data_rank)
         self.model_config = self.loaded.config
-        self.runner, self.max_model_len, num_blocks = build_runner(args, self.loaded, use_tqdm)
+        spec = SpeculativeConfig.parse(args.speculative_config)
+        draft = load_draft_model(args, spec, self.loaded) if spec is not None and spec.method == "draft_model" else None
+        self.runner, self.max_model_len, num_blocks = build_runner(args, self.loaded, use_tqdm, draft)
         self.num_blocks = num_blocks
         source = self.loaded.source
         self.generation_defaults = load_generation_defaults(args.generation_config,
@@ -83,11 +85,9 @@ class LLMEngine:
         self._in_flight = collections.deque()           # (plan, pending) dispatched, not fetched, oldest first
         self._ids = itertools.count()
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)   # structured outputs
-        spec = SpeculativeConfig.parse(args.speculative_config)
         self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
-        if spec is not None and spec.method == "draft_model":
-            self.speculator.use_draft_model(build_draft_proposer(args, spec, self.loaded, num_blocks, self.max_model_len,
-                                                                 use_tqdm))
+        if draft is not None:
+            self.speculator.use_draft_model(build_draft_proposer(args, draft, num_blocks, self.max_model_len, use_tqdm))
         if self.runner.channel is not None and self.runner.channel.is_leader:
             atexit.register(self.shutdown)   # followers must not wait forever for a step
 

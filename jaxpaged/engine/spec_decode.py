@@ -183,14 +183,15 @@ class Speculator:
         if state is None:
             return
         if num_accepted:
-            state.level, state.due = 0, self.step + 1
+            state.level, state.due = 0, self.step   # due at once: the next step proposes again
         else:
             self._missed(state)
 
     def _missed(self, state: _Backoff) -> None:
         state.level = min(state.level + 1, MAX_BACKOFF)
         period = 1 << state.level
-        state.due = (self.step // period + 1) * period   # aligned: backed-off requests come due together
+        # at least a period away, on a multiple of it: backed-off requests come due in the same steps
+        state.due = -(-(self.step + period) // period) * period
 
     def metrics(self) -> dict[str, float]:
         out = {"spec_decode_num_drafts_total": self.num_drafts,
@@ -266,6 +267,8 @@ class DraftModelProposer:
         """Write the drafts of every verifying chunk of `plan` into its request's spec_token_ids."""
         from jaxpaged.core.scheduler import ScheduledChunk, SchedulerOutput
 
+        if len(self._seqs) > 2 * len(plan.chunks) + 64:   # finished requests' entries
+            self._seqs = {rid: seq for rid, seq in self._seqs.items() if not seq.target.is_finished}
         work = []
         for chunk in plan.chunks:
             if not chunk.num_drafts:

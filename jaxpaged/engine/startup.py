@@ -132,8 +132,9 @@ def _num_speculative_tokens(args: EngineArgs) -> int:
     return 0 if spec is None else spec.num_speculative_tokens
 
 
-def build_runner(args: EngineArgs, loaded: LoadedModel, use_tqdm: bool = True):
-    """Returns (runner, max_model_len, num_blocks)."""
+def build_runner(args: EngineArgs, loaded: LoadedModel, use_tqdm: bool = True, draft: LoadedModel | None = None):
+    """Returns (runner, max_model_len, num_blocks). `draft`: a speculative draft model, whose KV pool
+    has as many blocks as the target's (the memory budget is shared between the two pools)."""
     cfg = loaded.config
     model_max = cfg.max_position_embeddings
     if args.max_model_len is not None and args.max_model_len > model_max:
@@ -141,6 +142,8 @@ def build_runner(args: EngineArgs, loaded: LoadedModel, use_tqdm: bool = True):
                          f"max_position_embeddings ({model_max})")
     max_model_len = args.max_model_len or model_max
     per_block = ModelRunner.bytes_per_block(cfg, args.block_size, kv_dtype(args, loaded))
+    if draft is not None:
+        per_block += ModelRunner.bytes_per_block(draft.config, args.block_size, draft.model.dtype)
     enable_compilation_cache()   # the KV sizing compiles the step's largest buckets
     num_blocks = multihost.broadcast_value(_num_blocks(args, loaded, max_model_len, per_block))   # rank 0's
     capacity = (num_blocks - 1) * args.block_size
@@ -172,18 +175,24 @@ def build_runner(args: EngineArgs, loaded: LoadedModel, use_tqdm: bool = True):
     return runner, max_model_len, num_blocks
 
 
-def build_draft_proposer(args: EngineArgs, spec, target: LoadedModel, num_blocks: int, max_model_len: int,
-                         use_tqdm: bool = True):
-    """speculative_config's draft model, with a KV pool of the target's block count and block size
-    (indexed by the target's block ids) and its step variants compiled like the target's."""
-    from jaxpaged.engine.spec_decode import DraftModelProposer
+def load_draft_model(args: EngineArgs, spec, target: LoadedModel) -> LoadedModel:
+    """speculative_config's draft model, on the target's devices, refused unless it shares the
+    target's vocabulary."""
     loaded = load_model(spec.model, args.dtype, args.revision, attention_backend=target.model.attention_backend,
                         scan_layers=args.scan_layers, shard_plan=target.model.shard_plan,
                         quantization=args.quantization)
     if loaded.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"speculative_config model {spec.model!r} has a vocabulary of {loaded.config.vocab_size} "
                          f"tokens, the target {target.config.vocab_size}: the draft must share the target's tokenizer")
-    runner = ModelRunner(loaded.model, num_blocks, args.block_size, max_model_len, args.max_num_seqs,
+    return loaded
+
+
+def build_draft_proposer(args: EngineArgs, draft: LoadedModel, num_blocks: int, max_model_len: int,
+                         use_tqdm: bool = True):
+    """The draft model's runner, with a KV pool of the target's block count and block size (indexed
+    by the target's block ids), its step variants compiled like the target's."""
+    from jaxpaged.engine.spec_decode import DraftModelProposer
+    runner = ModelRunner(draft.model, num_blocks, args.block_size, max_model_len, args.max_num_seqs,
                          args.batched_tokens(max_model_len), max_logprobs=0)
     if args.compile_on_startup:
         from tqdm.auto import tqdm

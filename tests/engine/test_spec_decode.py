@@ -235,3 +235,62 @@ def test_draft_model_with_another_vocabulary_is_refused():
 
     with pytest.raises(ValueError, match="vocabulary"):
         make_llm(speculative_config={"model": tiny_checkpoint("llama", vocab_size=256), "num_speculative_tokens": 2})
+
+
+def test_serve_and_generate_take_speculative_config_json():
+    import argparse
+
+    from jaxpaged import cli
+    from jaxpaged.engine.arg_utils import EngineArgs
+
+    parser = argparse.ArgumentParser()
+    cli.add_engine_args(parser)
+    ns = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
+    args = EngineArgs(**cli.engine_kwargs(ns))
+    assert SpeculativeConfig.parse(args.speculative_config) == SpeculativeConfig("ngram", 2)
+    with pytest.raises(ValueError, match="speculative_config"):
+        EngineArgs(**cli.engine_kwargs(parser.parse_args(["--speculative-config", "[1]"])))
+
+
+def test_requests_whose_drafts_miss_back_off_together():
+    """A request proposed for and rejected waits at least 2, 4, 8, then 16 steps, until a multiple of
+    that period (so backed-off requests come due in the same steps); an accepted draft resets it."""
+    from jaxpaged.core.request import Request
+    from jaxpaged.engine.spec_decode import MAX_BACKOFF, Speculator
+
+    spec = Speculator(SpeculativeConfig("ngram", 2), max_model_len=10_000)
+    spec.proposer = lambda request, k: [7] * k
+    requests = [Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=5000)) for i in range(3)]
+    for r in requests:
+        r.append_output_token(4)
+        r.num_computed_tokens = r.num_tokens - 1
+    proposed_at = []
+    for step in range(80):
+        if spec.wants_tokens(requests):
+            spec.propose(requests)
+            drafted = [r for r in requests if r.spec_token_ids]
+            if drafted:
+                proposed_at.append(step)
+            for r in drafted:
+                r.spec_token_ids = []
+                spec.observe(r.request_id, 2, 0)
+        spec.end_step()
+    gaps = np.diff(proposed_at)
+    assert gaps.tolist()[:3] == [2, 6, 8] and set(gaps[3:]) == {2 ** MAX_BACKOFF}
+    spec.observe("r0", 2, 1)   # accepted: proposed again at the next step
+    assert spec.wants_tokens(requests[:1])
+    assert spec.metrics()["spec_decode_num_drafts_total"] == 3 * len(proposed_at) + 1
+
+
+def test_drafts_that_always_miss_leave_most_steps_unverified():
+    """Every proposal rejected: requests back off, so few steps verify (the rest run as without
+    speculation, asynchronously) and the outputs are unchanged."""
+    llm = make_llm(speculative_config=NGRAM)
+    llm.llm_engine.speculator.proposer = lambda request, k: [(request.all_token_ids[-1] + 1) % 320] * k
+    prompts, _ = workload()
+    sampling = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    base = make_llm(enable_prefix_caching=False, enable_chunked_prefill=False)
+    want = [o.outputs[0].token_ids for o in base.generate(prompts[:4], sampling, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts[:4], sampling, use_tqdm=False)] == want
+    m = llm.get_metrics()
+    assert 0 < m["jaxpaged:spec_decode_num_drafts_total"] <= 0.15 * 4 * 60

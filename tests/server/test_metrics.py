@@ -49,3 +49,21 @@ def test_vllm_names_repeat_the_same_values(vllm_names):
         theirs = {le: v for (name, le), v in values.items() if name.startswith(VLLM_NAMES[short])}
         assert ours == theirs and ours
     assert vllm[("vllm:time_per_output_token_seconds_sum", None)] == 0.5   # (101.5 - 100.5) / (3 - 1)
+
+
+class SpecEngine(FakeEngine):
+    def get_metrics_per_rank(self):
+        return [{"jaxpaged:spec_decode_num_drafts_total": 4, "jaxpaged:spec_decode_num_accepted_tokens_total": 5,
+                 'jaxpaged:spec_decode_num_accepted_tokens_per_pos_total{position="0"}': 3,
+                 'jaxpaged:spec_decode_num_accepted_tokens_per_pos_total{position="1"}': 2}]
+
+
+def test_speculative_decoding_counters_carry_their_position_label():
+    body, _ = MetricsExporter(SpecEngine(), "m", vllm_names=True).render()
+    samples = {(s.name, s.labels.get("position")): (s.value, s.labels["model_name"])
+               for family in text_string_to_metric_families(body.decode()) for s in family.samples
+               if not s.name.endswith("_created")}
+    for prefix in ("jaxpaged:", "vllm:"):
+        assert samples[(prefix + "spec_decode_num_accepted_tokens_per_pos_total", "0")] == (3, "m")
+        assert samples[(prefix + "spec_decode_num_accepted_tokens_per_pos_total", "1")] == (2, "m")
+        assert samples[(prefix + "spec_decode_num_drafts_total", None)] == (4, "m")

@@ -136,3 +136,41 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return n
+
+
+def speculative_step_cost(ctx: Context) -> Iterator[Row]:
+    """Issue #17's premise on the GPU: a step verifying k drafts per sequence costs little more than a
+    decode step. The engine without and with speculative_config (k = 4, a proposer that always drafts
+    k tokens, so every decode step verifies); ms per step after an untimed warm-up of the same shapes."""
+    from jaxpaged import LLM, SamplingParams
+    from jaxpaged.bench.throughput import StepClock
+
+    path = os.path.join(ctx.workdir, MODEL_FOLDER)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        yield Row("spec", "verify vs decode", "error", note=f"no model in {path}: see the checkpoint part")
+        return
+    sizes = ctx.sizes
+    prompts, warm = engine_prompts(sizes, sizes.model["vocab_size"])
+    per_seq = -(-(sizes.engine_prompt_len[1] + sizes.engine_max_tokens + 8) // sizes.block_size)
+    greedy = SamplingParams(temperature=0.0, ignore_eos=True, detokenize=False, max_tokens=sizes.engine_max_tokens)
+    ms = {}
+    for name, spec in (("decode", None), ("verify k=4", {"method": "ngram", "num_speculative_tokens": 4})):
+        llm = LLM(path, dtype=CHECKPOINT_DTYPE, block_size=sizes.block_size, max_num_seqs=sizes.engine_prompts,
+                  max_model_len=sizes.engine_max_model_len, max_num_batched_tokens=sizes.engine_batched_tokens,
+                  num_gpu_blocks_override=2 * sizes.engine_prompts * per_seq + 1, use_tqdm=False,
+                  speculative_config=spec)
+        if spec is not None:
+            speculator = llm.llm_engine.speculator
+            speculator.proposer = lambda request, k: [int(request.all_token_ids[-1])] * k
+        llm.generate(warm, greedy, use_tqdm=False)
+        clock = StepClock(llm.llm_engine.runner)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, greedy, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        ms[name] = 1e3 * seconds / max(clock.steps, 1)
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        yield Row("spec", name, "ok", {"ms/step": ms[name], "steps": clock.steps, "out tok/s": tokens / seconds,
+                                       "seqs": len(prompts)})
+        del llm
+    yield Row("spec", "verify / decode step", "ok", {"ratio": ms["verify k=4"] / ms["decode"]},
+              note="5 tokens per sequence per verifying step; drafts repeat the last token (mostly rejected)")
