@@ -324,3 +324,49 @@ def test_random_traffic_on_tiny_pools(seed):
             room = max_model_len - request.num_prompt_tokens
             assert request.num_output_tokens == max(1, min(request.max_tokens, room))
     assert_no_blocks_held(s)
+
+
+@pytest.mark.parametrize("budget", [32, 3])
+def test_speculative_drafts_are_planned_verified_and_taken_back(budget):
+    """Decodes carry their drafts (trimmed to the budget and max_tokens); after the fake step the
+    request keeps its accepted drafts plus the true next token, its rejected drafts' slots are
+    computed again, and every computed position holds the request's own token."""
+    s = make_scheduler(block_size=4, max_num_batched_tokens=budget, max_model_len=64)
+    request = make_request("a", 6, max_tokens=23)
+    s.add_request(request)
+    truth = lambda pos: (7 * pos + 3) % 1000   # noqa: E731 - the fake model's token at `pos`
+    rng = random.Random(budget)
+    kv = {}
+    while not request.is_finished:
+        if request.num_output_tokens:   # propose 3 drafts, each right with probability 0.7
+            n = request.num_tokens
+            request.spec_token_ids = [truth(n + j) if rng.random() < 0.7 else 999 for j in range(3)]
+        out = s.schedule()
+        (chunk,) = out.chunks
+        assert chunk.num_new_tokens <= budget and chunk.num_drafts <= min(3, budget - 1)
+        assert request.num_output_tokens + chunk.num_drafts + 1 <= request.max_tokens
+        tokens = request.all_token_ids[chunk.start:chunk.start + chunk.num_new_tokens - chunk.num_drafts]
+        tokens += request.spec_token_ids[:chunk.num_drafts]
+        bs = s.kv_cache.block_size
+        for i, token in enumerate(tokens):
+            pos = chunk.start + i
+            kv[(chunk.block_ids[pos // bs], pos % bs)] = token
+        # verify: keep drafts while they are the true tokens, then the true token
+        first = chunk.start + chunk.num_new_tokens - chunk.num_drafts   # position of the first new token
+        kept = [truth(first)]
+        for j, draft in enumerate(tokens[len(tokens) - chunk.num_drafts:]):
+            if draft != kept[-1]:
+                break
+            kept.append(truth(first + j + 1))
+        s.update_after_step(out, {"a": kept[0]} if chunk.samples else {})
+        for token in kept[1:] if chunk.samples else ():
+            s.accept_draft(request, token)
+        assert request.spec_token_ids == []
+        if chunk.samples:
+            assert request.num_computed_tokens == request.num_tokens - 1
+        blocks = s.kv_cache.blocks_of("a")
+        for pos in range(request.num_computed_tokens):
+            assert kv[(blocks[pos // bs], pos % bs)] == request.all_token_ids[pos]
+        if request.num_output_tokens >= request.max_tokens:
+            s.finish_request("a", RequestStatus.FINISHED_LENGTH)
+    assert request.output_token_ids == [truth(6 + i) for i in range(23)]
