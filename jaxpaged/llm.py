@@ -63,6 +63,44 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()
 
+    # ---- research loops: weights in place, pause, sleep ----------------------------------------
+    def update_weights(self, weights) -> None:
+        """Write weights in place: a mapping or an iterable of (name, array) with Hugging Face names
+        (`model.layers.0.self_attn.q_proj.weight`, ...), arrays from JAX, NumPy or anything with
+        `__array__`; partial updates are fine. Shapes and dtypes are checked (ValueError naming the
+        parameter, nothing written); the prefix cache is reset; nothing recompiles."""
+        if not isinstance(weights, dict):
+            weights = list(weights)   # an iterator is read once, for every replica
+        for engine in self.llm_engine.replicas():
+            engine.update_weights(weights)
+
+    def reset_prefix_cache(self) -> None:
+        for engine in self.llm_engine.replicas():
+            engine.reset_prefix_cache()
+
+    def pause_generation(self) -> None:
+        """Requests in flight stop where they are (until resume_generation) and continue on whatever
+        weights update_weights writes meanwhile."""
+        for engine in self.llm_engine.replicas():
+            engine.pause_generation()
+
+    def resume_generation(self) -> None:
+        for engine in self.llm_engine.replicas():
+            engine.resume_generation()
+
+    def sleep(self, level: int = 1) -> None:
+        """Give device memory back: level 1 drops the KV cache and moves the weights to host memory;
+        level 2 drops both (update_weights after wake_up)."""
+        for engine in self.llm_engine.replicas():
+            engine.sleep(level)
+
+    def wake_up(self) -> None:
+        for engine in self.llm_engine.replicas():
+            engine.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return any(engine.is_sleeping() for engine in self.llm_engine.replicas())
+
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config.json defaults (vLLM's name); changes nothing."""
         return self.llm_engine.generation_defaults.apply(SamplingParams())

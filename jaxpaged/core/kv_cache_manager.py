@@ -47,6 +47,9 @@ class KVCacheManager:
         self.pending_copies: list[tuple[int, int]] = []   # copy-on-write (src, dst) for the next step
         self.prefix_queries = 0   # tokens looked up in the prefix cache
         self.prefix_hits = 0      # of which found cached
+        # bumped by new weights: it enters every first block's hash, so K/V computed by other
+        # weights is never found again (requests hashed before keep their own chains)
+        self.weights_version = 0
 
     @property
     def enable_caching(self) -> bool:
@@ -68,7 +71,7 @@ class KVCacheManager:
         while (len(hashes) + 1) * bs <= request.num_tokens:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            salt = request.cache_salt if i == 0 else None   # chained: the first block's salt covers all
+            salt = self._salt(request.cache_salt) if i == 0 else None   # chained: the first block's covers all
             hashes.append(hash_block(parent, request.all_token_ids[i * bs:(i + 1) * bs], salt))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
@@ -95,11 +98,23 @@ class KVCacheManager:
             return 0
         bs, parent, hits = self.block_size, None, 0
         for i in range((len(token_ids) - 1) // bs):
-            parent = hash_block(parent, token_ids[i * bs:(i + 1) * bs], cache_salt if i == 0 else None)
+            parent = hash_block(parent, token_ids[i * bs:(i + 1) * bs], self._salt(cache_salt) if i == 0 else None)
             if self.pool.lookup(parent) is None:
                 break
             hits += bs
         return hits
+
+    def _salt(self, cache_salt: str | None) -> str | None:
+        if not self.weights_version:
+            return cache_salt
+        return f"{cache_salt or ''}\x00weights {self.weights_version}"
+
+    def reset_prefix_cache(self, new_weights: bool = False) -> None:
+        """Forget every cached block that no request holds (changes state); with `new_weights`, also
+        stop every block computed so far from being found again (their K/V belongs to the old weights)."""
+        if new_weights:
+            self.weights_version += 1
+        self.pool.reset_prefix_cache()
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries += num_tokens

@@ -27,6 +27,7 @@ import os
 
 import jax
 import numpy as np
+from flax import nnx
 
 from jaxpaged.core.kv_cache_manager import KVCacheManager
 from jaxpaged.core.request import Request, RequestStatus
@@ -61,6 +62,8 @@ class LLMEngine:
         self.data_rank = data_rank   # which data-parallel replica (its devices: startup.engine_devices)
         self.loaded, self.tokenizer, self.model_name = load_model_and_tokenizer(args, data_rank)
         self.model_config = self.loaded.config
+        self.paused = False            # pause_generation(): step() runs nothing
+        self._weight_targets = None    # update_weights: Hugging Face name -> where it lives
         spec = SpeculativeConfig.parse(args.speculative_config)
         draft = load_draft_model(args, spec, self.loaded) if spec is not None and spec.method == "draft_model" else None
         self.runner, self.max_model_len, num_blocks = build_runner(args, self.loaded, use_tqdm, draft)
@@ -212,6 +215,10 @@ class LLMEngine:
         With async scheduling the outputs are those of the previous device step, whose
         tokens are fetched while this call's step runs.
         """
+        if self.paused:
+            return []
+        if self.runner.is_sleeping:
+            raise RuntimeError("the engine is sleeping: call wake_up() before generating")
         overlap = self.args.async_scheduling
         spec = self.speculator
         # speculative decoding: proposals need every token, so a step that proposes fetches all first
@@ -377,6 +384,73 @@ class LLMEngine:
                     self._seqs.pop(seq.request.request_id, None)
                 self.metrics.requests_finished_total += 1
         return outputs
+
+    # ---- research: weights in place, pause, sleep ------------------------------------------
+    def update_weights(self, weights) -> list[RequestOutput]:
+        """Write `weights` (a mapping or (name, array) pairs, Hugging Face names, any array type)
+        into the model in place; partial updates are fine. Unless generation is paused, requests in
+        flight first finish on the weights they started with (their outputs are returned). The
+        prefix cache forgets every block computed before. Nothing recompiles. ValueError (nothing
+        written) for an unknown, misshapen, non-float or quantized parameter."""
+        from jaxpaged.models.weight_update import apply_updates, update_targets
+        if self.runner.is_sleeping:
+            raise ValueError("update_weights: the engine is sleeping; call wake_up() first")
+        outputs = []
+        while self.has_unfinished_requests() and not self.paused:
+            outputs += self.step()
+        if self._weight_targets is None:
+            from jaxpaged.models.config import model_config_from_hf
+            stacked = any(path[0] == "layers" and isinstance(path[1], str)
+                          for path, _ in nnx.to_flat_state(self.runner.state))
+            self._weight_targets = update_targets(model_config_from_hf(self.loaded.hf_config), stacked,
+                                                  self.runner.plan.size)
+        apply_updates(self.runner.state, self._weight_targets, weights, self.model_config.tie_word_embeddings)
+        self.kv_cache.reset_prefix_cache(new_weights=True)
+        return outputs
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block no request holds."""
+        self.kv_cache.reset_prefix_cache()
+
+    def pause_generation(self) -> list[RequestOutput]:
+        """Stop running steps (step() returns nothing) until resume_generation(); requests stay
+        queued with their blocks. Returns the outputs of the steps that were in flight."""
+        outputs = []
+        while self._in_flight:
+            outputs += self._complete()
+        self.paused = True
+        return outputs
+
+    def resume_generation(self) -> None:
+        self.paused = False
+
+    def sleep(self, level: int = 1) -> None:
+        """Release device memory: the KV pool is dropped and the weights move to host memory (level 1)
+        or are dropped (level 2: update_weights after wake_up). ValueError with requests unfinished."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        if self.has_unfinished_requests():
+            raise ValueError(f"sleep: {self.get_num_unfinished_requests()} request(s) are unfinished; "
+                             "let them finish or abort them first")
+        if self.runner.is_sleeping:
+            return
+        self.kv_cache.reset_prefix_cache(new_weights=level == 2)   # the pool's K/V is gone
+        for runner in self._runners():
+            runner.sleep(level)
+
+    def wake_up(self) -> None:
+        """Undo sleep(): the weights back on the device (after level 2: zeros, to be updated) and an
+        empty KV pool."""
+        for runner in self._runners():
+            if runner.is_sleeping:
+                runner.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.runner.is_sleeping
+
+    def _runners(self) -> list:
+        drafter = self.speculator.drafter if self.speculator is not None else None
+        return [self.runner] + ([drafter.runner] if drafter is not None else [])
 
     # ---- introspection -------------------------------------------------------------------
     def get_metrics(self) -> dict[str, float]:

@@ -344,6 +344,43 @@ class ModelRunner:
                                                             bitmask).compile()
         return forward, sampler
 
+    # ---- sleep mode -------------------------------------------------------------------------
+    def sleep(self, level: int) -> None:
+        """Give the device memory back: the KV pool is dropped; the weights move to pinned host
+        memory (level 1) or are dropped too (level 2: the caller writes new ones after wake_up)."""
+        self._asleep = (level, jax.ShapeDtypeStruct(self.kv_pool.shape, self.kv_pool.dtype,
+                                                    sharding=self.kv_pool.sharding))
+        self.kv_pool.delete()
+        self.kv_pool = None
+        for _, variable in nnx.to_flat_state(self.state):
+            def off(x):
+                if level == 1:
+                    host = jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
+                    host.block_until_ready()
+                else:
+                    host = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                x.delete()
+                return host
+            variable.set_value(jax.tree.map(off, variable.get_value()))
+
+    def wake_up(self) -> None:
+        """Undo sleep(): weights back on the device (zeros after level 2), an empty KV pool; every
+        array gets back the sharding the steps were compiled for."""
+        level, pool = self._asleep
+        for _, variable in nnx.to_flat_state(self.state):
+            def on(x):
+                device = x.sharding.with_memory_kind("device")
+                if isinstance(x, jax.ShapeDtypeStruct):
+                    return jax.jit(lambda: jnp.zeros(x.shape, x.dtype), out_shardings=device)()
+                return jax.device_put(x, device)
+            variable.set_value(jax.tree.map(on, variable.get_value()))
+        self.kv_pool = jax.jit(lambda: jnp.zeros(pool.shape, pool.dtype), out_shardings=pool.sharding)()
+        self._asleep = None
+
+    @property
+    def is_sleeping(self) -> bool:
+        return getattr(self, "_asleep", None) is not None
+
     # ---- several hosts ----------------------------------------------------------------------
     def follow(self) -> int:
         """A follower rank's loop (multihost.follow): run rank 0's device operations until it stops;
