@@ -86,7 +86,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                              log_level=ns.uvicorn_log_level, enable_auto_tool_choice=ns.enable_auto_tool_choice,
                              tool_call_parser=ns.tool_call_parser, chat_template=ns.chat_template,
                              vllm_metric_names=ns.vllm_metric_names, max_num_waiting=ns.max_num_waiting,
-                             shutdown_timeout=ns.shutdown_timeout)
+                             shutdown_timeout=ns.shutdown_timeout, enable_sleep_mode=ns.enable_sleep_mode)
 
 
 def add_serve_parser(sub) -> None:
@@ -116,6 +116,8 @@ def add_serve_parser(sub) -> None:
                             "batch (default: queue without bound)")
     serve.add_argument("--shutdown-timeout", type=float, default=10.0,
                        help="seconds that streams in flight get to finish after Ctrl-C or SIGTERM (default 10)")
+    serve.add_argument("--enable-sleep-mode", action="store_true",
+                       help="POST /sleep?level=1|2, POST /wake_up and GET /is_sleeping (vLLM's dev routes)")
     serve.set_defaults(func=cmd_serve)
 
 

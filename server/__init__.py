@@ -26,7 +26,8 @@ def run_server(args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, api_
                served_model_names: list[str] | None = None, log_level: str = "info",
                enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
                chat_template: str | None = None, vllm_metric_names: bool = False,
-               max_num_waiting: int | None = None, shutdown_timeout: float = 10.0) -> int:
+               max_num_waiting: int | None = None, shutdown_timeout: float = 10.0,
+               enable_sleep_mode: bool = False) -> int:
     """Serve `args`' model until interrupted; returns the exit status. `chat_template`: a Jinja
     template, or the path of a file holding one, instead of the tokenizer's; `max_num_waiting`:
     new requests get a 503 (Retry-After) while this many wait for a seat in the batch."""
@@ -53,7 +54,8 @@ def run_server(args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, api_
         return 0
     engine = AsyncLLM.from_engine_args(args, max_num_waiting=max_num_waiting)
     try:
-        app = build_app(engine, served_model_names, api_key, tool_settings, chat_template, vllm_metric_names)
+        app = build_app(engine, served_model_names, api_key, tool_settings, chat_template, vllm_metric_names,
+                        enable_sleep_mode)
         names = app.state.server.names
         usable = engine.num_blocks - 1   # block 0 is the null block padded block tables point at
         logger.info("model: %s (served as %s), max_model_len %d", args.model or engine.model_name,

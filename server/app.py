@@ -245,6 +245,21 @@ class _Server:
         body, content_type = self.metrics.render()
         return Response(body, headers={"Content-Type": content_type})
 
+    # ---- sleep mode (--enable-sleep-mode), vLLM's dev routes ------------------------------------
+    async def sleep(self, request: Request) -> Response:
+        raw = request.query_params.get("level", "1")
+        if raw not in ("1", "2"):
+            raise P.APIError(400, f"level must be 1 or 2, got {raw!r}", "level", "invalid_value")
+        await self.engine.sleep(int(raw))
+        return Response(status_code=200)
+
+    async def wake_up(self, request: Request) -> Response:
+        await self.engine.wake_up()
+        return Response(status_code=200)
+
+    async def is_sleeping(self, request: Request) -> Response:
+        return _json({"is_sleeping": await self.engine.is_sleeping()})
+
     async def version(self, request: Request) -> Response:
         return _json({"version": jaxpaged.__version__})
 
@@ -279,17 +294,22 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
 
 def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, api_key: str | None = None,
               tool_settings: ToolSettings | None = None, chat_template: str | None = None,
-              vllm_metric_names: bool = False) -> Starlette:
+              vllm_metric_names: bool = False, enable_sleep_mode: bool = False) -> Starlette:
     """The Starlette app serving `engine`; the first served name is the one responses report.
     `tool_settings`: --enable-auto-tool-choice / --tool-call-parser; `chat_template`: a Jinja
-    template replacing the tokenizer's; `vllm_metric_names`: /metrics also under vLLM's names."""
+    template replacing the tokenizer's; `vllm_metric_names`: /metrics also under vLLM's names;
+    `enable_sleep_mode`: the /sleep, /wake_up and /is_sleeping routes (API key guarded)."""
     server = _Server(engine, served_model_names, api_key, tool_settings, chat_template, vllm_metric_names)
     table = [("/v1/completions", server.completions, "POST"), ("/v1/chat/completions", server.chat, "POST"),
              ("/v1/models", server.models, "GET"), ("/health", server.health, "GET"),
              ("/metrics", server.metrics_text, "GET"), ("/tokenize", server.tokenize, "POST"),
              ("/detokenize", server.detokenize, "POST"), ("/version", server.version, "GET"),
              ("/openapi.json", server.openapi, "GET")]
-    routes = [Route(path, _endpoint(server, handler, path.startswith("/v1/")), methods=[method])
+    guarded = {"/sleep", "/wake_up", "/is_sleeping"}
+    if enable_sleep_mode:
+        table += [("/sleep", server.sleep, "POST"), ("/wake_up", server.wake_up, "POST"),
+                  ("/is_sleeping", server.is_sleeping, "GET")]
+    routes = [Route(path, _endpoint(server, handler, path.startswith("/v1/") or path in guarded), methods=[method])
               for path, handler, method in table]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
     app.state.server = server

@@ -76,6 +76,16 @@ def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, error: Bas
         pass
 
 
+def _resolve_value(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value) -> None:
+    def resolve():
+        if not future.done():
+            future.set_result(value)
+    try:
+        loop.call_soon_threadsafe(resolve)
+    except RuntimeError:
+        pass
+
+
 def _merge(older: RequestOutput | None, newer: RequestOutput) -> RequestOutput:
     """`newer`, a DELTA output, appended to `older` (a DELTA output or a running total): per
     completion index the text, token ids and logprobs joined, the rest from `newer`. Builds
@@ -193,6 +203,39 @@ class AsyncLLM:
         if self._send(("abort", str(request_id), None, (loop, done))):
             await done
 
+    # ---- research loops and sleep mode (run on the engine thread, between steps) --------------
+    async def call(self, fn):
+        """fn(engine) on the engine thread, between two steps; returns its result (or raises its error)."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        if not self._send(("call", fn, (loop, done))):
+            raise RuntimeError("AsyncLLM is shut down")
+        return await done
+
+    async def update_weights(self, weights) -> None:
+        """LLMEngine.update_weights on every replica (requests in flight finish on their weights first,
+        unless paused; new requests wait meanwhile)."""
+        weights = weights if isinstance(weights, dict) else list(weights)
+        await self.call(lambda engine: [r.update_weights(weights) for r in engine.replicas()] and None)
+
+    async def reset_prefix_cache(self) -> None:
+        await self.call(lambda engine: [r.reset_prefix_cache() for r in engine.replicas()] and None)
+
+    async def pause_generation(self) -> None:
+        await self.call(lambda engine: [r.pause_generation() for r in engine.replicas()] and None)
+
+    async def resume_generation(self) -> None:
+        await self.call(lambda engine: [r.resume_generation() for r in engine.replicas()] and None)
+
+    async def sleep(self, level: int = 1) -> None:
+        await self.call(lambda engine: [r.sleep(level) for r in engine.replicas()] and None)
+
+    async def wake_up(self) -> None:
+        await self.call(lambda engine: [r.wake_up() for r in engine.replicas()] and None)
+
+    async def is_sleeping(self) -> bool:
+        return await self.call(lambda engine: any(r.is_sleeping() for r in engine.replicas()))
+
     def get_metrics(self) -> dict[str, float]:
         """The engine's `jaxpaged:*` counters and gauges as of its last step or command (summed over
         data-parallel replicas; KV cache usage averaged)."""
@@ -252,7 +295,7 @@ class AsyncLLM:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not (self._commands or self._stopping or self.engine.has_unfinished_requests()):
+                while not (self._commands or self._stopping or self._can_step()):
                     self._cond.wait()
                 commands, self._commands = self._commands, []
                 stopping = self._stopping
@@ -265,10 +308,28 @@ class AsyncLLM:
                     raise
             if stopping:
                 return
-            if self.engine.has_unfinished_requests():
+            if self._can_step():
                 self._step()
 
+    def _can_step(self) -> bool:
+        """Requests to run, and no replica paused (pause_generation) or asleep."""
+        return self.engine.has_unfinished_requests() and not any(
+            r.paused or r.is_sleeping() for r in self.engine.replicas())
+
     def _apply(self, command: tuple, stopping: bool) -> None:
+        if command[0] == "call":
+            _, fn, (loop, future) = command
+            if stopping:
+                _resolve(loop, future, RuntimeError("AsyncLLM is shut down"))
+                return
+            try:
+                result = fn(self.engine)
+            except Exception as exc:   # the caller's error (a ValueError: bad weights, requests unfinished)
+                _resolve(loop, future, exc)
+            else:
+                _resolve_value(loop, future, result)
+            self._publish_metrics()
+            return
         if command[0] == "add":
             _, stream, request_id, prompt, params = command
             if stopping:

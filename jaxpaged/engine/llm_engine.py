@@ -105,6 +105,8 @@ class LLMEngine:
     def add_request(self, request_id: str | None, prompt: str | list[int] | dict,
                     params: SamplingParams | None = None, arrival_time: float | None = None) -> str:
         """Validate and queue a request; raises ValueError (and queues nothing) on bad input."""
+        if self.runner.is_sleeping:
+            raise ValueError("the engine is sleeping: call wake_up() before adding requests")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")

@@ -152,7 +152,7 @@ def test_sleep_gives_device_memory_back_and_wake_up_restores_the_outputs():
     awake = device_bytes()
     llm.sleep(1)
     assert llm.is_sleeping() and awake - device_bytes() >= pool + weights
-    with pytest.raises(RuntimeError, match="wake_up"):
+    with pytest.raises(ValueError, match="wake_up"):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     llm.wake_up()
     assert not llm.is_sleeping() and same(run(llm), before)

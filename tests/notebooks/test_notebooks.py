@@ -15,7 +15,7 @@ import pytest
 from nbclient import NotebookClient
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
-NAMES = ["quickstart.ipynb", "serving.ipynb", "paged_attention.ipynb"]
+NAMES = ["quickstart.ipynb", "serving.ipynb", "paged_attention.ipynb", "rl_rollouts.ipynb"]
 CELL_TIMEOUT_S = 600   # per cell; each whole notebook takes 1-3 minutes on a 2-core CPU
 SAVE_TO = os.environ.get("JAXPAGED_NOTEBOOKS_OUT")   # a folder: keep the executed notebooks (CI artifacts)
 
@@ -142,3 +142,13 @@ def test_paged_attention(record_property):
     assert counts["swapped_in_blocks_total"] == counts["swapped_out_blocks_total"]
     assert "tokens when run alone: True" in text
     assert _num_images(nb) >= 6
+
+
+def test_rl_rollouts(record_property):
+    nb = _load("rl_rollouts.ipynb")
+    text = _run(nb, "rl_rollouts.ipynb", record_property)
+    steps = re.findall(r"^step (\d): update_weights ([\d.]+) s, mean reward ([\d.]+), rollouts changed: (\w+)$", text, re.M)
+    assert [s[0] for s in steps] == ["1", "2"] and all(changed == "True" for *_, changed in steps)
+    memory = re.search(r"device memory: (\d+) MB awake, (\d+) MB asleep; is sleeping after wake_up: False", text)
+    assert memory and int(memory.group(2)) < int(memory.group(1))
+    assert re.search(r"^a rollout after waking up: \S", text, re.M)
