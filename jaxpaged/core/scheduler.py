@@ -167,15 +167,19 @@ class Scheduler:
                 i += 1
                 continue
             num_drafts = self._num_drafts(request, num_new, budget)
-            num_new += num_drafts
-            while self.kv_cache.allocate_slots(request, num_new) is None:
-                victim = self.running.pop()
-                swap_out += self._preempt(victim)
-                preempted.append(victim)
-                if victim is request:
+            # drafts are optional: they take free slots only, never a preemption
+            if num_drafts and self.kv_cache.allocate_slots(request, num_new + num_drafts) is not None:
+                num_new += num_drafts
+            else:
+                num_drafts = 0
+                while self.kv_cache.allocate_slots(request, num_new) is None:
+                    victim = self.running.pop()
+                    swap_out += self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is request:
+                        break
+                if request in preempted:
                     break
-            if request in preempted:
-                break
             chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new,
                                          self.kv_cache.blocks_of(request.request_id), num_drafts))
             budget -= num_new

@@ -365,7 +365,11 @@ class LLMEngine:
             if seq.request.request_id not in self._seqs:
                 continue
             matched = detokenize(seq)
-            if matched is not None and seq.finish_reason is None:
+            # a stop string inside a step's kept tokens (speculative decoding) ends the request there,
+            # whatever stopped it at a later token
+            if seq.num_dropped:
+                self.metrics.generation_tokens_total -= seq.num_dropped
+            if matched is not None and (seq.finish_reason is None or seq.num_dropped):
                 stop_str, truncate_to = matched
                 seq.text = seq.text[:truncate_to]
                 seq.finish_reason, seq.stop_reason = "stop", stop_str

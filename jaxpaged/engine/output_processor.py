@@ -36,6 +36,7 @@ class SequenceState:
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.step_logprobs: list[float] = []   # the last step's tokens' logprobs (speculative decoding)
+        self.num_dropped = 0                   # of the last step's tokens, those after a stop string
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         # DELTA: how much earlier outputs carried. The text's last `text_hold_back` characters
@@ -181,12 +182,15 @@ def detokenize(seq: SequenceState) -> tuple[str, int] | None:
     request = seq.request
     params = request.sampling_params
     new_ids = request.output_token_ids[seq.num_detokenized:]
+    seq.num_dropped = 0
     if len(new_ids) > 1 and params.stop and seq.detokenizer is not None:
         for i in range(len(new_ids)):
             seq.num_detokenized += 1
-            matched = _detokenize_ids(seq, new_ids[i:i + 1])
+            last = i == len(new_ids) - 1
+            matched = _detokenize_ids(seq, new_ids[i:i + 1], flush=last)
             if matched is not None:
-                _drop_last_tokens(seq, len(new_ids) - 1 - i)
+                seq.num_dropped = len(new_ids) - 1 - i
+                _drop_last_tokens(seq, seq.num_dropped)
                 return matched
         return None
     seq.num_detokenized = request.num_output_tokens
@@ -204,13 +208,13 @@ def _drop_last_tokens(seq: SequenceState, n: int) -> None:
         del seq.logprobs[-n:]
 
 
-def _detokenize_ids(seq: SequenceState, new_ids: list[int]) -> tuple[str, int] | None:
+def _detokenize_ids(seq: SequenceState, new_ids: list[int], flush: bool = True) -> tuple[str, int] | None:
     request = seq.request
     params = request.sampling_params
     if seq.detokenizer is None or not new_ids:
         return None
     delta = seq.detokenizer.add_tokens(new_ids)
-    if seq.finish_reason is not None:
+    if seq.finish_reason is not None and flush:   # a finished request's last characters
         delta += seq.detokenizer.flush()
     seq.text += delta
     if params.stop and delta and request.num_output_tokens >= params.min_tokens:

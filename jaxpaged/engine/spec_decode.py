@@ -142,7 +142,13 @@ class Speculator:
     def wants_tokens(self, running) -> bool:
         """Whether this step proposes for some request (the engine then fetches every step in flight
         first, so that their tokens are known)."""
-        return any(self._state(r).due <= self.step for r in running if eligible(r) and r.num_output_tokens > 0)
+        return any(self._state(r).due <= self.step and self._room(r) > 0
+                   for r in running if eligible(r) and r.num_output_tokens > 0)
+
+    def _room(self, request) -> int:
+        """How many drafts the request's next step may verify (max_model_len, max_tokens)."""
+        return min(self.config.num_speculative_tokens, self.max_model_len - request.num_tokens - 1,
+                   request.max_tokens - request.num_output_tokens - 1)
 
     def _state(self, request) -> _Backoff:
         state = self._backoff.get(request.request_id)
@@ -152,7 +158,6 @@ class Speculator:
 
     def propose(self, running) -> None:
         """Set spec_token_ids of every due request that decodes this step (changes them)."""
-        cfg = self.config
         if len(self._backoff) > 2 * len(running) + 64:   # finished requests' entries
             ids = {r.request_id for r in running}
             self._backoff = {rid: s for rid, s in self._backoff.items() if rid in ids}
@@ -160,8 +165,7 @@ class Speculator:
             state = self._state(request)
             if state.due > self.step:
                 continue
-            room = min(cfg.num_speculative_tokens, self.max_model_len - request.num_tokens - 1,
-                       request.max_tokens - request.num_output_tokens - 1)
+            room = self._room(request)
             if room <= 0:
                 continue
             drafts = self.proposer(request, room)
@@ -222,6 +226,7 @@ class _DraftSequence:
         self.spec_token_ids: list[int] = []   # the draft model does not speculate itself
         self.num_computed_tokens = 0      # of the draft pool
         self.context_len = 0              # the target's tokens when the last drafts were made
+        self.preemptions = request.num_preemptions   # a preempted target's blocks were reused meanwhile
         self.block_ids: list[int] = []    # the table those K/V were written under
 
     @property
@@ -259,7 +264,7 @@ class DraftModelProposer:
 
     def _sequence(self, request) -> _DraftSequence:
         seq = self._seqs.get(request.request_id)
-        if seq is None or seq.target is not request or seq.is_finished:
+        if seq is None or seq.target is not request or seq.is_finished or seq.preemptions != request.num_preemptions:
             seq = self._seqs[request.request_id] = _DraftSequence(request, self.greedy)
         return seq
 

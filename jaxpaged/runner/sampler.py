@@ -200,16 +200,7 @@ def _row_gumbel(seed, step, vocab):
     return jax.random.gumbel(key, (vocab,), jnp.float32)
 
 
-def _row_uniform(seed, step):
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), 1)
-    return jax.random.uniform(key, (), jnp.float32)
-
-
 def _random_sample(logits, md):
-    """(tokens i32[S], accepted bool[S]) for the random rows: a Gumbel-max draw from the processed
-    distribution p. A row with a draft token d (one-hot proposal q) keeps d with probability
-    min(1, p(d) / q(d)) = p(d), else draws from max(p - q, 0), which is p without d: the kept
-    or drawn token is distributed exactly as p (speculative sampling's rejection rule)."""
     is_greedy = md.temperature < GREEDY_EPS
     temperature = jnp.where(is_greedy, 1.0, md.temperature)
     logits = logits / temperature[:, None]
@@ -225,18 +216,7 @@ def _random_sample(logits, md):
     )
     # Gumbel-max: the noise of a row depends only on its (seed, step), never on the batch.
     noise = jax.vmap(_row_gumbel, in_axes=(0, 0, None))(md.seeds, md.steps, logits.shape[-1])
-    if md.draft_tokens is None:
-        return jnp.argmax(logits + noise, axis=-1).astype(jnp.int32), None
-    draft = md.draft_tokens
-    has_draft = draft >= 0
-    safe = jnp.maximum(draft, 0)
-    p_draft = jnp.exp(jnp.take_along_axis(logits, safe[:, None], axis=-1)[:, 0]
-                      - jax.nn.logsumexp(logits, axis=-1))
-    accepted = has_draft & (jax.vmap(_row_uniform)(md.seeds, md.steps) < p_draft)
-    residual = jnp.where(has_draft[:, None] & (jnp.arange(logits.shape[-1])[None, :] == safe[:, None]),
-                         -jnp.inf, logits)
-    tokens = jnp.argmax(residual + noise, axis=-1).astype(jnp.int32)
-    return jnp.where(accepted, draft, tokens), accepted
+    return jnp.argmax(logits + noise, axis=-1).astype(jnp.int32)
 
 
 def uses_output_tokens(params) -> bool:
@@ -272,24 +252,21 @@ def greedy_from_transposed(logits_t: jax.Array, num_logprobs: int = 0,
 def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
     """Turn f32[S, V] logits into one token per row; pure, meant to run inside a jit.
 
-    Speculative decoding (`md.draft_tokens`): a row with a draft token verifies it. A greedy row
-    accepts it when it is the argmax; a random row as `_random_sample` says. Either way the row's
-    token is the draft when accepted, else the one drawn in its place (the rejection sampler's
-    recovered token), so a sequence keeps its rows' tokens up to its first rejection."""
+    Speculative decoding (`md.draft_tokens`): a row verifies its draft token d by drawing its own
+    token as it would without speculation (the argmax; or the Gumbel-max draw of its (seed, step))
+    and accepting d when they agree. For a one-hot proposal q that is exactly speculative sampling's
+    rule: d is accepted with probability p(d) = min(1, p(d) / q(d)), and a token drawn in its place
+    is distributed as max(p - q, 0) renormalised (p without d). So the distribution is kept and a
+    seeded request gets the very tokens it gets without speculation, whichever positions are
+    verified. A sequence keeps its rows' tokens up to its first rejection (runner/step.py)."""
     logits = logits.astype(jnp.float32)
     processed = _apply_bias_and_penalties(logits, md)
     tokens = jnp.argmax(processed, axis=-1).astype(jnp.int32)
-    drafts = md.draft_tokens
-    accepted = None if drafts is None else tokens == drafts
     if not md.all_greedy:
         is_random = md.temperature >= GREEDY_EPS
-        none = jnp.zeros_like(is_random)
-        random_tokens, random_accepted = jax.lax.cond(
-            jnp.any(is_random), lambda: _random_sample(processed, md),
-            lambda: (tokens, None if drafts is None else none))
+        random_tokens = jax.lax.cond(jnp.any(is_random), lambda: _random_sample(processed, md), lambda: tokens)
         tokens = jnp.where(is_random, random_tokens, tokens)
-        if drafts is not None:
-            accepted = jnp.where(is_random, random_accepted, accepted)
+    accepted = None if md.draft_tokens is None else tokens == md.draft_tokens
     lp, ranks, topk_ids, topk_lp = token_logprobs(logits, tokens, md.num_logprobs,
                                                   jnp.any(md.requested_logprobs > 0))
     return SamplerOutput(tokens, lp, ranks, topk_ids, topk_lp, accepted)

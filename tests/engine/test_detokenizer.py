@@ -292,3 +292,35 @@ def test_padding_ids_decode_to_nothing_on_the_fast_path(byte_bpe):
     assert detok.uses_decode_stream
     assert detok.output_text == " Paris 😀" == decode_ids(byte_bpe, ids)
     assert detok.token_ids == ids
+
+
+def test_several_tokens_a_step_detokenize_as_one_at_a_time():
+    """Speculative decoding hands a request several tokens per step: with stop strings they are added
+    one by one (a stop string inside the step drops the tokens after it), and the text, multi-byte
+    characters included, is the one-token-a-step text."""
+    from jaxpaged import SamplingParams
+    from jaxpaged.core.request import Request
+    from jaxpaged.engine.output_processor import SequenceState, detokenize
+    from tests.fixtures_smollm2 import smollm2_tokenizer
+
+    tokenizer = smollm2_tokenizer()
+    ids = tokenizer.encode("Hello 世界, 日本語のテキスト! 🙂 done", add_special_tokens=False)
+
+    def run(steps, stop):
+        request = Request("r", [ids[0]], SamplingParams(temperature=0, stop=stop, max_tokens=100))
+        seq = SequenceState(request, 0, tokenizer, "r")
+        pos, matched = 0, None
+        for n in steps:
+            for token in ids[pos:pos + n]:
+                request.append_output_token(token)
+            pos += n
+            if pos == len(ids):
+                seq.finish_reason = "length"
+            matched = detokenize(seq) or matched
+        return seq.text, request.output_token_ids, seq.num_dropped, matched
+
+    one = run([1] * len(ids), ["zzz"])
+    assert run([len(ids) - 6, 6], ["zzz"])[:2] == one[:2]
+    text, tokens, dropped, matched = run([2, len(ids) - 2], ["テキ"])
+    assert matched is not None and matched[0] == "テキ" and dropped > 0
+    assert len(tokens) == len(ids) - dropped and "テキ" in tokenizer.decode(tokens)

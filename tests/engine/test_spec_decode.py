@@ -49,8 +49,9 @@ def plain():
 @pytest.mark.parametrize("opts", [
     dict(),
     dict(enable_prefix_caching=True, max_num_batched_tokens=32),            # prefix hits, chunked prefill
-    dict(num_gpu_blocks_override=24, preemption_mode="swap", swap_space=0.001, enable_prefix_caching=False),
-    dict(num_gpu_blocks_override=24, preemption_mode="recompute", enable_prefix_caching=False),
+    dict(num_gpu_blocks_override=16, max_model_len=120, preemption_mode="swap", swap_space=0.001,
+         enable_prefix_caching=False),
+    dict(num_gpu_blocks_override=16, max_model_len=120, preemption_mode="recompute", enable_prefix_caching=False),
 ], ids=["default", "prefix-chunked", "swap", "recompute"])
 def test_greedy_outputs_are_identical_with_every_memory_feature(plain, opts):
     truths, expected = plain
@@ -109,35 +110,27 @@ def test_a_sequence_keeps_its_rows_up_to_the_first_rejection():
     assert np.asarray(emitted_rows(drafts, accepted, first)).tolist() == [True, True, False, False, True, True, False]
 
 
-def test_sampled_distribution_and_seeds_with_speculation(plain):
-    """temperature 1.0 with top-k and top-p: the tokens after the first (the verified ones) follow the
-    same distribution as without speculation; a seed gives the same tokens on every run."""
+def test_sampled_tokens_are_those_of_the_same_seed_without_speculation(plain):
+    """temperature 1.0 with top-k and top-p: a verified row accepts its draft when it draws it, so
+    every seeded request gets exactly its tokens without speculation, however many of its positions
+    were verified (the distribution itself is the sampler test's, above), in any batch."""
     truths, _ = plain
     prompts, _ = workload()
     prompt = prompts[1]
-    sampling = SamplingParams(temperature=1.0, top_k=2, top_p=0.95, max_tokens=4, ignore_eos=True, n=64)
+    sampling = SamplingParams(temperature=1.0, top_k=2, top_p=0.95, max_tokens=6, ignore_eos=True, n=32, seed=3)
     base, spec = make_llm(max_num_seqs=64), make_llm(max_num_seqs=64, speculative_config=NGRAM)
     greedy = truths[1]
     spec.llm_engine.speculator.proposer = lambda request, k: list(greedy[request.num_tokens:request.num_tokens + k])
 
-    def counts(llm):
-        out = np.zeros((3, 320), np.int64)
-        for seed in range(4):
-            sampling.seed = 1000 + seed
-            for completion in llm.generate([prompt], sampling, use_tqdm=False)[0].outputs:
-                for j, token in enumerate(completion.token_ids[1:]):
-                    out[j, token] += 1
-        return out
+    def tokens(llm, batch):
+        outs = llm.generate(batch, sampling, use_tqdm=False)
+        return [[c.token_ids for c in o.outputs] for o in outs]
 
-    a, b = counts(base), counts(spec)
-    for j in range(3):
-        seen = (a[j] + b[j]) > 0
-        _, pvalue, _, _ = stats.chi2_contingency(np.stack([a[j][seen], b[j][seen]]))
-        assert pvalue > 1e-4, f"position {j + 1}: distributions differ (p = {pvalue:.2g})"
-    assert spec.get_metrics()["jaxpaged:spec_decode_num_accepted_tokens_total"] > 20
-    one = SamplingParams(temperature=1.0, top_k=6, max_tokens=8, ignore_eos=True, seed=5)
-    runs = [spec.generate([prompt, prompts[2]], one, use_tqdm=False) for _ in range(2)]
-    assert [o.outputs[0].token_ids for o in runs[0]] == [o.outputs[0].token_ids for o in runs[1]]
+    want = tokens(base, [prompt])
+    assert tokens(spec, [prompt]) == want
+    assert tokens(spec, [prompts[2], prompt, prompts[3]])[1] == want[0]   # other requests beside it
+    m = spec.get_metrics()
+    assert 0 < m["jaxpaged:spec_decode_num_accepted_tokens_total"] < m["jaxpaged:spec_decode_num_draft_tokens_total"]
 
 
 @pytest.mark.parametrize("config, name", [
@@ -180,9 +173,18 @@ def test_builtin_model_prompt_lookup_keeps_greedy_outputs_and_stop_strings():
         return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs]
                 for o in llm.generate(prompts, sampling, use_tqdm=False)]
 
+    # a stop string at the 6th token of a request whose max_tokens stops it 3 tokens later: with
+    # several tokens kept per step the stop lands inside a step (stop, not length, and no more tokens)
+    tokenizer = base.get_tokenizer()
+    first = base.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)[0]
+    ids = first.outputs[0].token_ids
+    piece = next(tokenizer.decode(ids[:i + 1])[len(tokenizer.decode(ids[:i])):] for i in range(5, 12)
+                 if len(tokenizer.decode(ids[:i + 1])[len(tokenizer.decode(ids[:i])):].strip()) >= 3)
+    prompts.append(prompts[0])
+    sampling.append(SamplingParams(temperature=0.0, max_tokens=12, stop=[piece]))
     expected = summary(base)
     del base
-    assert expected[1][0][3] == " the "
+    assert expected[1][0][3] == " the " and expected[3][0][2:] == ("stop", piece)
     spec = LLM(None, speculative_config={"method": "ngram", "num_speculative_tokens": 4}, **opts)
     assert summary(spec) == expected
     m = spec.get_metrics()
