@@ -93,6 +93,7 @@ class SampleStatics:
     num_logprobs: int
     max_rows: int            # the next step's in-flight tokens: i32[max_rows]
     plan: ShardPlan
+    rows_per_token: bool = False   # speculative decoding: a prompt step has a sample row per token
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2, 3))
@@ -152,7 +153,10 @@ def sample_fn(statics: SampleStatics, state, slots: SlotState, rows: SampleRows,
         is_plain_greedy(smd),   # the common decode case, in the CPU-friendly layout
         lambda h: greedy_from_transposed(_row_logits(model.compute_logits_transposed, h, num_rows, 1), K,
                                          smd.draft_tokens),
-        lambda h: _sample_rows(model, h, smd, num_rows),
+        # a speculative engine's steps have a row per token: the sampler itself walks the used rows;
+        # otherwise only the logits matmul does (the sampler's few hundred rows at most are cheap)
+        lambda h: _sample_rows(model, h, smd, num_rows) if statics.rows_per_token else
+        sample(_row_logits(model.compute_logits, h, num_rows, 0), smd),
         rows.hidden)
     emitted = emitted_rows(rows.drafts, out.accepted, rows.first)
     slots = count_sampled(slots, jnp.where(emitted, rows.count_slots, slots.params.shape[0]), out.token_ids)
