@@ -338,8 +338,7 @@ class ModelRunner:
             replicated = self.plan.array_sharding(P())
             rows = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
                                 forward.out_info[2])
-            statics = SampleStatics(self.graphdef, key[1], self.max_logprobs, self.max_num_seqs, self.plan,
-                                    self.speculative)
+            statics = SampleStatics(self.graphdef, key[1], self.max_logprobs, self.max_num_seqs, self.plan)
             bitmask = jax.ShapeDtypeStruct((shape.num_logits, self.bitmask_words), jnp.int32, sharding=replicated)
             sampler = self._samplers[key] = sample_fn.lower(statics, self.state, self.slot_state, rows,
                                                             bitmask).compile()

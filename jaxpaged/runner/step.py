@@ -93,7 +93,6 @@ class SampleStatics:
     num_logprobs: int
     max_rows: int            # the next step's in-flight tokens: i32[max_rows]
     plan: ShardPlan
-    rows_per_token: bool = False   # speculative decoding: a prompt step has a sample row per token
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2, 3))
@@ -153,10 +152,7 @@ def sample_fn(statics: SampleStatics, state, slots: SlotState, rows: SampleRows,
         is_plain_greedy(smd),   # the common decode case, in the CPU-friendly layout
         lambda h: greedy_from_transposed(_row_logits(model.compute_logits_transposed, h, num_rows, 1), K,
                                          smd.draft_tokens),
-        # a speculative engine's steps have a row per token: the sampler itself walks the used rows;
-        # otherwise only the logits matmul does (the sampler's few hundred rows at most are cheap)
-        lambda h: _sample_rows(model, h, smd, num_rows) if statics.rows_per_token else
-        sample(_row_logits(model.compute_logits, h, num_rows, 0), smd),
+        lambda h: sample(_row_logits(model.compute_logits, h, num_rows, 0), smd),
         rows.hidden)
     emitted = emitted_rows(rows.drafts, out.accepted, rows.first)
     slots = count_sampled(slots, jnp.where(emitted, rows.count_slots, slots.params.shape[0]), out.token_ids)
@@ -167,41 +163,6 @@ def sample_fn(statics: SampleStatics, state, slots: SlotState, rows: SampleRows,
     plan = statics.plan
     slots, packed, tokens = (jax.tree.map(lambda a: plan.constrain(a, P()), x) for x in (slots, packed, tokens))
     return slots, packed, tokens
-
-
-# SamplingMetadata fields with one entry per sample row (the rest are [R + 1, V] slot state or static)
-_ROW_FIELDS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-               "repetition_penalty", "seeds", "steps", "requested_logprobs", "has_logit_bias", "rows", "ban_active",
-               "bitmask", "draft_tokens")
-
-
-def _sample_rows(model, hidden, smd, num_rows):
-    """sample() over the rows' logits; with `num_rows`, LOGIT_ROW_CHUNK rows at a time while any are
-    in use (a prompt or speculative step's many padding rows cost nothing), the rest zeros."""
-    if num_rows is None:
-        return sample(model.compute_logits(hidden), smd)
-    S = hidden.shape[0]
-    chunk = min(S, LOGIT_ROW_CHUNK)
-    padded = cdiv(S, chunk) * chunk
-    pad = lambda a: jnp.pad(a, [(0, padded - S)] + [(0, 0)] * (a.ndim - 1))  # noqa: E731
-    per_row = {name: pad(getattr(smd, name)) for name in _ROW_FIELDS}
-    hidden = pad(hidden)
-
-    def rows_of(i):
-        take = lambda a: jax.lax.dynamic_slice_in_dim(a, i * chunk, chunk, axis=0)  # noqa: E731
-        return take(hidden), dataclasses.replace(smd, **{k: take(v) for k, v in per_row.items()})
-
-    h0, md0 = rows_of(0)
-    out = jax.tree.map(lambda a: jnp.zeros((padded,) + a.shape[1:], a.dtype),
-                       jax.eval_shape(lambda: sample(model.compute_logits(h0), md0)))
-
-    def one(i, out):
-        h, md = rows_of(i)
-        part = sample(model.compute_logits(h), md)
-        return jax.tree.map(lambda o, p: jax.lax.dynamic_update_slice_in_dim(o, p, i * chunk, axis=0), out, part)
-
-    out = jax.lax.fori_loop(0, cdiv(num_rows, chunk), one, out)
-    return jax.tree.map(lambda a: a[:S], out)
 
 
 def _prompt_logprobs(model, hidden, targets, K):
