@@ -50,6 +50,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                              'or \'{"model": DRAFT, "num_speculative_tokens": 4}\'')
+    parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters beside the base model")
+    parser.add_argument("--max-loras", type=int, default=d.max_loras, help="adapters in one batch (default 1)")
+    parser.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank, help="the largest adapter rank")
+    parser.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in host memory")
 
 
 def engine_kwargs(ns: argparse.Namespace) -> dict:
@@ -86,7 +90,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                              log_level=ns.uvicorn_log_level, enable_auto_tool_choice=ns.enable_auto_tool_choice,
                              tool_call_parser=ns.tool_call_parser, chat_template=ns.chat_template,
                              vllm_metric_names=ns.vllm_metric_names, max_num_waiting=ns.max_num_waiting,
-                             shutdown_timeout=ns.shutdown_timeout, enable_sleep_mode=ns.enable_sleep_mode)
+                             shutdown_timeout=ns.shutdown_timeout, enable_sleep_mode=ns.enable_sleep_mode,
+                             lora_modules=ns.lora_modules)
 
 
 def add_serve_parser(sub) -> None:
@@ -118,6 +123,9 @@ def add_serve_parser(sub) -> None:
                        help="seconds that streams in flight get to finish after Ctrl-C or SIGTERM (default 10)")
     serve.add_argument("--enable-sleep-mode", action="store_true",
                        help="POST /sleep?level=1|2, POST /wake_up and GET /is_sleeping (vLLM's dev routes)")
+    serve.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                       help="LoRA adapters served by name (needs --enable-lora): name=path, or JSON "
+                            '\'{"name": ..., "path": ...}\'; /v1/load_lora_adapter adds more')
     serve.set_defaults(func=cmd_serve)
 
 

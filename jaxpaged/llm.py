@@ -19,6 +19,16 @@ def _as_prompt_list(prompts) -> list:
     return list(prompts)
 
 
+def _per_prompt(lora_request, num_prompts: int) -> list:
+    """generate's lora_request: one for every prompt, or a list of one (or None) per prompt."""
+    if isinstance(lora_request, (list, tuple)):
+        if len(lora_request) != num_prompts:
+            raise ValueError(f"lora_request has {len(lora_request)} entries for {num_prompts} prompts; pass one "
+                             "LoRARequest (or None) or one per prompt")
+        return list(lora_request)
+    return [lora_request] * num_prompts
+
+
 def _final_only(params: SamplingParams | None):
     """A copy of `params` asking the engine for the finished output only: `generate` returns
     nothing else, and per-step outputs would copy every token list every step. The caller's
@@ -63,7 +73,11 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()
 
-    # ---- research loops: weights in place, pause, sleep ----------------------------------------
+    # ---- research loops: weights in place, pause, sleep, adapters ------------------------------
+    def _on_replicas(self, method: str, *args) -> list:
+        """engine.method(*args) on every data-parallel replica; their results."""
+        return [getattr(engine, method)(*args) for engine in self.llm_engine.replicas()]
+
     def update_weights(self, weights) -> None:
         """Write weights in place: a mapping or an iterable of (name, array) with Hugging Face names
         (`model.layers.0.self_attn.q_proj.weight`, ...), arrays from JAX, NumPy or anything with
@@ -71,32 +85,37 @@ class LLM:
         parameter, nothing written); the prefix cache is reset; nothing recompiles."""
         if not isinstance(weights, dict):
             weights = list(weights)   # an iterator is read once, for every replica
-        for engine in self.llm_engine.replicas():
-            engine.update_weights(weights)
+        self._on_replicas("update_weights", weights)
 
     def reset_prefix_cache(self) -> None:
-        for engine in self.llm_engine.replicas():
-            engine.reset_prefix_cache()
+        self._on_replicas("reset_prefix_cache")
 
     def pause_generation(self) -> None:
         """Requests in flight stop where they are (until resume_generation) and continue on whatever
         weights update_weights writes meanwhile."""
-        for engine in self.llm_engine.replicas():
-            engine.pause_generation()
+        self._on_replicas("pause_generation")
 
     def resume_generation(self) -> None:
-        for engine in self.llm_engine.replicas():
-            engine.resume_generation()
+        self._on_replicas("resume_generation")
 
     def sleep(self, level: int = 1) -> None:
         """Give device memory back: level 1 drops the KV cache and moves the weights to host memory;
         level 2 drops both (update_weights after wake_up)."""
-        for engine in self.llm_engine.replicas():
-            engine.sleep(level)
+        self._on_replicas("sleep", level)
 
     def wake_up(self) -> None:
-        for engine in self.llm_engine.replicas():
-            engine.wake_up()
+        self._on_replicas("wake_up")
+
+    def add_lora(self, lora_request) -> bool:
+        """Register a LoRA adapter ahead of its requests (needs enable_lora; its folder is read now)."""
+        return all(self._on_replicas("add_lora", lora_request))
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (requests running with it finish with it); False if unknown."""
+        return any(self._on_replicas("remove_lora", lora_int_id))
+
+    def list_loras(self) -> set[int]:
+        return set().union(*self._on_replicas("list_loras"))
 
     def is_sleeping(self) -> bool:
         return any(engine.is_sleeping() for engine in self.llm_engine.replicas())
@@ -110,11 +129,13 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
         A bad prompt or parameter raises ValueError before anything is queued. Each prompt's
         output is its final (cumulative) one, whatever `output_kind` the params ask for.
+        `lora_request`: a LoRARequest for every prompt, or a list of one (or None) per prompt
+        (the engine needs enable_lora).
         """
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
@@ -126,11 +147,11 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts; "
                                  "pass one SamplingParams or one per prompt")
-        return self._run(prompts, params_list, use_tqdm)
+        return self._run(prompts, params_list, use_tqdm, _per_prompt(lora_request, len(prompts)))
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None, lora_request=None) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation or a list of them, then generate.
 
         `tools` (OpenAI function tools) go to the template, as in vLLM; the output is the model's
@@ -143,12 +164,14 @@ class LLM:
         for conversation in conversations:
             text = render_chat(tokenizer, conversation, tools, chat_template, add_generation_prompt)
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
-    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams):
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    lora_request=None):
         """Beam search per prompt; returns one BeamSearchOutput per prompt, `sequences` best first.
 
         Beams share the prompt's (and each other's) KV blocks by fork and copy-on-write.
+        `lora_request`: one LoRARequest for every prompt, or None.
         """
         from jaxpaged.engine.beam_search import run_beam_search
         self._check_leader()
@@ -168,7 +191,9 @@ class LLM:
             raise ValueError("cache_salt is not supported by beam_search yet; drop it from the prompt dicts")
         engine = self.llm_engine.replicas()[0]   # with data parallelism, beam search runs on the first replica
         token_lists = [engine._tokenize(p)[1] for p in prompts]
-        return run_beam_search(engine, token_lists, params)
+        if isinstance(lora_request, (list, tuple)):
+            raise ValueError("beam_search takes one lora_request for all prompts (a LoRARequest or None)")
+        return run_beam_search(engine, token_lists, params, lora_request)
 
     def shutdown(self) -> None:
         """Several hosts: release the other ranks (their LLM(...) returns). Also runs at exit."""
@@ -179,15 +204,16 @@ class LLM:
             raise RuntimeError("this host (node_rank > 0) ran rank 0's steps until rank 0 shut down; "
                                "requests go to rank 0")
 
-    def _run(self, prompts: list, params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list, params_list: list[SamplingParams], use_tqdm: bool,
+             loras: list | None = None) -> list[RequestOutput]:
         self._check_leader()
         engine = self.llm_engine
         ids = []
         try:
-            for prompt, params in zip(prompts, params_list):
+            for prompt, params, lora in zip(prompts, params_list, loras or [None] * len(prompts)):
                 request_id = f"gen-{self._counter}"
                 self._counter += 1
-                ids.append(engine.add_request(request_id, prompt, params))
+                ids.append(engine.add_request(request_id, prompt, params, lora_request=lora))
         except Exception:
             for request_id in ids:
                 engine.abort_request(request_id)

@@ -62,3 +62,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: Any = None
+    lora_request: Any = None   # the LoRARequest it ran with (None: the base model)

@@ -27,10 +27,11 @@ def run_server(args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, api_
                enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
                chat_template: str | None = None, vllm_metric_names: bool = False,
                max_num_waiting: int | None = None, shutdown_timeout: float = 10.0,
-               enable_sleep_mode: bool = False) -> int:
+               enable_sleep_mode: bool = False, lora_modules: list[str] | None = None) -> int:
     """Serve `args`' model until interrupted; returns the exit status. `chat_template`: a Jinja
     template, or the path of a file holding one, instead of the tokenizer's; `max_num_waiting`:
-    new requests get a 503 (Retry-After) while this many wait for a seat in the batch."""
+    new requests get a 503 (Retry-After) while this many wait for a seat in the batch;
+    `lora_modules`: adapters served by name ("name=path" or JSON, see parse_lora_modules)."""
     import os
 
     import uvicorn
@@ -42,6 +43,9 @@ def run_server(args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, api_
     if not shutdown_timeout >= 0:
         raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {shutdown_timeout!r}")
     tool_settings = ToolSettings(enable_auto_tool_choice, tool_call_parser)   # checked before the model loads
+    adapters = parse_lora_modules(lora_modules)
+    if adapters and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     if chat_template is not None and os.path.isfile(chat_template):
         with open(chat_template) as f:
             chat_template = f.read()
@@ -54,8 +58,11 @@ def run_server(args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, api_
         return 0
     engine = AsyncLLM.from_engine_args(args, max_num_waiting=max_num_waiting)
     try:
+        import asyncio
+        for adapter in adapters:   # each folder read now: a bad one stops the start with its ValueError
+            asyncio.run(engine.add_lora(adapter))
         app = build_app(engine, served_model_names, api_key, tool_settings, chat_template, vllm_metric_names,
-                        enable_sleep_mode)
+                        enable_sleep_mode, adapters if args.enable_lora else None)
         names = app.state.server.names
         usable = engine.num_blocks - 1   # block 0 is the null block padded block tables point at
         logger.info("model: %s (served as %s), max_model_len %d", args.model or engine.model_name,
@@ -70,6 +77,31 @@ def run_server(args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, api_
         return serve(uvicorn.Server(config), engine)
     finally:
         engine.shutdown()
+
+
+def parse_lora_modules(modules: list[str] | None) -> list:
+    """--lora-modules entries, "name=path" or JSON {"name": ..., "path": ...}, as LoRARequests
+    numbered 1, 2, ... in order. ValueError naming the entry when one is malformed."""
+    import json
+
+    from jaxpaged.lora import LoRARequest
+
+    out = []
+    for i, entry in enumerate(modules or [], start=1):
+        if entry.lstrip().startswith("{"):
+            try:
+                spec = json.loads(entry)
+                name, path = spec["name"], spec["path"]
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"--lora-modules {entry!r}: JSON entries need 'name' and 'path'") from None
+        else:
+            name, sep, path = entry.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules {entry!r}: expected name=path or JSON with 'name' and 'path'")
+        if any(r.lora_name == name for r in out):
+            raise ValueError(f"--lora-modules: the name {name!r} is given twice")
+        out.append(LoRARequest(name, i, path))
+    return out
 
 
 def serve(server, engine, poll_s: float = 0.1) -> int:

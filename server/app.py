@@ -84,8 +84,11 @@ def engine_dead() -> P.APIError:
 class _Server:
     def __init__(self, engine: AsyncLLM, names: list[str] | None, api_key: str | None,
                  tool_settings: ToolSettings | None = None, chat_template: str | None = None,
-                 vllm_metric_names: bool = False):
+                 vllm_metric_names: bool = False, loras: list | None = None):
         self.engine, self.api_key = engine, api_key
+        # --enable-lora: adapter name -> LoRARequest (None: LoRA off, the adapter routes answer 404)
+        self.loras = None if loras is None else {r.lora_name: r for r in loras}
+        self._next_lora_id = max((r.lora_int_id for r in loras or []), default=0) + 1
         self.tool_settings = tool_settings or ToolSettings()
         self.chat_template = chat_template   # None: the tokenizer's own
         self.names = list(names or [engine.model_name])
@@ -105,9 +108,9 @@ class _Server:
                              "invalid_api_key")
 
     def model(self, requested: str | None) -> str:
-        if requested is not None and requested not in self.names:
+        if requested is not None and requested not in self.names and requested not in (self.loras or {}):
             raise P.APIError(404, f"The model `{requested}` does not exist; this server serves "
-                                  f"{', '.join(self.names)}", "model", "model_not_found")
+                                  f"{', '.join([*self.names, *(self.loras or {})])}", "model", "model_not_found")
         return requested or self.names[0]
 
     def need_tokenizer(self, param: str):
@@ -173,7 +176,8 @@ class _Server:
         salt = req.body.get("cache_salt")   # checked by protocol.py; the engine hashes it into the first block
         if salt is not None:
             inputs = [({**prompt, "cache_salt": salt}, ids) for prompt, ids in inputs]
-        gens = [self.engine.generate(prompt, sp, f"{request_id}-{i}", output_kind="cumulative")
+        lora = (self.loras or {}).get(model)   # a request naming an adapter runs with it
+        gens = [self.engine.generate(prompt, sp, f"{request_id}-{i}", output_kind="cumulative", lora_request=lora)
                 for i, ((prompt, _), sp) in enumerate(zip(inputs, params))]
         # a client that hangs up before its first token (a long prefill) aborts its requests then
         gone, firsts = await _unless_disconnected(request, asyncio.gather(*(anext(g) for g in gens),
@@ -209,7 +213,46 @@ class _Server:
         data = [{"id": name, "object": "model", "created": self.created, "owned_by": "jaxpaged",
                  "root": self.engine.args.model or self.engine.model_name, "max_model_len": self.engine.max_model_len}
                 for name in self.names]
+        data += [{"id": name, "object": "model", "created": self.created, "owned_by": "jaxpaged",
+                  "root": lora.lora_path, "parent": self.names[0], "max_model_len": self.engine.max_model_len}
+                 for name, lora in (self.loras or {}).items()]
         return _json(ModelList.model_validate({"object": "list", "data": data}).model_dump(mode="json"))
+
+    # ---- LoRA adapters while serving (--enable-lora), vLLM's routes ----------------------------
+    def _lora_body(self, body: dict, *fields: str) -> list[str]:
+        if self.loras is None:
+            raise P.APIError(404, "LoRA adapters are not enabled: start the server with --enable-lora", None,
+                             "not_found")
+        values = []
+        for field in fields:
+            value = body.get(field)
+            if not isinstance(value, str) or not value:
+                raise P.APIError(400, f"{field} must be a non-empty string, got {P.brief_repr(value)}", field,
+                                 "invalid_value")
+            values.append(value)
+        return values
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        from jaxpaged.lora import LoRARequest
+        name, path = self._lora_body(P.parse_json(await request.body()), "lora_name", "lora_path")
+        if name in self.loras or name in self.names:
+            raise P.APIError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name", "invalid_value")
+        lora = LoRARequest(name, self._next_lora_id, path)
+        try:
+            await self.engine.add_lora(lora)
+        except ValueError as exc:
+            raise P.APIError(400, str(exc), "lora_path", "invalid_value") from None
+        self._next_lora_id += 1
+        self.loras[name] = lora
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        (name,) = self._lora_body(P.parse_json(await request.body()), "lora_name")
+        lora = self.loras.pop(name, None)
+        if lora is None:
+            raise P.APIError(404, f"The lora adapter '{name}' cannot be found.", "lora_name", "not_found")
+        await self.engine.remove_lora(lora.lora_int_id)   # requests running with it finish with it
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
 
     async def tokenize(self, request: Request) -> Response:
         body = P.parse_json(await request.body())
@@ -294,17 +337,25 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
 
 def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, api_key: str | None = None,
               tool_settings: ToolSettings | None = None, chat_template: str | None = None,
-              vllm_metric_names: bool = False, enable_sleep_mode: bool = False) -> Starlette:
+              vllm_metric_names: bool = False, enable_sleep_mode: bool = False,
+              lora_modules: list | None = None) -> Starlette:
     """The Starlette app serving `engine`; the first served name is the one responses report.
     `tool_settings`: --enable-auto-tool-choice / --tool-call-parser; `chat_template`: a Jinja
     template replacing the tokenizer's; `vllm_metric_names`: /metrics also under vLLM's names;
-    `enable_sleep_mode`: the /sleep, /wake_up and /is_sleeping routes (API key guarded)."""
-    server = _Server(engine, served_model_names, api_key, tool_settings, chat_template, vllm_metric_names)
+    `enable_sleep_mode`: the /sleep, /wake_up and /is_sleeping routes (API key guarded);
+    `lora_modules`: LoRARequests served by name (a list, even empty, when the engine has
+    enable_lora: /v1/load_lora_adapter and /v1/unload_lora_adapter change it)."""
+    if lora_modules is None and engine.args.enable_lora:
+        lora_modules = []
+    server = _Server(engine, served_model_names, api_key, tool_settings, chat_template, vllm_metric_names,
+                     lora_modules)
     table = [("/v1/completions", server.completions, "POST"), ("/v1/chat/completions", server.chat, "POST"),
              ("/v1/models", server.models, "GET"), ("/health", server.health, "GET"),
              ("/metrics", server.metrics_text, "GET"), ("/tokenize", server.tokenize, "POST"),
              ("/detokenize", server.detokenize, "POST"), ("/version", server.version, "GET"),
-             ("/openapi.json", server.openapi, "GET")]
+             ("/openapi.json", server.openapi, "GET"),
+             ("/v1/load_lora_adapter", server.load_lora_adapter, "POST"),
+             ("/v1/unload_lora_adapter", server.unload_lora_adapter, "POST")]
     guarded = {"/sleep", "/wake_up", "/is_sleeping"}
     if enable_sleep_mode:
         table += [("/sleep", server.sleep, "POST"), ("/wake_up", server.wake_up, "POST"),

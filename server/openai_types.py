@@ -369,6 +369,7 @@ class ModelCard(_Out):
     created: int
     owned_by: str
     root: str | None = None
+    parent: str | None = None        # a LoRA adapter's base model
     max_model_len: int | None = None
 
 

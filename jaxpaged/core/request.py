@@ -34,7 +34,8 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: Any,
                  eos_token_ids: tuple[int, ...] = (), arrival_time: float | None = None,
-                 seed: int = 0, max_tokens: int | None = None, cache_salt: str | None = None):
+                 seed: int = 0, max_tokens: int | None = None, cache_salt: str | None = None,
+                 lora_request: Any = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -50,6 +51,8 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.cache_salt = cache_salt          # prefix-cache namespace: only equal salts share blocks
+        self.lora_request = lora_request      # multi-LoRA: its adapter (a LoRARequest), None: the base model
+        self.lora_slot = -1                   # the adapter's slot in the step (set when scheduled; -1: base)
         self.matcher = None                   # structured outputs: its grammar matcher (opaque here)
         self.block_hashes: list[bytes] = []   # chained hashes of the full blocks of all_token_ids
         # n > 1: sibling sequences that fork off this one when it samples its first token
@@ -60,6 +63,11 @@ class Request:
         # speculative decoding: tokens proposed to follow the last one, verified by the next step
         # (the scheduler may use fewer; cleared once the step is planned)
         self.spec_token_ids: list[int] = []
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id (0: the base model)."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def num_tokens(self) -> int:

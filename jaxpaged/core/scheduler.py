@@ -23,6 +23,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"
+    max_loras: int = 0                 # multi-LoRA: most adapters running at once (0: no LoRA)
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -188,10 +189,12 @@ class Scheduler:
         # a request that will fork (n > 1) takes its children's seats when admitted, so the forks
         # never push the running batch past max_num_seqs
         seats = sum(map(self._num_seats, self.running))
+        # multi-LoRA: a request whose adapter would be one too many waits (others pass it)
+        loras = {r.lora_int_id for r in self.running if r.lora_int_id}
         # swapped requests come back before any new request is admitted
         while self.swapped and budget > 0 and not preempted:
             request = self.swapped[0]
-            if seats + self._num_seats(request) > self.config.max_num_seqs:
+            if seats + self._num_seats(request) > self.config.max_num_seqs or not self._lora_fits(request, loras):
                 break
             num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
             extra = self.kv_cache.num_blocks_needed(request, num_new) - self.kv_cache.num_swapped_blocks(request)
@@ -204,12 +207,17 @@ class Scheduler:
             self.num_swapped_in_blocks += len(pairs)
             self.swapped.popleft()
             seats += self._start_running(request, num_new, chunks)
+            loras.add(request.lora_int_id)
             budget -= num_new
 
+        passed = []   # waiting requests of adapters that cannot run now, back in front in their order
         while self.waiting and budget > 0 and not preempted and not self.swapped:
             request = self.waiting[0]
             if seats + self._num_seats(request) > self.config.max_num_seqs:
                 break
+            if not self._lora_fits(request, loras):
+                passed.append(self.waiting.popleft())
+                continue
             hits, num_hit_tokens = ([], 0)
             # prompt logprobs need every prompt position computed, so such requests skip the cache
             wants_prompt_logprobs = getattr(request.sampling_params, "prompt_logprobs", None) is not None
@@ -227,10 +235,17 @@ class Scheduler:
                 self.kv_cache.record_prefix_query(request.num_tokens, num_hit_tokens)
             request.num_computed_tokens += num_hit_tokens
             seats += self._start_running(request, num_new, chunks)
+            loras.add(request.lora_int_id)
             budget -= num_new
+        self.waiting.extendleft(reversed(passed))
 
         return SchedulerOutput(chunks, preempted, self.config.max_num_batched_tokens - budget,
                                swap_out, swap_in, self.kv_cache.take_pending_copies())
+
+    def _lora_fits(self, request: Request, loras: set[int]) -> bool:
+        """The request's adapter is running already, or one more fits under max_loras."""
+        lora = request.lora_int_id
+        return not lora or lora in loras or len(loras - {0}) < self.config.max_loras
 
     @staticmethod
     def _num_seats(request: Request) -> int:

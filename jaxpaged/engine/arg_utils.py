@@ -43,6 +43,10 @@ class EngineArgs:
     num_nodes: int = 1                        # hosts running this engine together (each runs the same command)
     node_rank: int = 0                        # this host's rank; 0 schedules (and serves), the others follow
     speculative_config: dict | str | None = None  # {"method": "ngram", "num_speculative_tokens": 4, ...} (or JSON)
+    enable_lora: bool = False                 # multi-LoRA: requests may name a PEFT adapter (lora_request=)
+    max_loras: int = 1                        # adapters in one step (each a slot of stacked weights on the device)
+    max_lora_rank: int = 16                   # the largest adapter rank (smaller ones are zero-padded)
+    max_cpu_loras: int | None = None          # adapters kept on the host (default: max_loras)
 
     def batched_tokens(self, max_model_len: int) -> int:
         """The per-step token budget: given, or 2048 (at least max_model_len without chunked prefill)."""
@@ -95,5 +99,15 @@ class EngineArgs:
         spec = SpeculativeConfig.parse(self.speculative_config)   # ValueErrors name the key and what it allows
         require("speculative_config", spec is None or spec.method != "draft_model" or self.num_nodes == 1,
                 "prompt lookup (method 'ngram') when num_nodes > 1 (a draft model runs on one host only)")
+        require("enable_lora", isinstance(self.enable_lora, bool), "True or False")
+        require("max_loras", isinstance(self.max_loras, int) and self.max_loras >= 1, "an int >= 1")
+        require("max_lora_rank", isinstance(self.max_lora_rank, int) and 1 <= self.max_lora_rank <= 512,
+                "an int in [1, 512]")
+        require("max_cpu_loras", self.max_cpu_loras is None or (isinstance(self.max_cpu_loras, int)
+                                                                and self.max_cpu_loras >= self.max_loras),
+                f"None or an int >= max_loras ({self.max_loras})")
+        require("enable_lora", not self.enable_lora or self.num_nodes == 1, "False when num_nodes > 1")
+        require("enable_lora", not self.enable_lora or spec is None or spec.method == "ngram",
+                "False with a draft model (speculative_config method 'draft_model'); prompt lookup works")
         require("generation_config", isinstance(self.generation_config, str) and self.generation_config != "",
                 "'auto', 'vllm' or a folder holding generation_config.json")

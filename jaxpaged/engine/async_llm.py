@@ -144,7 +144,8 @@ class AsyncLLM:
 
     # ---- the caller's side ---------------------------------------------------------------
     async def generate(self, prompt: str | list[int] | dict, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, output_kind: str = "delta") -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, output_kind: str = "delta",
+                       lora_request=None) -> AsyncIterator[RequestOutput]:
         """Yield RequestOutputs of one request as tokens arrive, until it finishes.
 
         output_kind="delta" (default): each output's completions hold only the text, token ids
@@ -155,6 +156,7 @@ class AsyncLLM:
         and this stream joins them. While a stop string may still complete, its possible start
         is held back from the text until the next output.
 
+        `lora_request`: the LoRARequest the request runs with (the engine needs enable_lora).
         Bad input raises ValueError before any output; a full queue (max_num_waiting) raises
         EngineOverloadedError. An internal failure raises EngineRequestError in this request only.
         Closing or cancelling the consumer aborts the request; an abort from elsewhere ends the
@@ -171,7 +173,7 @@ class AsyncLLM:
         params.output_kind = RequestOutputKind.DELTA
         total: RequestOutput | None = None   # "cumulative": the deltas joined so far
         stream = _Stream(asyncio.get_running_loop())
-        if not self._send(("add", stream, request_id, prompt, params)):
+        if not self._send(("add", stream, request_id, prompt, params, lora_request)):
             raise RuntimeError("AsyncLLM is shut down")
         finished = False
         try:
@@ -212,29 +214,42 @@ class AsyncLLM:
             raise RuntimeError("AsyncLLM is shut down")
         return await done
 
+    async def _on_replicas(self, method: str, *args) -> list:
+        """engine.method(*args) on every data-parallel replica, on the engine thread; their results."""
+        return await self.call(lambda engine: [getattr(r, method)(*args) for r in engine.replicas()])
+
     async def update_weights(self, weights) -> None:
         """LLMEngine.update_weights on every replica (requests in flight finish on their weights first,
         unless paused; new requests wait meanwhile)."""
-        weights = weights if isinstance(weights, dict) else list(weights)
-        await self.call(lambda engine: [r.update_weights(weights) for r in engine.replicas()] and None)
+        await self._on_replicas("update_weights", weights if isinstance(weights, dict) else list(weights))
 
     async def reset_prefix_cache(self) -> None:
-        await self.call(lambda engine: [r.reset_prefix_cache() for r in engine.replicas()] and None)
+        await self._on_replicas("reset_prefix_cache")
 
     async def pause_generation(self) -> None:
-        await self.call(lambda engine: [r.pause_generation() for r in engine.replicas()] and None)
+        await self._on_replicas("pause_generation")
 
     async def resume_generation(self) -> None:
-        await self.call(lambda engine: [r.resume_generation() for r in engine.replicas()] and None)
+        await self._on_replicas("resume_generation")
 
     async def sleep(self, level: int = 1) -> None:
-        await self.call(lambda engine: [r.sleep(level) for r in engine.replicas()] and None)
+        await self._on_replicas("sleep", level)
 
     async def wake_up(self) -> None:
-        await self.call(lambda engine: [r.wake_up() for r in engine.replicas()] and None)
+        await self._on_replicas("wake_up")
 
     async def is_sleeping(self) -> bool:
-        return await self.call(lambda engine: any(r.is_sleeping() for r in engine.replicas()))
+        return any(await self._on_replicas("is_sleeping"))
+
+    async def add_lora(self, lora_request) -> bool:
+        """Register an adapter (its folder is read now: ValueError if it cannot be used)."""
+        return all(await self._on_replicas("add_lora", lora_request))
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return any(await self._on_replicas("remove_lora", lora_int_id))
+
+    async def list_loras(self) -> set[int]:
+        return set().union(*await self._on_replicas("list_loras"))
 
     def get_metrics(self) -> dict[str, float]:
         """The engine's `jaxpaged:*` counters and gauges as of its last step or command (summed over
@@ -331,7 +346,7 @@ class AsyncLLM:
             self._publish_metrics()
             return
         if command[0] == "add":
-            _, stream, request_id, prompt, params = command
+            _, stream, request_id, prompt, params, lora_request = command
             if stopping:
                 stream.resolve_added(RuntimeError("AsyncLLM is shut down"))
                 return
@@ -342,7 +357,8 @@ class AsyncLLM:
                     f"(max_num_waiting {self.max_num_waiting}); retry later"))
                 return
             try:
-                self.engine.add_request(request_id, prompt, params, arrival_time=stream.arrival_monotonic)
+                self.engine.add_request(request_id, prompt, params, arrival_time=stream.arrival_monotonic,
+                                        lora_request=lora_request)
             except Exception as exc:   # ValueError: bad input; anything else: one request's failure
                 stream.resolve_added(exc)
                 return

@@ -68,7 +68,9 @@ class _Group:
         self.finished.append((self.score(seq), seq))
 
 
-def run_beam_search(engine, prompts: list[list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
+def run_beam_search(engine, prompts: list[list[int]], params: BeamSearchParams,
+                    lora_request=None) -> list[BeamSearchOutput]:
+    """`lora_request`: one adapter for every prompt (a LoRARequest), or None."""
     width = params.beam_width
     if 2 * width > MAX_LOGPROBS:
         raise ValueError(f"beam_width must be <= {MAX_LOGPROBS // 2}, got {width}")
@@ -79,27 +81,28 @@ def run_beam_search(engine, prompts: list[list[int]], params: BeamSearchParams) 
     per_wave = max(1, engine.scheduler.config.max_num_seqs // width)   # all beams of a wave run together
     outputs = []
     for i in range(0, len(prompts), per_wave):
-        outputs += _run_wave(engine, prompts[i:i + per_wave], params)
+        outputs += _run_wave(engine, prompts[i:i + per_wave], params, lora_request)
     return outputs
 
 
-def _run_wave(engine, prompts: list[list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
+def _run_wave(engine, prompts: list[list[int]], params: BeamSearchParams, lora_request=None) -> list[BeamSearchOutput]:
     width = params.beam_width
     scheduler, runner = engine.scheduler, engine.runner
     ids = itertools.count()
     sampling = SamplingParams(temperature=0.0, logprobs=2 * width, max_tokens=params.max_tokens,
                               ignore_eos=True, detokenize=False)
+    salt = engine._add_lora(lora_request, None)
     groups = []
     for prompt in prompts:
         engine._validate(prompt, sampling)
         root = Request(f"beam-{next(ids)}", prompt, sampling, engine.eos_token_ids, seed=0,
-                       max_tokens=params.max_tokens)
+                       max_tokens=params.max_tokens, cache_salt=salt, lora_request=lora_request)
         scheduler.add_request(root)
         groups.append(_Group(prompt, params, root))
 
     def new_request(parent: Request) -> Request:
         return Request(f"beam-{next(ids)}", parent.prompt_token_ids, sampling, engine.eos_token_ids, seed=0,
-                       max_tokens=params.max_tokens)
+                       max_tokens=params.max_tokens, cache_salt=salt, lora_request=lora_request)
 
     # request id -> its SampledToken since the last selection. A beam with such a token is parked
     # (scheduler.pause: out of scheduling, keeping its blocks) until its group selects: it must not decode
@@ -112,6 +115,7 @@ def _run_wave(engine, prompts: list[list[int]], params: BeamSearchParams) -> lis
                 runner.move_blocks(plan)
                 raise RuntimeError("beam search is stuck: the KV cache cannot hold all beams of a prompt at once; "
                                    "give the engine more blocks or lower beam_width")
+            engine.assign_loras(plan)
             result = runner.fetch(runner.dispatch(plan))
             for request in scheduler.update_after_step(plan, {k: v.token_id for k, v in result.sampled.items()}):
                 fresh[request.request_id] = result.sampled[request.request_id]

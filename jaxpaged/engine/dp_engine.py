@@ -64,7 +64,7 @@ class DataParallelEngine:
         return min(candidates, key=lambda e: (e.get_num_unfinished_requests(), e.data_rank))
 
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> str:
+                    arrival_time: float | None = None, lora_request=None) -> str:
         first = self.engines[0]
         text, token_ids = first._tokenize(prompt)   # ValueError on a bad prompt, before anything is queued
         salt = first._cache_salt(prompt)
@@ -73,15 +73,25 @@ class DataParallelEngine:
         request_id = str(request_id)
         if request_id in self._owner:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        engine = self.route(token_ids, salt)
+        route_salt = salt if lora_request is None else f"{salt or ''}\x00lora {lora_request.lora_int_id}"
+        engine = self.route(token_ids, route_salt)
         tokenized = {"prompt_token_ids": token_ids}
         if text is not None:
             tokenized["prompt"] = text
         if salt is not None:
             tokenized["cache_salt"] = salt
-        engine.add_request(request_id, tokenized, params, arrival_time)
+        engine.add_request(request_id, tokenized, params, arrival_time, lora_request)
         self._owner[request_id] = engine
         return request_id
+
+    def add_lora(self, lora_request) -> bool:
+        return all([engine.add_lora(lora_request) for engine in self.engines])
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return any([engine.remove_lora(lora_int_id) for engine in self.engines])
+
+    def list_loras(self) -> set[int]:
+        return set().union(*(engine.list_loras() for engine in self.engines))
 
     def abort_request(self, request_id: str) -> None:
         engine = self._owner.pop(request_id, None)

@@ -27,7 +27,6 @@ import os
 
 import jax
 import numpy as np
-from flax import nnx
 
 from jaxpaged.core.kv_cache_manager import KVCacheManager
 from jaxpaged.core.request import Request, RequestStatus
@@ -36,6 +35,7 @@ from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.generation_config import load_generation_defaults
 from jaxpaged.engine.metrics import PREFIX, EngineMetrics
 from jaxpaged.engine.spec_decode import SpeculativeConfig, Speculator
+from jaxpaged.engine.research import ResearchMixin
 from jaxpaged.engine.output_processor import (RequestState, SequenceState, detokenize, record_logprobs,
                                               record_prompt_logprobs, token_stop)
 from jaxpaged.engine.startup import build_draft_proposer, build_runner, load_draft_model, load_model_and_tokenizer
@@ -56,7 +56,7 @@ class StepFailedError(RuntimeError):
         self.outputs = outputs or []
 
 
-class LLMEngine:
+class LLMEngine(ResearchMixin):
     def __init__(self, args: EngineArgs, use_tqdm: bool = True, data_rank: int = 0):
         self.args = args
         self.data_rank = data_rank   # which data-parallel replica (its devices: startup.engine_devices)
@@ -75,7 +75,8 @@ class LLMEngine:
         max_batched = args.batched_tokens(self.max_model_len)
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_batched, max_model_len=self.max_model_len,
-            enable_chunked_prefill=args.enable_chunked_prefill, preemption_mode=args.preemption_mode)
+            enable_chunked_prefill=args.enable_chunked_prefill, preemption_mode=args.preemption_mode,
+            max_loras=args.max_loras if args.enable_lora else 0)
         self.kv_cache = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
                                        num_host_blocks=self.runner.swap_space.num_host_blocks
                                        if self.runner.swap_space else 0)
@@ -91,6 +92,13 @@ class LLMEngine:
         self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
         if draft is not None:
             self.speculator.use_draft_model(build_draft_proposer(args, draft, num_blocks, self.max_model_len, use_tqdm))
+        self.lora = None   # multi-LoRA (enable_lora): the adapters and their device slots
+        if args.enable_lora:
+            from jaxpaged.lora.manager import LoRAManager
+            self.lora = LoRAManager(self.runner.state, self.model_config, args.max_loras, args.max_lora_rank,
+                                    self.loaded.model.dtype, args.max_cpu_loras)
+            if args.compile_on_startup:
+                self.lora.warm_up()
         if self.runner.channel is not None and self.runner.channel.is_leader:
             atexit.register(self.shutdown)   # followers must not wait forever for a step
 
@@ -103,8 +111,10 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int] | dict,
-                    params: SamplingParams | None = None, arrival_time: float | None = None) -> str:
-        """Validate and queue a request; raises ValueError (and queues nothing) on bad input."""
+                    params: SamplingParams | None = None, arrival_time: float | None = None,
+                    lora_request=None) -> str:
+        """Validate and queue a request; raises ValueError (and queues nothing) on bad input.
+        `lora_request`: a LoRARequest (the engine needs enable_lora), read from its folder now."""
         if self.runner.is_sleeping:
             raise ValueError("the engine is sleeping: call wake_up() before adding requests")
         params = params or SamplingParams()
@@ -117,6 +127,7 @@ class LLMEngine:
         text, token_ids = self._tokenize(prompt)
         cache_salt = self._cache_salt(prompt)
         self._validate(token_ids, params)
+        cache_salt = self._add_lora(lora_request, cache_salt)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
         core_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         clash = [c for c in core_ids if c in self._seqs or c in self.scheduler.requests]
@@ -129,10 +140,10 @@ class LLMEngine:
         for i, core_id in enumerate(core_ids):
             seed = self._seed_for(params, i)
             request = Request(core_id, token_ids, params, self.eos_token_ids, arrival_time, seed, max_tokens,
-                              cache_salt)
+                              cache_salt, lora_request)
             request.matcher = matchers[i]
             sequences.append(SequenceState(request, i, self.tokenizer, request_id))
-        state = RequestState(request_id, text, token_ids, sequences)
+        state = RequestState(request_id, text, token_ids, sequences, lora_request)
         # n > 1: one sequence prefills; the others fork off it (sharing its blocks) when it samples
         parent = sequences[0].request
         parent.pending_forks = [seq.request for seq in sequences[1:]]
@@ -242,6 +253,7 @@ class LLMEngine:
             try:
                 if verifies and spec.drafter is not None:
                     spec.drafter.fill(plan)
+                self.assign_loras(plan)
                 pending = self.runner.dispatch(plan, prev)
             except Exception as exc:
                 error = self._fail_steps([plan], exc)
@@ -390,73 +402,6 @@ class LLMEngine:
                     self._seqs.pop(seq.request.request_id, None)
                 self.metrics.requests_finished_total += 1
         return outputs
-
-    # ---- research: weights in place, pause, sleep ------------------------------------------
-    def update_weights(self, weights) -> list[RequestOutput]:
-        """Write `weights` (a mapping or (name, array) pairs, Hugging Face names, any array type)
-        into the model in place; partial updates are fine. Unless generation is paused, requests in
-        flight first finish on the weights they started with (their outputs are returned). The
-        prefix cache forgets every block computed before. Nothing recompiles. ValueError (nothing
-        written) for an unknown, misshapen, non-float or quantized parameter."""
-        from jaxpaged.models.weight_update import apply_updates, update_targets
-        if self.runner.is_sleeping:
-            raise ValueError("update_weights: the engine is sleeping; call wake_up() first")
-        outputs = []
-        while self.has_unfinished_requests() and not self.paused:
-            outputs += self.step()
-        if self._weight_targets is None:
-            from jaxpaged.models.config import model_config_from_hf
-            stacked = any(path[0] == "layers" and isinstance(path[1], str)
-                          for path, _ in nnx.to_flat_state(self.runner.state))
-            self._weight_targets = update_targets(model_config_from_hf(self.loaded.hf_config), stacked,
-                                                  self.runner.plan.size)
-        apply_updates(self.runner.state, self._weight_targets, weights, self.model_config.tie_word_embeddings)
-        self.kv_cache.reset_prefix_cache(new_weights=True)
-        return outputs
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached block no request holds."""
-        self.kv_cache.reset_prefix_cache()
-
-    def pause_generation(self) -> list[RequestOutput]:
-        """Stop running steps (step() returns nothing) until resume_generation(); requests stay
-        queued with their blocks. Returns the outputs of the steps that were in flight."""
-        outputs = []
-        while self._in_flight:
-            outputs += self._complete()
-        self.paused = True
-        return outputs
-
-    def resume_generation(self) -> None:
-        self.paused = False
-
-    def sleep(self, level: int = 1) -> None:
-        """Release device memory: the KV pool is dropped and the weights move to host memory (level 1)
-        or are dropped (level 2: update_weights after wake_up). ValueError with requests unfinished."""
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
-        if self.has_unfinished_requests():
-            raise ValueError(f"sleep: {self.get_num_unfinished_requests()} request(s) are unfinished; "
-                             "let them finish or abort them first")
-        if self.runner.is_sleeping:
-            return
-        self.kv_cache.reset_prefix_cache(new_weights=level == 2)   # the pool's K/V is gone
-        for runner in self._runners():
-            runner.sleep(level)
-
-    def wake_up(self) -> None:
-        """Undo sleep(): the weights back on the device (after level 2: zeros, to be updated) and an
-        empty KV pool."""
-        for runner in self._runners():
-            if runner.is_sleeping:
-                runner.wake_up()
-
-    def is_sleeping(self) -> bool:
-        return self.runner.is_sleeping
-
-    def _runners(self) -> list:
-        drafter = self.speculator.drafter if self.speculator is not None else None
-        return [self.runner] + ([drafter.runner] if drafter is not None else [])
 
     # ---- introspection -------------------------------------------------------------------
     def get_metrics(self) -> dict[str, float]:

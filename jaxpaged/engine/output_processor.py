@@ -78,8 +78,9 @@ class RequestState:
     """A user request: its prompt and its n sequences."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 sequences: list[SequenceState]):
+                 sequences: list[SequenceState], lora_request=None):
         self.request_id = request_id
+        self.lora_request = lora_request
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.sequences = sequences
@@ -110,7 +111,7 @@ class RequestState:
         return RequestOutput(request_id=self.request_id, prompt=self.prompt,
                              prompt_token_ids=self.prompt_token_ids, prompt_logprobs=prompt_lps,
                              outputs=completions, finished=self.finished,
-                             num_cached_tokens=max(first.num_cached_tokens, 0))
+                             num_cached_tokens=max(first.num_cached_tokens, 0), lora_request=self.lora_request)
 
     def _new_prompt_logprobs(self) -> list | None:
         """DELTA: the prompt logprobs no earlier output carried (the first output leads with None,

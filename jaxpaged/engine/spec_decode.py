@@ -219,6 +219,7 @@ class _DraftSequence:
         self.eos_token_ids = ()
         self.matcher = None
         self.pending_forks = []
+        self.lora_slot = -1   # the draft model runs without adapters
         self.prompt_token_ids = request.prompt_token_ids
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = []

@@ -25,7 +25,7 @@ def enable_compilation_cache() -> None:
                           os.path.join(os.path.expanduser("~"), ".cache", "jaxpaged", "jax"))
     if path and path != "0":
         jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", float(os.environ.get("JAXPAGED_COMPILATION_CACHE_MIN_SECS", 0.5)))
 
 
 def load_tokenizer(args: EngineArgs, loaded: LoadedModel):
@@ -80,6 +80,14 @@ def load_model_and_tokenizer(args: EngineArgs, data_rank: int = 0):
         loaded.model.attention_backend = resolve_backend(
             "auto", head_shape=(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
             dtype=loaded.model.dtype)
+    if args.enable_lora:
+        from jaxpaged.models.config import model_config_from_hf
+        from jaxpaged.models.llama import attach_lora
+        kv_heads = model_config_from_hf(loaded.hf_config).num_kv_heads
+        if plan.size > kv_heads:   # K/V heads repeated over the devices: adapters' K/V columns are not (yet)
+            raise ValueError(f"enable_lora needs tensor_parallel_size ({plan.size}) at most the model's "
+                             f"{kv_heads} KV heads")
+        attach_lora(loaded.model, args.max_loras, args.max_lora_rank)
     tokenizer = load_tokenizer(args, loaded)
     return loaded, tokenizer, name or args.model
 

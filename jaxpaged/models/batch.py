@@ -21,3 +21,4 @@ class ForwardBatch:
     slot_mapping: jax.Array    # i32[num_tokens]  pool slot (block_id * block_size + offset) or -1
     logits_indices: jax.Array  # i32[num_logits]  which tokens to return logits for
     attn: AttentionMetadata
+    lora_index: jax.Array | None = None   # i32[num_tokens]  each token's LoRA slot (-1: base model); None: no LoRA

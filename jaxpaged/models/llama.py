@@ -17,6 +17,12 @@ and a loop carry is updated in place): no layer copies the pool.
 
 q/k/v and gate/up are fused into one matmul each: fewer, larger matmuls. Any matmul weight may
 be a `QuantizedWeight` (see `jaxpaged.models.quantization`): every matmul goes through `linear`.
+
+Multi-LoRA (`lora`): every adapter slot's A and B of each projection, stacked [num_layers, slots,
+...] (jaxpaged.lora.peft's layout, zeros where a slot or module is empty), and each token's slot in
+the batch (`ForwardBatch.lora_index`, -1: the base model). A projection adds, for every token,
+(x @ A[slot]) @ B[slot], computed for all slots and masked by the token's one-hot slot: one
+compiled step whatever the mix of adapters, and a base-model token adds exact zeros.
 """
 
 import functools
@@ -58,6 +64,29 @@ def layer_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["q_norm"] = (cfg.head_dim,)
         shapes["k_norm"] = (cfg.head_dim,)
     return shapes
+
+
+def lora_shapes(cfg: ModelConfig, max_loras: int, max_rank: int) -> dict[str, tuple[int, ...]]:
+    """name -> shape of the LoRA stacks: "{module}_a" [layers, slots, in, rank], "{module}_b" [layers, slots, rank, out]."""
+    from jaxpaged.lora.peft import module_sizes
+    out = {}
+    for module, (n_in, n_out) in module_sizes(cfg).items():
+        out[f"{module}_a"] = (cfg.num_layers, max_loras, n_in, max_rank)
+        out[f"{module}_b"] = (cfg.num_layers, max_loras, max_rank, n_out)
+    return out
+
+
+def lora_delta(x: jax.Array, lora: dict, module: str, onehot: jax.Array) -> jax.Array:
+    """Each token's (x @ A) @ B for its own slot's adapter (one layer's stacks in `lora`)."""
+    xa = jnp.einsum("ti,sir->tsr", x, lora[f"{module}_a"]) * onehot[:, :, None]
+    return jnp.einsum("tsr,sro->to", xa, lora[f"{module}_b"]).astype(x.dtype)
+
+
+def attach_lora(model: "LlamaFamilyForCausalLM", max_loras: int, max_rank: int) -> None:
+    """Give the model `max_loras` empty adapter slots (zeros, replicated on its devices)."""
+    plan = model.shard_plan
+    model.lora = nnx.data(nnx.Dict({name: nnx.Param(plan.zeros(shape, model.dtype))
+                                    for name, shape in lora_shapes(model.config, max_loras, max_rank).items()}))
 
 
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -107,7 +136,7 @@ class LlamaFamilyForCausalLM(nnx.Module):
     behind the layer axis) is scanned, a list of one dict per layer is unrolled."""
 
     def __init__(self, cfg: ModelConfig, weights: dict, attention_backend: str = "reference",
-                 shard_plan: ShardPlan = ShardPlan(), quantized_matmul: str = "auto"):
+                 shard_plan: ShardPlan = ShardPlan(), quantized_matmul: str = "auto", lora: dict | None = None):
         self.config = cfg
         self.attention_backend = attention_backend   # a resolved name (see pallas_kernels.backends)
         self.shard_plan = shard_plan                 # the devices the weights lie on (jaxpaged.parallel)
@@ -119,6 +148,8 @@ class LlamaFamilyForCausalLM(nnx.Module):
         # f32[num_layers, 2]: each layer's K and V scale in an fp8 KV pool (stored = value / scale); unused
         # by a pool in the model dtype. 1.0 unless calculate_kv_scales measures them on the first step
         self.kv_scales = nnx.Param(shard_plan.put(np.ones((cfg.num_layers, 2), np.float32)))
+        # LoRA stacks (`lora_shapes`), or None: an engine without enable_lora computes no LoRA at all
+        self.lora = nnx.Dict({k: nnx.Param(v) for k, v in lora.items()}) if lora is not None else None
         layers = weights["layers"]
         self.scan_layers = isinstance(layers, dict)
         depths = ({leaf.shape[0] for leaf in jax.tree.leaves(layers)} if self.scan_layers else {len(layers)})
@@ -175,11 +206,16 @@ class LlamaFamilyForCausalLM(nnx.Module):
             token_seq = jnp.searchsorted(md.cu_q_lens[1:], jnp.arange(batch.input_ids.shape[0]), side="right")
             seq_lens = md.kv_lens[jnp.clip(token_seq, 0, md.kv_lens.shape[0] - 1)]
         cos, sin = rotary_cos_sin(cfg, batch.positions, seq_lens)
+        lora = None if self.lora is None else {k: v.get_value() for k, v in self.lora.items()}
+        onehot = None
+        if lora is not None:
+            slots = lora["q_a"].shape[1]
+            onehot = (batch.lora_index[:, None] == jnp.arange(slots, dtype=jnp.int32)[None, :]).astype(self.dtype)
         layer_fn = functools.partial(_decoder_layer, cfg, self.shard_plan, get_attention(self.attention_backend),
-                                     self.matmul, batch, cos, sin)
+                                     self.matmul, batch, cos, sin, onehot)
         if self.scan_layers:
             xs = ({k: v.get_value() for k, v in self.layers.items()}, jnp.arange(cfg.num_layers, dtype=jnp.int32),
-                  jnp.asarray(cfg.sliding_windows, jnp.int32), self.kv_scales[...])
+                  jnp.asarray(cfg.sliding_windows, jnp.int32), self.kv_scales[...], lora)
 
             def scan_step(carry, xs):
                 hidden, kv_pool, kv_scale = layer_fn(*carry, *xs)
@@ -191,21 +227,23 @@ class LlamaFamilyForCausalLM(nnx.Module):
             for i, layer in enumerate(self.layers):
                 hidden, kv_pool, kv_scale = layer_fn(hidden, kv_pool, {k: v.get_value() for k, v in layer.items()},
                                                      jnp.int32(i), jnp.int32(cfg.sliding_windows[i]),
-                                                     self.kv_scales[i])
+                                                     self.kv_scales[i],
+                                                     None if lora is None else {k: v[i] for k, v in lora.items()})
                 used.append(kv_scale)
             kv_scales = jnp.stack(used)
         self.kv_scales[...] = kv_scales   # calibrated where they were 0 (see pallas_kernels.layout)
         return kv_pool, hidden
 
 
-def _decoder_layer(cfg: ModelConfig, plan: ShardPlan, attention, matmul, batch: ForwardBatch, cos, sin, hidden,
-                   kv_pool, w, layer, window, kv_scale):
+def _decoder_layer(cfg: ModelConfig, plan: ShardPlan, attention, matmul, batch: ForwardBatch, cos, sin, onehot,
+                   hidden, kv_pool, w, layer, window, kv_scale, lora):
     """One layer (the body of both loops): (hidden, kv_pool) -> (hidden, kv_pool, kv_scale) with its K/V
     written and the K/V scales it wrote them with.
 
     `w` holds this layer's weights (`layer_weight_shapes`); `layer` (i32[]) is its plane of the
     pool, `window` (i32[]) its sliding window, 0 for full attention, `kv_scale` (f32[2]) its K and V
-    scales in an fp8 pool; `matmul(x, w, name)` multiplies by a weight (the model's `matmul`). The
+    scales in an fp8 pool; `lora` this layer's LoRA stacks (None: no LoRA) and `onehot` [tokens,
+    slots] each token's adapter slot; `matmul(x, w, name)` multiplies by a weight (the model's `matmul`). The
     fused q/k/v and gate/up columns are shard-major (see jaxpaged.parallel): viewed as [tokens, tp,
     per shard], each device splits its own columns.
     """
@@ -220,6 +258,10 @@ def _decoder_layer(cfg: ModelConfig, plan: ShardPlan, attention, matmul, batch: 
     q = plan.constrain(qkv[..., :q_local].reshape(num_tokens, cfg.num_heads, cfg.head_dim), heads)
     k = plan.constrain(qkv[..., q_local:q_local + kv_local].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim), heads)
     v = plan.constrain(qkv[..., q_local + kv_local:].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim), heads)
+    if lora is not None:
+        q = q + lora_delta(x, lora, "q", onehot).reshape(q.shape)
+        k = k + lora_delta(x, lora, "k", onehot).reshape(k.shape)
+        v = v + lora_delta(x, lora, "v", onehot).reshape(v.shape)
     if cfg.qk_norm:
         q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
@@ -236,7 +278,10 @@ def _decoder_layer(cfg: ModelConfig, plan: ShardPlan, attention, matmul, batch: 
 
     kv_pool, attn = plan.attention(write_and_attend)(kv_pool, q, k, v, batch.slot_mapping, batch.attn, layer, window,
                                                       kv_scale)
-    out = matmul(attn.reshape(num_tokens, cfg.q_size), w["wo"], "wo")
+    attn = attn.reshape(num_tokens, cfg.q_size)
+    out = matmul(attn, w["wo"], "wo")
+    if lora is not None:
+        out = out + lora_delta(attn, lora, "o", onehot)
     if cfg.o_bias:
         out = out + w["bo"]
     hidden = hidden + out
@@ -248,7 +293,13 @@ def _decoder_layer(cfg: ModelConfig, plan: ShardPlan, attention, matmul, batch: 
     inter_local = cfg.intermediate_size // tp
     gate = gate_up[..., :inter_local].reshape(num_tokens, cfg.intermediate_size)
     up = gate_up[..., inter_local:].reshape(num_tokens, cfg.intermediate_size)
-    mlp = matmul(jax.nn.silu(gate.astype(jnp.float32)).astype(up.dtype) * up, w["w_down"], "w_down")
+    if lora is not None:
+        gate = gate + lora_delta(x, lora, "gate", onehot)
+        up = up + lora_delta(x, lora, "up", onehot)
+    act = jax.nn.silu(gate.astype(jnp.float32)).astype(up.dtype) * up
+    mlp = matmul(act, w["w_down"], "w_down")
+    if lora is not None:
+        mlp = mlp + lora_delta(act, lora, "down", onehot)
     if cfg.mlp_bias:
         mlp = mlp + w["b_down"]
     return hidden + mlp, kv_pool, kv_scale

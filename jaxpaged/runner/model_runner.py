@@ -175,7 +175,7 @@ class ModelRunner:
         from_prev = []      # (flat token index, sample row of prev)
         flat = 0
         chunks, rows, lp_rows, lp_targets, spec_rows = [], [], [], [], []
-        seq_slots, row_slots, count_slots, row_draft, row_first = [], [], [], [], []
+        seq_slots, seq_lora, row_slots, count_slots, row_draft, row_first = [], [], [], [], [], []
         sample_tokens = []  # per sample row: the flat index of the token whose logits it samples from
         chunk_rows = []     # per chunk: its (first) sample row
         constrained = []    # (sample row, request with a grammar matcher): structured outputs
@@ -218,9 +218,11 @@ class ModelRunner:
                 for j, token in enumerate(tokens):
                     chunks.append(SeqChunk([token], chunk.start + j, chunk.block_ids))
                     seq_slots.append(slot)
+                    seq_lora.append(request.lora_slot)
             else:
                 chunks.append(SeqChunk(tokens, chunk.start, chunk.block_ids))
                 seq_slots.append(slot)
+                seq_lora.append(request.lora_slot)
         for i, chunk in enumerate(plan.chunks):   # n > 1: siblings sample their first token from the same logits
             for child in chunk.forks:
                 slot = slots.slot_for(child)
@@ -247,6 +249,7 @@ class ModelRunner:
             v["prompt_targets"][first:first + len(targets)] = targets
         num_seqs, num_rows = len(chunks), len(sample_tokens)
         v["seq_slots"][:num_seqs] = seq_slots
+        v["seq_lora"][:num_seqs] = seq_lora
         v["start_pos"][:num_seqs] = [c.start_pos for c in chunks]
         np.cumsum([len(c.token_ids) for c in chunks], out=v["cu_q_lens"][1:num_seqs + 1])
         v["cu_q_lens"][num_seqs + 1:] = flat

@@ -290,7 +290,7 @@ class StepLayout:
     def fields(self) -> dict[str, tuple[int, int]]:
         """name -> (offset, size) in the buffer."""
         T, S, R = self.num_tokens, self.num_seqs, self.rows
-        sizes = dict(input_ids=T, prompt_targets=T, seq_slots=S, start_pos=S, cu_q_lens=S + 1,
+        sizes = dict(input_ids=T, prompt_targets=T, seq_slots=S, start_pos=S, cu_q_lens=S + 1, seq_lora=S,
                      logits_indices=R, row_slots=R, count_slots=R, row_draft=R, row_first=R,
                      prev_index=S, prev_source=S,
                      updates=self.num_updates * UPDATE_WIDTH)
@@ -312,6 +312,7 @@ class StepLayout:
         v["updates"] = v["updates"].reshape(-1, UPDATE_WIDTH)
         v["prompt_targets"][:] = -1
         v["seq_slots"][:] = pad_slot
+        v["seq_lora"][:] = -1                     # the base model (multi-LoRA: the sequence's adapter slot)
         v["row_slots"][:] = pad_slot
         v["count_slots"][:] = pad_slot + 1        # out of bounds: nothing counted
         v["row_draft"][:] = -1                    # no draft token to verify
@@ -329,7 +330,8 @@ class StepLayout:
 
 def forward_batch_arrays(fields: dict, block_tables: jax.Array, block_size: int):
     """Traced: positions, slot mapping and attention metadata from the packed per-sequence
-    fields and the persistent block tables. Returns (positions, slot_mapping, kv_lens, tables)."""
+    fields and the persistent block tables. Returns (positions, slot_mapping, kv_lens, tables,
+    lora_index): the last, each token's LoRA slot (-1: the base model; padding tokens too)."""
     cu = fields["cu_q_lens"]
     start = fields["start_pos"]
     S = start.shape[0]
@@ -344,7 +346,8 @@ def forward_batch_arrays(fields: dict, block_tables: jax.Array, block_size: int)
     tables = jnp.where(in_use, tables, 0)   # a slot's row may still hold a previous owner's tail
     block = tables[seq, positions // block_size]
     slot_mapping = jnp.where(valid, block * block_size + positions % block_size, -1)
-    return positions, slot_mapping, kv_lens, tables
+    lora_index = jnp.where(valid, fields["seq_lora"][seq], -1)
+    return positions, slot_mapping, kv_lens, tables, lora_index
 
 
 def attention_metadata(kv_lens, tables, cu_q_lens, q_tile: int) -> AttentionMetadata:

@@ -1,0 +1,113 @@
+"""What research code calls on an engine between generations (LLMEngine's mixin): weights
+written in place, generation paused and resumed, sleep and wake, and LoRA adapters registered and
+placed in device slots. Each runs on the engine's thread, between two steps."""
+
+from flax import nnx
+
+from jaxpaged.outputs import RequestOutput
+
+
+class ResearchMixin:
+    # ---- research: weights in place, pause, sleep ------------------------------------------
+    def update_weights(self, weights) -> list[RequestOutput]:
+        """Write `weights` (a mapping or (name, array) pairs, Hugging Face names, any array type)
+        into the model in place; partial updates are fine. Unless generation is paused, requests in
+        flight first finish on the weights they started with (their outputs are returned). The
+        prefix cache forgets every block computed before. Nothing recompiles. ValueError (nothing
+        written) for an unknown, misshapen, non-float or quantized parameter."""
+        from jaxpaged.models.weight_update import apply_updates, update_targets
+        if self.runner.is_sleeping:
+            raise ValueError("update_weights: the engine is sleeping; call wake_up() first")
+        outputs = []
+        while self.has_unfinished_requests() and not self.paused:
+            outputs += self.step()
+        if self._weight_targets is None:
+            from jaxpaged.models.config import model_config_from_hf
+            stacked = any(path[0] == "layers" and isinstance(path[1], str)
+                          for path, _ in nnx.to_flat_state(self.runner.state))
+            self._weight_targets = update_targets(model_config_from_hf(self.loaded.hf_config), stacked,
+                                                  self.runner.plan.size)
+        apply_updates(self.runner.state, self._weight_targets, weights, self.model_config.tie_word_embeddings)
+        self.kv_cache.reset_prefix_cache(new_weights=True)
+        return outputs
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block no request holds."""
+        self.kv_cache.reset_prefix_cache()
+
+    def pause_generation(self) -> list[RequestOutput]:
+        """Stop running steps (step() returns nothing) until resume_generation(); requests stay
+        queued with their blocks. Returns the outputs of the steps that were in flight."""
+        outputs = []
+        while self._in_flight:
+            outputs += self._complete()
+        self.paused = True
+        return outputs
+
+    def resume_generation(self) -> None:
+        self.paused = False
+
+    def sleep(self, level: int = 1) -> None:
+        """Release device memory: the KV pool is dropped and the weights move to host memory (level 1)
+        or are dropped (level 2: update_weights after wake_up). ValueError with requests unfinished."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        if self.has_unfinished_requests():
+            raise ValueError(f"sleep: {self.get_num_unfinished_requests()} request(s) are unfinished; "
+                             "let them finish or abort them first")
+        if self.runner.is_sleeping:
+            return
+        self.kv_cache.reset_prefix_cache(new_weights=level == 2)   # the pool's K/V is gone
+        for runner in self._runners():
+            runner.sleep(level)
+
+    def wake_up(self) -> None:
+        """Undo sleep(): the weights back on the device (after level 2: zeros, to be updated) and an
+        empty KV pool."""
+        for runner in self._runners():
+            if runner.is_sleeping:
+                runner.wake_up()
+        if self.lora is not None:
+            self.lora.forget_slots()   # after level 2 the slots are zeros; after level 1 rewriting is cheap
+
+    def is_sleeping(self) -> bool:
+        return self.runner.is_sleeping
+
+    def _runners(self) -> list:
+        drafter = self.speculator.drafter if self.speculator is not None else None
+        return [self.runner] + ([drafter.runner] if drafter is not None else [])
+
+    def _add_lora(self, lora_request, cache_salt: str | None) -> str | None:
+        """Check and read a request's adapter; returns the prefix-cache salt its blocks go under
+        (each adapter's K/V differs from the base model's and from every other adapter's)."""
+        if lora_request is None:
+            return cache_salt
+        if self.lora is None:
+            raise ValueError("lora_request needs an engine started with enable_lora=True")
+        self.lora.add(lora_request, pinned=self._loras_in_use())
+        return f"{cache_salt or ''}\x00lora {lora_request.lora_int_id}"
+
+    def _loras_in_use(self) -> set[int]:
+        return {seq.request.lora_int_id for seq in self._seqs.values() if seq.request.lora_int_id}
+
+    def assign_loras(self, plan) -> None:
+        """Before a step: every planned request's adapter in a device slot (request.lora_slot)."""
+        if self.lora is None:
+            return
+        requests = [r for chunk in plan.chunks for r in (chunk.request, *chunk.forks)]
+        self.lora.assign(requests, {r.lora_int_id for r in self.scheduler.running if r.lora_int_id})
+
+    # ---- adapters (vLLM's add_lora / remove_lora / list_loras) --------------------------------
+    def add_lora(self, lora_request) -> bool:
+        """Register an adapter ahead of its requests (its folder is read now: ValueError if bad)."""
+        if self.lora is None:
+            raise ValueError("add_lora needs an engine started with enable_lora=True")
+        self.lora.add(lora_request, pinned=self._loras_in_use())
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; requests running with it finish with it. False if unknown."""
+        return self.lora is not None and self.lora.remove(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return set(self.lora.registered) if self.lora is not None else set()
