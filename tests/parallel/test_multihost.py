@@ -28,7 +28,8 @@ def test_two_hosts_give_one_hosts_tokens_and_an_abort_on_rank_0_reaches_both():
 
     path = tiny_checkpoint("llama", num_key_value_heads=4)
     port = _free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    flags = os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")   # one device each
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
     procs = [subprocess.Popen([sys.executable, "-m", "tests.parallel.multihost_worker", str(rank), str(port), path],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for rank in (0, 1)]

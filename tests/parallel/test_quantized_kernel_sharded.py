@@ -14,7 +14,7 @@ from tests.parallel.layout_checks import ROOT
 
 SCRIPT = """
 import json, os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 import jax, numpy as np
 from jaxpaged.parallel import ShardPlan
 from tests.models.test_quantization import forward_logits
