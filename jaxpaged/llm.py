@@ -171,7 +171,7 @@ class LLM:
         """Beam search per prompt; returns one BeamSearchOutput per prompt, `sequences` best first.
 
         Beams share the prompt's (and each other's) KV blocks by fork and copy-on-write.
-        `lora_request`: one LoRARequest for every prompt, or None.
+        `lora_request`: a LoRARequest for every prompt, or a list of one (or None) per prompt.
         """
         from jaxpaged.engine.beam_search import run_beam_search
         self._check_leader()
@@ -191,9 +191,7 @@ class LLM:
             raise ValueError("cache_salt is not supported by beam_search yet; drop it from the prompt dicts")
         engine = self.llm_engine.replicas()[0]   # with data parallelism, beam search runs on the first replica
         token_lists = [engine._tokenize(p)[1] for p in prompts]
-        if isinstance(lora_request, (list, tuple)):
-            raise ValueError("beam_search takes one lora_request for all prompts (a LoRARequest or None)")
-        return run_beam_search(engine, token_lists, params, lora_request)
+        return run_beam_search(engine, token_lists, params, _per_prompt(lora_request, len(prompts)))
 
     def shutdown(self) -> None:
         """Several hosts: release the other ranks (their LLM(...) returns). Also runs at exit."""

@@ -47,6 +47,7 @@ class EngineArgs:
     max_loras: int = 1                        # adapters in one step (each a slot of stacked weights on the device)
     max_lora_rank: int = 16                   # the largest adapter rank (smaller ones are zero-padded)
     max_cpu_loras: int | None = None          # adapters kept on the host (default: max_loras)
+    enable_sleep_mode: bool = False           # vLLM's flag, accepted: sleep()/wake_up() work on every engine
 
     def batched_tokens(self, max_model_len: int) -> int:
         """The per-step token budget: given, or 2048 (at least max_model_len without chunked prefill)."""
@@ -100,6 +101,7 @@ class EngineArgs:
         require("speculative_config", spec is None or spec.method != "draft_model" or self.num_nodes == 1,
                 "prompt lookup (method 'ngram') when num_nodes > 1 (a draft model runs on one host only)")
         require("enable_lora", isinstance(self.enable_lora, bool), "True or False")
+        require("enable_sleep_mode", isinstance(self.enable_sleep_mode, bool), "True or False")
         require("max_loras", isinstance(self.max_loras, int) and self.max_loras >= 1, "an int >= 1")
         require("max_lora_rank", isinstance(self.max_lora_rank, int) and 1 <= self.max_lora_rank <= 512,
                 "an int in [1, 512]")

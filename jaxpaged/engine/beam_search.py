@@ -69,8 +69,8 @@ class _Group:
 
 
 def run_beam_search(engine, prompts: list[list[int]], params: BeamSearchParams,
-                    lora_request=None) -> list[BeamSearchOutput]:
-    """`lora_request`: one adapter for every prompt (a LoRARequest), or None."""
+                    loras: list | None = None) -> list[BeamSearchOutput]:
+    """`loras`: each prompt's LoRARequest (or None: the base model); None: the base model for all."""
     width = params.beam_width
     if 2 * width > MAX_LOGPROBS:
         raise ValueError(f"beam_width must be <= {MAX_LOGPROBS // 2}, got {width}")
@@ -81,28 +81,27 @@ def run_beam_search(engine, prompts: list[list[int]], params: BeamSearchParams,
     per_wave = max(1, engine.scheduler.config.max_num_seqs // width)   # all beams of a wave run together
     outputs = []
     for i in range(0, len(prompts), per_wave):
-        outputs += _run_wave(engine, prompts[i:i + per_wave], params, lora_request)
+        outputs += _run_wave(engine, prompts[i:i + per_wave], params, (loras or [None] * len(prompts))[i:i + per_wave])
     return outputs
 
 
-def _run_wave(engine, prompts: list[list[int]], params: BeamSearchParams, lora_request=None) -> list[BeamSearchOutput]:
+def _run_wave(engine, prompts: list[list[int]], params: BeamSearchParams, loras: list) -> list[BeamSearchOutput]:
     width = params.beam_width
     scheduler, runner = engine.scheduler, engine.runner
     ids = itertools.count()
     sampling = SamplingParams(temperature=0.0, logprobs=2 * width, max_tokens=params.max_tokens,
                               ignore_eos=True, detokenize=False)
-    salt = engine._add_lora(lora_request, None)
     groups = []
-    for prompt in prompts:
+    for prompt, lora in zip(prompts, loras):
         engine._validate(prompt, sampling)
         root = Request(f"beam-{next(ids)}", prompt, sampling, engine.eos_token_ids, seed=0,
-                       max_tokens=params.max_tokens, cache_salt=salt, lora_request=lora_request)
+                       max_tokens=params.max_tokens, cache_salt=engine._add_lora(lora, None), lora_request=lora)
         scheduler.add_request(root)
         groups.append(_Group(prompt, params, root))
 
     def new_request(parent: Request) -> Request:
         return Request(f"beam-{next(ids)}", parent.prompt_token_ids, sampling, engine.eos_token_ids, seed=0,
-                       max_tokens=params.max_tokens, cache_salt=salt, lora_request=lora_request)
+                       max_tokens=params.max_tokens, cache_salt=parent.cache_salt, lora_request=parent.lora_request)
 
     # request id -> its SampledToken since the last selection. A beam with such a token is parked
     # (scheduler.pause: out of scheduling, keeping its blocks) until its group selects: it must not decode

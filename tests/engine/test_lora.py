@@ -196,9 +196,13 @@ def test_the_prefix_cache_is_keyed_by_adapter(llm):
 def test_beam_search_and_n_take_the_adapter(llm):
     prompt = prompts()[2]
     greedy = llm.generate({"prompt_token_ids": prompt}, PARAMS, use_tqdm=False, lora_request=lora(1))[0]
-    beams = llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=1, max_tokens=MAX_TOKENS,
-                                                                             ignore_eos=True), lora_request=lora(1))
+    base = llm.generate({"prompt_token_ids": prompt}, PARAMS, use_tqdm=False)[0]
+    beam = BeamSearchParams(beam_width=1, max_tokens=MAX_TOKENS, ignore_eos=True)
+    beams = llm.beam_search([{"prompt_token_ids": prompt}], beam, lora_request=lora(1))
     assert beams[0].sequences[0].tokens[len(prompt):] == greedy.outputs[0].token_ids
+    per_prompt = llm.beam_search([{"prompt_token_ids": prompt}] * 2, beam, lora_request=[None, lora(1)])
+    assert [b.sequences[0].tokens[len(prompt):] for b in per_prompt] == [base.outputs[0].token_ids,
+                                                                         greedy.outputs[0].token_ids]
     n2 = llm.generate({"prompt_token_ids": prompt}, SamplingParams(n=2, temperature=0.0, max_tokens=MAX_TOKENS,
                                                                    ignore_eos=True),
                       use_tqdm=False, lora_request=lora(1))[0]
