@@ -73,8 +73,8 @@ class DataParallelEngine:
         request_id = str(request_id)
         if request_id in self._owner:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        route_salt = salt if lora_request is None else f"{salt or ''}\x00lora {lora_request.lora_int_id}"
-        engine = self.route(token_ids, route_salt)
+        from jaxpaged.lora.request import lora_cache_salt
+        engine = self.route(token_ids, lora_cache_salt(salt, lora_request))
         tokenized = {"prompt_token_ids": token_ids}
         if text is not None:
             tokenized["prompt"] = text

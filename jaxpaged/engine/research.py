@@ -85,7 +85,8 @@ class ResearchMixin:
         if self.lora is None:
             raise ValueError("lora_request needs an engine started with enable_lora=True")
         self.lora.add(lora_request, pinned=self._loras_in_use())
-        return f"{cache_salt or ''}\x00lora {lora_request.lora_int_id}"
+        from jaxpaged.lora.request import lora_cache_salt
+        return lora_cache_salt(cache_salt, lora_request)
 
     def _loras_in_use(self) -> set[int]:
         return {seq.request.lora_int_id for seq in self._seqs.values() if seq.request.lora_int_id}

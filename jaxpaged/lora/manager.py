@@ -34,7 +34,7 @@ class LoRAManager:
         self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
         self.registered: dict[int, LoRARequest] = {}                          # add_lora / requests' adapters
         self._host: collections.OrderedDict[int, HostAdapter] = collections.OrderedDict()   # LRU, host copies
-        self.slots: list[int | None] = [None] * max_loras                   # adapter id in each device slot
+        self.slots: list[LoRARequest | None] = [None] * max_loras           # the adapter in each device slot
         self._last_used = [0] * max_loras
         self._clock = 0
         self.num_loads = 0                                                    # slot writes (a metric)
@@ -88,15 +88,16 @@ class LoRAManager:
             request.lora_slot = slot
 
     def _slot_of(self, lora: LoRARequest, in_use: set[int]) -> int:
-        if lora.lora_int_id in self.slots:
-            return self.slots.index(lora.lora_int_id)
-        free = [s for s, held in enumerate(self.slots) if held is None or held not in in_use]
+        for slot, held in enumerate(self.slots):   # the same id and folder (an id re-added elsewhere is new)
+            if held is not None and (held.lora_int_id, held.lora_path) == (lora.lora_int_id, lora.lora_path):
+                return slot
+        free = [s for s, held in enumerate(self.slots) if held is None or held.lora_int_id not in in_use]
         if not free:
             raise RuntimeError(f"no LoRA slot for adapter {lora.lora_name!r}: {self.max_loras} in use "
                                "(the scheduler runs at most max_loras adapters at once)")
         slot = min(free, key=lambda s: (self.slots[s] is not None, self._last_used[s]))
         self._write(slot, self._host_copy(lora, in_use))
-        self.slots[slot] = lora.lora_int_id
+        self.slots[slot] = lora
         return slot
 
     def _write(self, slot: int, adapter: HostAdapter) -> None:
@@ -127,7 +128,7 @@ class LoRAManager:
         self.slots = [None] * self.max_loras
 
     def loaded(self) -> list[int]:
-        return [i for i in self.slots if i is not None]
+        return [held.lora_int_id for held in self.slots if held is not None]
 
 
 def _replicated(array: jax.Array):

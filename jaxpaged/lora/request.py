@@ -21,3 +21,11 @@ class LoRARequest:
             raise ValueError(f"lora_int_id must be an int >= 1, got {self.lora_int_id!r}")
         if not isinstance(self.lora_path, str) or not self.lora_path:
             raise ValueError(f"lora_path must be the adapter's folder, got {self.lora_path!r}")
+
+
+def lora_cache_salt(cache_salt: str | None, lora_request: "LoRARequest | None") -> str | None:
+    """The prefix-cache salt of a request's blocks: its own salt, and its adapter (id and folder) if
+    any: K/V computed with one adapter is never found by the base model or another adapter."""
+    if lora_request is None:
+        return cache_salt
+    return f"{cache_salt or ''}\x00lora {lora_request.lora_int_id} {lora_request.lora_path}"

@@ -253,3 +253,13 @@ def test_an_engine_without_enable_lora_refuses_adapters():
         tiny_llm("qwen2").generate([5, 6, 7], PARAMS, use_tqdm=False, lora_request=lora(1))
     with pytest.raises(ValueError, match="max_loras"):
         LLM(tiny_checkpoint(ARCH), enable_lora=True, max_loras=0)
+
+
+def test_an_id_removed_and_added_again_with_another_folder_is_the_new_adapter(llm):
+    prompt = {"prompt_token_ids": list(range(3, 43))}
+    first = llm.generate(prompt, PARAMS, use_tqdm=False, lora_request=LoRARequest("x", 30, adapter(1)))[0]
+    assert llm.remove_lora(30)
+    second = llm.generate(prompt, PARAMS, use_tqdm=False, lora_request=LoRARequest("x", 30, adapter(2)))[0]
+    assert second.num_cached_tokens == 0   # not the first folder's K/V
+    assert tokens_and_logprobs(first)[0] == oracle(adapter(1), prompt["prompt_token_ids"])[0]
+    assert tokens_and_logprobs(second)[0] == oracle(adapter(2), prompt["prompt_token_ids"])[0]
