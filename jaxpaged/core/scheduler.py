@@ -245,7 +245,7 @@ class Scheduler:
     def _lora_fits(self, request: Request, loras: set[int]) -> bool:
         """The request's adapter is running already, or one more fits under max_loras."""
         lora = request.lora_int_id
-        return not lora or lora in loras or len(loras - {0}) < self.config.max_loras
+        return not lora or lora in loras or len(loras) - (0 in loras) < self.config.max_loras   # 0: base, no slot
 
     @staticmethod
     def _num_seats(request: Request) -> int:

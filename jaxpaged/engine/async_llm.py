@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine, StepFailedError
+from jaxpaged.engine.research import AsyncResearchMixin
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
@@ -108,7 +109,7 @@ def _check_max_num_waiting(value) -> None:
         raise ValueError(f"max_num_waiting must be an integer >= 1 or None, got {value!r}")
 
 
-class AsyncLLM:
+class AsyncLLM(AsyncResearchMixin):
     """Serve many concurrent callers from one continuously batched engine."""
 
     def __init__(self, engine: LLMEngine, max_num_waiting: int | None = None):
@@ -213,43 +214,6 @@ class AsyncLLM:
         if not self._send(("call", fn, (loop, done))):
             raise RuntimeError("AsyncLLM is shut down")
         return await done
-
-    async def _on_replicas(self, method: str, *args) -> list:
-        """engine.method(*args) on every data-parallel replica, on the engine thread; their results."""
-        return await self.call(lambda engine: [getattr(r, method)(*args) for r in engine.replicas()])
-
-    async def update_weights(self, weights) -> None:
-        """LLMEngine.update_weights on every replica (requests in flight finish on their weights first,
-        unless paused; new requests wait meanwhile)."""
-        await self._on_replicas("update_weights", weights if isinstance(weights, dict) else list(weights))
-
-    async def reset_prefix_cache(self) -> None:
-        await self._on_replicas("reset_prefix_cache")
-
-    async def pause_generation(self) -> None:
-        await self._on_replicas("pause_generation")
-
-    async def resume_generation(self) -> None:
-        await self._on_replicas("resume_generation")
-
-    async def sleep(self, level: int = 1) -> None:
-        await self._on_replicas("sleep", level)
-
-    async def wake_up(self) -> None:
-        await self._on_replicas("wake_up")
-
-    async def is_sleeping(self) -> bool:
-        return any(await self._on_replicas("is_sleeping"))
-
-    async def add_lora(self, lora_request) -> bool:
-        """Register an adapter (its folder is read now: ValueError if it cannot be used)."""
-        return all(await self._on_replicas("add_lora", lora_request))
-
-    async def remove_lora(self, lora_int_id: int) -> bool:
-        return any(await self._on_replicas("remove_lora", lora_int_id))
-
-    async def list_loras(self) -> set[int]:
-        return set().union(*await self._on_replicas("list_loras"))
 
     def get_metrics(self) -> dict[str, float]:
         """The engine's `jaxpaged:*` counters and gauges as of its last step or command (summed over

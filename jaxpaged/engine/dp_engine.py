@@ -21,6 +21,7 @@ import logging
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine, StepFailedError
 from jaxpaged.engine.metrics import PREFIX
+from jaxpaged.lora.request import lora_cache_salt
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 
@@ -73,7 +74,6 @@ class DataParallelEngine:
         request_id = str(request_id)
         if request_id in self._owner:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        from jaxpaged.lora.request import lora_cache_salt
         engine = self.route(token_ids, lora_cache_salt(salt, lora_request))
         tokenized = {"prompt_token_ids": token_ids}
         if text is not None:

@@ -4,6 +4,7 @@ placed in device slots. Each runs on the engine's thread, between two steps."""
 
 from flax import nnx
 
+from jaxpaged.lora.request import lora_cache_salt
 from jaxpaged.outputs import RequestOutput
 
 
@@ -85,7 +86,6 @@ class ResearchMixin:
         if self.lora is None:
             raise ValueError("lora_request needs an engine started with enable_lora=True")
         self.lora.add(lora_request, pinned=self._loras_in_use())
-        from jaxpaged.lora.request import lora_cache_salt
         return lora_cache_salt(cache_salt, lora_request)
 
     def _loras_in_use(self) -> set[int]:
@@ -112,3 +112,45 @@ class ResearchMixin:
 
     def list_loras(self) -> set[int]:
         return set(self.lora.registered) if self.lora is not None else set()
+
+
+class AsyncResearchMixin:
+    """AsyncLLM's side of the same calls: coroutines run on the engine thread between two steps
+    (through AsyncLLM.call), on every data-parallel replica."""
+
+    async def _on_replicas(self, method: str, *args) -> list:
+        """engine.method(*args) on every data-parallel replica, on the engine thread; their results."""
+        return await self.call(lambda engine: [getattr(r, method)(*args) for r in engine.replicas()])
+
+    async def update_weights(self, weights) -> None:
+        """LLMEngine.update_weights on every replica (requests in flight finish on their weights first,
+        unless paused; new requests wait meanwhile)."""
+        await self._on_replicas("update_weights", weights if isinstance(weights, dict) else list(weights))
+
+    async def reset_prefix_cache(self) -> None:
+        await self._on_replicas("reset_prefix_cache")
+
+    async def pause_generation(self) -> None:
+        await self._on_replicas("pause_generation")
+
+    async def resume_generation(self) -> None:
+        await self._on_replicas("resume_generation")
+
+    async def sleep(self, level: int = 1) -> None:
+        await self._on_replicas("sleep", level)
+
+    async def wake_up(self) -> None:
+        await self._on_replicas("wake_up")
+
+    async def is_sleeping(self) -> bool:
+        return any(await self._on_replicas("is_sleeping"))
+
+    async def add_lora(self, lora_request) -> bool:
+        """Register an adapter (its folder is read now: ValueError if it cannot be used)."""
+        return all(await self._on_replicas("add_lora", lora_request))
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return any(await self._on_replicas("remove_lora", lora_int_id))
+
+    async def list_loras(self) -> set[int]:
+        return set().union(*await self._on_replicas("list_loras"))

@@ -14,7 +14,7 @@ import functools
 import jax
 import numpy as np
 
-from jaxpaged.lora.peft import MODULES, HostAdapter, load_peft_adapter
+from jaxpaged.lora.peft import HostAdapter, load_peft_adapter
 from jaxpaged.lora.request import LoRARequest
 
 
@@ -37,7 +37,6 @@ class LoRAManager:
         self.slots: list[LoRARequest | None] = [None] * max_loras           # the adapter in each device slot
         self._last_used = [0] * max_loras
         self._clock = 0
-        self.num_loads = 0                                                    # slot writes (a metric)
 
     # ---- adapters known to the engine -------------------------------------------------------
     def add(self, lora: LoRARequest, pinned: set[int] = frozenset()) -> None:
@@ -100,26 +99,20 @@ class LoRAManager:
         self.slots[slot] = lora
         return slot
 
-    def _write(self, slot: int, adapter: HostAdapter) -> None:
-        stacks = self.state["lora"]
-        for module in MODULES:
-            for part, values in (("a", adapter.a), ("b", adapter.b)):
-                variable = stacks[f"{module}_{part}"]
-                stack = variable.get_value()
-                value = values.get(module)
-                if value is None:   # a module the adapter leaves alone: zeros
-                    value = np.zeros((stack.shape[0], *stack.shape[2:]), stack.dtype)
-                value = jax.device_put(value, _replicated(stack))
-                variable.set_value(_set_slot(stack, np.int32(slot), value))
-        self.num_loads += 1
+    def _write(self, slot: int, adapter: HostAdapter | None) -> None:
+        """Write `adapter` into `slot` of every stack (zeros for the modules it leaves alone; all
+        zeros for None)."""
+        for name, variable in self.state["lora"].items():
+            module, part = name.rsplit("_", 1)
+            stack = variable.get_value()
+            value = None if adapter is None else getattr(adapter, part).get(module)
+            if value is None:
+                value = np.zeros((stack.shape[0], *stack.shape[2:]), stack.dtype)
+            variable.set_value(_set_slot(stack, np.int32(slot), jax.device_put(value, _replicated(stack))))
 
     def warm_up(self) -> None:
         """Compile the slot writes (slot 0 rewritten with zeros), so no adapter compiles when it loads."""
-        stacks = self.state["lora"]
-        for variable in stacks.values():
-            stack = variable.get_value()
-            zeros = jax.device_put(np.zeros((stack.shape[0], *stack.shape[2:]), stack.dtype), _replicated(stack))
-            variable.set_value(_set_slot(stack, np.int32(0), zeros))
+        self._write(0, None)
         self.slots[0] = None
 
     def forget_slots(self) -> None:
@@ -127,8 +120,6 @@ class LoRAManager:
         each adapter is written again when next scheduled."""
         self.slots = [None] * self.max_loras
 
-    def loaded(self) -> list[int]:
-        return [held.lora_int_id for held in self.slots if held is not None]
 
 
 def _replicated(array: jax.Array):

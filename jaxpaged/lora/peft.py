@@ -30,8 +30,7 @@ _UNSUPPORTED = {"use_dora": False, "bias": "none", "modules_to_save": None, "fan
 
 def module_sizes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """module -> (in, out) of the logical (unsharded, un-repeated) linear."""
-    d, q, kv, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, \
-        cfg.intermediate_size
+    d, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
     return {"q": (d, q), "k": (d, kv), "v": (d, kv), "o": (q, d), "gate": (d, inter), "up": (d, inter),
             "down": (inter, d)}
 

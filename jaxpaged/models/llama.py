@@ -136,7 +136,7 @@ class LlamaFamilyForCausalLM(nnx.Module):
     behind the layer axis) is scanned, a list of one dict per layer is unrolled."""
 
     def __init__(self, cfg: ModelConfig, weights: dict, attention_backend: str = "reference",
-                 shard_plan: ShardPlan = ShardPlan(), quantized_matmul: str = "auto", lora: dict | None = None):
+                 shard_plan: ShardPlan = ShardPlan(), quantized_matmul: str = "auto"):
         self.config = cfg
         self.attention_backend = attention_backend   # a resolved name (see pallas_kernels.backends)
         self.shard_plan = shard_plan                 # the devices the weights lie on (jaxpaged.parallel)
@@ -148,8 +148,8 @@ class LlamaFamilyForCausalLM(nnx.Module):
         # f32[num_layers, 2]: each layer's K and V scale in an fp8 KV pool (stored = value / scale); unused
         # by a pool in the model dtype. 1.0 unless calculate_kv_scales measures them on the first step
         self.kv_scales = nnx.Param(shard_plan.put(np.ones((cfg.num_layers, 2), np.float32)))
-        # LoRA stacks (`lora_shapes`), or None: an engine without enable_lora computes no LoRA at all
-        self.lora = nnx.Dict({k: nnx.Param(v) for k, v in lora.items()}) if lora is not None else None
+        # LoRA stacks (`lora_shapes`, see attach_lora), or None: an engine without enable_lora computes no LoRA
+        self.lora = None
         layers = weights["layers"]
         self.scan_layers = isinstance(layers, dict)
         depths = ({leaf.shape[0] for leaf in jax.tree.leaves(layers)} if self.scan_layers else {len(layers)})
