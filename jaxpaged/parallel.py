@@ -14,7 +14,8 @@ Layout (global view, our [in, out] weights):
     wo, w_down        rows     (the all-reduce follows)
     embed [V, d]      rows     (vocabulary-parallel)
     lm_head [d, V]    columns  (vocabulary-parallel)
-    norms, bo, b_down replicated
+    norms, bo, b_down replicated (routers and shared-expert gates too)
+    w_experts_*       axis 0 (experts, whole: expert parallelism, see jaxpaged.models.moe)
     kv_pool           axis 3 (KV heads)
 
 The fused q/k/v and gate/up columns are stored shard-major (`fuse_columns`), so each device's
@@ -46,6 +47,9 @@ LAYER_SPECS = {
     "wo": P(MODEL_AXIS, None), "bo": P(),
     "w_gate_up": P(None, MODEL_AXIS), "b_gate_up": P(MODEL_AXIS),
     "w_down": P(MODEL_AXIS, None), "b_down": P(),
+    "attn_out_norm": P(), "mlp_out_norm": P(), "router": P(), "shared_gate": P(),
+    # experts: each device holds num_experts / tp of them whole (expert parallelism, jaxpaged.models.moe)
+    "w_experts_gate_up": P(MODEL_AXIS, None, None), "w_experts_down": P(MODEL_AXIS, None, None),
 }
 TOP_SPECS = {"embed": P(MODEL_AXIS, None), "lm_head": P(None, MODEL_AXIS), "final_norm": P()}
 POOL_SPEC = P(None, None, None, MODEL_AXIS)      # [layers, 2, blocks, kv_heads, block_size, head_dim]
@@ -58,16 +62,22 @@ def check_tensor_parallel(cfg, tp: int) -> None:
     if tp == 1:
         return
     kv = cfg.num_kv_heads
-    ok = (cfg.num_heads % tp == 0 and cfg.intermediate_size % tp == 0 and cfg.vocab_size % tp == 0
-          and (kv % tp == 0 or tp % kv == 0))
-    if not ok:
-        allowed = [t for t in range(1, cfg.num_heads + 1)
-                   if cfg.num_heads % t == 0 and cfg.intermediate_size % t == 0 and cfg.vocab_size % t == 0
-                   and (kv % t == 0 or t % kv == 0)]
+    sizes = {"attention heads": cfg.num_heads, "vocabulary": cfg.vocab_size}
+    if not cfg.is_moe or cfg.dense_layers:
+        sizes["intermediate size"] = cfg.intermediate_size
+    if cfg.is_moe:
+        sizes["experts"] = cfg.num_experts
+    if cfg.shared_expert_size:
+        sizes["shared expert size"] = cfg.shared_expert_size
+
+    def fits(t: int) -> bool:
+        return all(n % t == 0 for n in sizes.values()) and (kv % t == 0 or t % kv == 0)
+
+    if not fits(tp):
+        allowed = [t for t in range(1, cfg.num_heads + 1) if fits(t)]
         raise ValueError(
-            f"tensor_parallel_size must divide the model's {cfg.num_heads} attention heads, its intermediate size "
-            f"{cfg.intermediate_size} and vocabulary {cfg.vocab_size}, and divide or be a multiple of its {kv} KV "
-            f"heads: one of {allowed}, got {tp}")
+            f"tensor_parallel_size must divide the model's {', '.join(f'{k} ({n})' for k, n in sizes.items())}, "
+            f"and divide or be a multiple of its {kv} KV heads: one of {allowed}, got {tp}")
 
 
 def kv_head_replicas(num_kv_heads: int, tp: int) -> int:

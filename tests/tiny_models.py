@@ -9,6 +9,11 @@ import os
 import tempfile
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# the families beyond Llama's (phi3-longrope: long-rope scaling and a partial rotary, short and long prompts)
+FAMILIES = ("phi3", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe")
+_CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
+            "gemma2": "Gemma2", "gemma3": "Gemma3", "mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe",
+            "qwen3_moe": "Qwen3Moe"}
 _ROOT = tempfile.mkdtemp(prefix="jaxpaged-tiny-")
 
 
@@ -38,6 +43,37 @@ def _config(arch: str, **overrides):
         cfg = transformers.Qwen2Config(**{**common, "tie_word_embeddings": False, **overrides})
     elif arch == "qwen3":
         cfg = transformers.Qwen3Config(**{**common, "head_dim": 32, "tie_word_embeddings": True, **overrides})
+    elif arch == "phi3":
+        if overrides.pop("rope", None) == "longrope":   # 4 of 16 head dims rotate; long factors past 32 tokens
+            common.update(max_position_embeddings=128, rope_parameters={
+                "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+                "partial_rotary_factor": 0.5, "short_factor": [1.0, 1.5, 2.0, 3.0],
+                "long_factor": [2.0, 4.0, 8.0, 16.0]})
+        cfg = transformers.Phi3Config(**{**common, "sliding_window": None, **overrides})
+    elif arch in ("gemma2", "gemma3"):
+        layer_types = ["sliding_attention", "full_attention", "sliding_attention"]
+        gemma = dict(head_dim=32, sliding_window=12, layer_types=layer_types, hidden_activation="gelu_pytorch_tanh")
+        if arch == "gemma2":   # caps low enough to bite on these weights
+            cfg = transformers.Gemma2Config(**{**common, **gemma, "query_pre_attn_scalar": 24,
+                                               "attn_logit_softcapping": 4.0, "final_logit_softcapping": 8.0,
+                                               **overrides})
+        else:
+            rope = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+            cfg = transformers.Gemma3TextConfig(**{**common, **gemma, "query_pre_attn_scalar": 32,
+                                                   "rope_parameters": rope, **overrides})
+            cfg.architectures = ["Gemma3ForCausalLM"]
+    elif arch == "mixtral":
+        cfg = transformers.MixtralConfig(**{**common, "num_local_experts": 8, "num_experts_per_tok": 2,
+                                            "tie_word_embeddings": False, **overrides})
+    elif arch == "qwen2_moe":   # a shared expert, top-k not renormalized, layer 1 dense (unrolled layers)
+        cfg = transformers.Qwen2MoeConfig(**{**common, "num_experts": 8, "num_experts_per_tok": 2,
+                                             "moe_intermediate_size": 48, "shared_expert_intermediate_size": 96,
+                                             "norm_topk_prob": False, "mlp_only_layers": [1], **overrides})
+    elif arch == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(**{**common, "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
+                                             "moe_intermediate_size": 48, "norm_topk_prob": True,
+                                             "tie_word_embeddings": True, **overrides})
     else:
         raise ValueError(arch)
     return cfg
@@ -50,13 +86,12 @@ def tiny_checkpoint(arch: str, **overrides) -> str:
     import transformers
 
     cfg = _config(arch, **overrides)
-    cls = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
-           "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}[arch]
+    cls = getattr(transformers, f"{_CLASSES[arch]}ForCausalLM")
     torch.manual_seed(sum(map(ord, arch)))
     model = cls(cfg).to(torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.ndim == 2:
+            if p.ndim >= 2:
                 p.normal_(0.0, 0.15)
             elif "bias" in name:
                 p.normal_(0.0, 0.1)

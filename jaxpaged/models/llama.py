@@ -1,4 +1,5 @@
-"""One Flax NNX decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3).
+"""One Flax NNX decoder for every supported family (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3, and the
+mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE): one layer body and its switches (`ModelConfig`).
 
 One layer body (`_decoder_layer`) and two loops over it, chosen when the model is loaded:
 
@@ -6,17 +7,21 @@ One layer body (`_decoder_layer`) and two loops over it, chosen when the model i
   stack. One layer is compiled whatever the depth: the default on GPU and TPU.
 - unrolled: each layer owns its arrays and a Python loop unrolls in the jitted step. Compile
   time grows with depth, but XLA on CPU copies each layer's weights out of a scanned stack at
-  every iteration; unrolled, decode steps run 10-20% faster: the default on CPU.
+  every iteration; unrolled, decode steps run 10-20% faster. Layers of different shapes (an
+  MoE model's dense layers, `ModelConfig.dense_layers`) can only be unrolled.
 
 The KV pool (one array, [num_layers, 2, ...], see `pallas_kernels.layout`) is threaded
-through the layers whole: in the scan it is part of the carry, and the layer index and the
-layer's sliding window (0 = full attention; they differ per layer in Qwen2) are scanned i32
-arrays. Each layer scatters its new K/V into its own plane at that index and attends over the
-pool through block tables. The scatter is in place in both loops (the step donates the pool,
-and a loop carry is updated in place): no layer copies the pool.
+through the layers whole: in the scan it is part of the carry, and the layer index, the
+layer's sliding window (0 = full attention; they differ per layer in Qwen2 and Gemma) and
+whether it rotates with the local rope base (Gemma 3) are scanned i32 arrays. Each layer
+scatters its new K/V into its own plane at that index and attends over the pool through block
+tables. The scatter is in place in both loops (the step donates the pool, and a loop carry is
+updated in place): no layer copies the pool.
 
 q/k/v and gate/up are fused into one matmul each: fewer, larger matmuls. Any matmul weight may
 be a `QuantizedWeight` (see `jaxpaged.models.quantization`): every matmul goes through `linear`.
+A mixture-of-experts layer replaces the MLP by `jaxpaged.models.moe.moe_mlp` (plus Qwen2-MoE's
+shared expert, which is the dense MLP's weights with a sigmoid gate).
 
 Multi-LoRA (`lora`): every adapter slot's A and B of each projection, stacked [num_layers, slots,
 ...] (jaxpaged.lora.peft's layout, zeros where a slot or module is empty), and each token's slot in
@@ -35,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpaged.models.batch import ForwardBatch
 from jaxpaged.models.config import ModelConfig
+from jaxpaged.models.moe import activation, moe_mlp, resolve_moe_impl
 from jaxpaged.models.quantization import QuantizedWeight, embedding_lookup, linear, matmul_kernel
 from jaxpaged.parallel import MODEL_AXIS, ShardPlan
 from pallas_kernels import write_kv
@@ -42,17 +48,31 @@ from pallas_kernels.layout import calibrated_kv_scale, is_fp8, scaled_attention
 from pallas_kernels.backends import get_attention
 
 
-def layer_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """name -> shape of one layer's weights (a scanned model stacks each on a leading [num_layers] axis)."""
-    d, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+def layer_weight_shapes(cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, ...]]:
+    """name -> shape of layer `layer`'s weights (a scanned model stacks each on a leading [num_layers] axis;
+    its layers are alike, `cfg.uniform_layers`)."""
+    d, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
+    moe = cfg.is_moe_layer(layer)
+    inter = cfg.shared_expert_size if moe else cfg.intermediate_size   # the dense MLP's (or shared expert's)
     shapes = {
         "input_norm": (d,),
         "post_norm": (d,),
         "wqkv": (d, q + 2 * kv),
         "wo": (q, d),
-        "w_gate_up": (d, 2 * inter),
-        "w_down": (inter, d),
     }
+    if inter:
+        shapes["w_gate_up"] = (d, 2 * inter)
+        shapes["w_down"] = (inter, d)
+    if moe:
+        e, mi = cfg.num_experts, cfg.moe_intermediate_size
+        shapes["router"] = (d, e)
+        shapes["w_experts_gate_up"] = (e, d, 2 * mi)
+        shapes["w_experts_down"] = (e, mi, d)
+        if cfg.shared_expert_size:
+            shapes["shared_gate"] = (d, 1)
+    if cfg.sandwich_norms:
+        shapes["attn_out_norm"] = (d,)
+        shapes["mlp_out_norm"] = (d,)
     if cfg.qkv_bias:
         shapes["bqkv"] = (q + 2 * kv,)
     if cfg.o_bias:
@@ -97,19 +117,30 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm in f32, times (offset + weight): Gemma's norms hold w with offset 1."""
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (x32 * weight.astype(jnp.float32)).astype(x.dtype)
+    return (x32 * (weight.astype(jnp.float32) + offset)).astype(x.dtype)
 
 
-def rotary_cos_sin(cfg: ModelConfig, positions: jax.Array, seq_lens: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [num_tokens, head_dim // 2] for each token's absolute position.
+def rotary_cos_sin(cfg: ModelConfig, positions: jax.Array, seq_lens: jax.Array | None,
+                   local: bool = False) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [num_tokens, rotary_dim // 2] for each token's absolute position.
 
-    Dynamic NTK scaling stretches the base once a sequence outgrows the trained length,
-    as transformers does; `seq_lens` (i32[num_tokens]) is each token's sequence length.
+    Dynamic NTK scaling stretches the base once a sequence outgrows the trained length, and
+    longrope takes its long factors then, as transformers does; `seq_lens` (i32[num_tokens]) is
+    each token's sequence length. `local`: the local layers' rope (Gemma 3's own base).
     """
+    if local:
+        freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(cfg.inv_freq(local=True))[None, :]
+        return jnp.cos(freqs), jnp.sin(freqs)
     inv_freq = jnp.asarray(cfg.inv_freq())[None, :]
+    if cfg.rope_type == "longrope":
+        long = (seq_lens > cfg.rope_original_max_positions)[:, None]
+        inv_freq = jnp.where(long, jnp.asarray(cfg.inv_freq(long=True))[None, :], inv_freq)
+        freqs = positions.astype(jnp.float32)[:, None] * inv_freq
+        return jnp.cos(freqs) * cfg.rope_attention_factor, jnp.sin(freqs) * cfg.rope_attention_factor
     if cfg.rope_type == "dynamic":
         dim = cfg.head_dim
         max_pos = cfg.max_position_embeddings
@@ -122,12 +153,13 @@ def rotary_cos_sin(cfg: ModelConfig, positions: jax.Array, seq_lens: jax.Array) 
 
 
 def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x [T, heads, head_dim] with transformers' rotate-half layout (not interleaved)."""
+    """x [T, heads, head_dim] with transformers' rotate-half layout (not interleaved) over its first
+    2 x cos.shape[-1] dims (all of them, or a partial rotary's); the rest pass through."""
     x32 = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    x1, x2 = x32[..., :half], x32[..., half:]
+    half = cos.shape[-1]
+    x1, x2, rest = x32[..., :half], x32[..., half:2 * half], x32[..., 2 * half:]
     c, s = cos[:, None, :], sin[:, None, :]
-    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, rest], axis=-1).astype(x.dtype)
 
 
 class LlamaFamilyForCausalLM(nnx.Module):
@@ -136,11 +168,13 @@ class LlamaFamilyForCausalLM(nnx.Module):
     behind the layer axis) is scanned, a list of one dict per layer is unrolled."""
 
     def __init__(self, cfg: ModelConfig, weights: dict, attention_backend: str = "reference",
-                 shard_plan: ShardPlan = ShardPlan(), quantized_matmul: str = "auto"):
+                 shard_plan: ShardPlan = ShardPlan(), quantized_matmul: str = "auto", moe_impl: str = "auto"):
         self.config = cfg
         self.attention_backend = attention_backend   # a resolved name (see pallas_kernels.backends)
         self.shard_plan = shard_plan                 # the devices the weights lie on (jaxpaged.parallel)
         self.quantized_matmul = quantized_matmul     # a quantized decode matmul's kernel (quantization.matmul_kernel)
+        # an MoE layer's grouped matmul (jaxpaged.models.moe)
+        self.moe_impl = resolve_moe_impl(moe_impl, shard_plan.devices[0].platform)
         self.dtype = weights["final_norm"].dtype   # the activations' (norms are never quantized)
         self.embed = nnx.Param(weights["embed"])   # [vocab, hidden], or a QuantizedWeight [hidden, vocab]
         self.final_norm = nnx.Param(weights["final_norm"])
@@ -167,7 +201,7 @@ class LlamaFamilyForCausalLM(nnx.Module):
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         cfg = self.config
-        hidden = rms_norm(hidden, self.final_norm[...], cfg.rms_norm_eps)
+        hidden = rms_norm(hidden, self.final_norm[...], cfg.rms_norm_eps, cfg.norm_offset)
         embed = self.embed.get_value()
         if self.lm_head is not None:
             logits = self.matmul(hidden, self.lm_head.get_value(), "lm_head")
@@ -175,12 +209,12 @@ class LlamaFamilyForCausalLM(nnx.Module):
             logits = self.matmul(hidden, embed, "lm_head")
         else:
             logits = jnp.einsum("td,vd->tv", hidden, embed)
-        return logits.astype(jnp.float32)
+        return _soft_capped(logits.astype(jnp.float32), cfg.final_softcap)
 
     def compute_logits_transposed(self, hidden: jax.Array) -> jax.Array:
         """f32[vocab, rows]: the same logits as compute_logits, laid out vocabulary-major."""
         cfg = self.config
-        hidden = rms_norm(hidden, self.final_norm[...], cfg.rms_norm_eps)
+        hidden = rms_norm(hidden, self.final_norm[...], cfg.rms_norm_eps, cfg.norm_offset)
         head = self.embed.get_value() if self.lm_head is None else self.lm_head.get_value()
         if isinstance(head, QuantizedWeight):
             logits = self.matmul(hidden, head, "lm_head").T
@@ -188,7 +222,7 @@ class LlamaFamilyForCausalLM(nnx.Module):
             logits = head @ hidden.T
         else:
             logits = jnp.einsum("dv,td->vt", head, hidden)
-        return logits.astype(jnp.float32)
+        return _soft_capped(logits.astype(jnp.float32), cfg.final_softcap)
 
     def matmul(self, x: jax.Array, w, name: str) -> jax.Array:
         """x @ the weight `name` (plain or quantized; a quantized decode step through the kernel, per shard)."""
@@ -201,33 +235,38 @@ class LlamaFamilyForCausalLM(nnx.Module):
         cfg = self.config
         md = batch.attn
         hidden = embedding_lookup(self.embed.get_value(), batch.input_ids, self.dtype)
+        if cfg.embed_scale != 1.0:
+            hidden = hidden * jnp.asarray(cfg.embed_scale, hidden.dtype)
         seq_lens = None
-        if cfg.rope_type == "dynamic":
+        if cfg.rope_type in ("dynamic", "longrope"):
             token_seq = jnp.searchsorted(md.cu_q_lens[1:], jnp.arange(batch.input_ids.shape[0]), side="right")
             seq_lens = md.kv_lens[jnp.clip(token_seq, 0, md.kv_lens.shape[0] - 1)]
-        cos, sin = rotary_cos_sin(cfg, batch.positions, seq_lens)
+        rope = rotary_cos_sin(cfg, batch.positions, seq_lens)
+        local_rope = rotary_cos_sin(cfg, batch.positions, seq_lens, local=True) if cfg.local_rope_theta else rope
         lora = None if self.lora is None else {k: v.get_value() for k, v in self.lora.items()}
         onehot = None
         if lora is not None:
             slots = lora["q_a"].shape[1]
             onehot = (batch.lora_index[:, None] == jnp.arange(slots, dtype=jnp.int32)[None, :]).astype(self.dtype)
         layer_fn = functools.partial(_decoder_layer, cfg, self.shard_plan, get_attention(self.attention_backend),
-                                     self.matmul, batch, cos, sin, onehot)
+                                     self.matmul, self.moe_impl, batch, rope, local_rope, onehot)
         if self.scan_layers:
             xs = ({k: v.get_value() for k, v in self.layers.items()}, jnp.arange(cfg.num_layers, dtype=jnp.int32),
-                  jnp.asarray(cfg.sliding_windows, jnp.int32), self.kv_scales[...], lora)
+                  jnp.asarray(cfg.sliding_windows, jnp.int32), jnp.asarray(cfg.local_rope_layers, jnp.bool_),
+                  self.kv_scales[...], lora)
 
             def scan_step(carry, xs):
-                hidden, kv_pool, kv_scale = layer_fn(*carry, *xs)
+                hidden, kv_pool, kv_scale = layer_fn(cfg.is_moe, *carry, *xs)
                 return (hidden, kv_pool), kv_scale
 
             (hidden, kv_pool), kv_scales = jax.lax.scan(scan_step, (hidden, kv_pool), xs)
         else:
             used = []
             for i, layer in enumerate(self.layers):
-                hidden, kv_pool, kv_scale = layer_fn(hidden, kv_pool, {k: v.get_value() for k, v in layer.items()},
+                hidden, kv_pool, kv_scale = layer_fn(cfg.is_moe_layer(i), hidden, kv_pool,
+                                                     {k: v.get_value() for k, v in layer.items()},
                                                      jnp.int32(i), jnp.int32(cfg.sliding_windows[i]),
-                                                     self.kv_scales[i],
+                                                     cfg.local_rope_layers[i], self.kv_scales[i],
                                                      None if lora is None else {k: v[i] for k, v in lora.items()})
                 used.append(kv_scale)
             kv_scales = jnp.stack(used)
@@ -235,20 +274,26 @@ class LlamaFamilyForCausalLM(nnx.Module):
         return kv_pool, hidden
 
 
-def _decoder_layer(cfg: ModelConfig, plan: ShardPlan, attention, matmul, batch: ForwardBatch, cos, sin, onehot,
-                   hidden, kv_pool, w, layer, window, kv_scale, lora):
+def _soft_capped(x: jax.Array, cap: float) -> jax.Array:
+    return x if not cap else cap * jnp.tanh(x / cap)
+
+
+def _decoder_layer(cfg: ModelConfig, plan: ShardPlan, attention, matmul, moe_impl: str, batch: ForwardBatch, rope,
+                   local_rope, onehot, moe: bool, hidden, kv_pool, w, layer, window, local, kv_scale, lora):
     """One layer (the body of both loops): (hidden, kv_pool) -> (hidden, kv_pool, kv_scale) with its K/V
     written and the K/V scales it wrote them with.
 
-    `w` holds this layer's weights (`layer_weight_shapes`); `layer` (i32[]) is its plane of the
-    pool, `window` (i32[]) its sliding window, 0 for full attention, `kv_scale` (f32[2]) its K and V
-    scales in an fp8 pool; `lora` this layer's LoRA stacks (None: no LoRA) and `onehot` [tokens,
-    slots] each token's adapter slot; `matmul(x, w, name)` multiplies by a weight (the model's `matmul`). The
-    fused q/k/v and gate/up columns are shard-major (see jaxpaged.parallel): viewed as [tokens, tp,
-    per shard], each device splits its own columns.
+    `w` holds this layer's weights (`layer_weight_shapes`); `moe` (static) whether its MLP is a mixture of
+    experts; `layer` (i32[]) is its plane of the pool, `window` (i32[]) its sliding window, 0 for full
+    attention, `local` (bool) whether it rotates with `local_rope` rather than `rope` (each a (cos, sin)
+    pair), `kv_scale` (f32[2]) its K and V scales in an fp8 pool; `lora` this layer's LoRA stacks (None: no
+    LoRA) and `onehot` [tokens, slots] each token's adapter slot; `matmul(x, w, name)` multiplies by a weight
+    (the model's `matmul`). The fused q/k/v and gate/up columns are shard-major (see jaxpaged.parallel):
+    viewed as [tokens, tp, per shard], each device splits its own columns.
     """
     num_tokens, tp = hidden.shape[0], plan.size
-    x = rms_norm(hidden, w["input_norm"], cfg.rms_norm_eps)
+    eps, offset = cfg.rms_norm_eps, cfg.norm_offset
+    x = rms_norm(hidden, w["input_norm"], eps, offset)
     qkv = matmul(x, w["wqkv"], "wqkv")
     if cfg.qkv_bias:
         qkv = qkv + w["bqkv"]
@@ -263,8 +308,9 @@ def _decoder_layer(cfg: ModelConfig, plan: ShardPlan, attention, matmul, batch: 
         k = k + lora_delta(x, lora, "k", onehot).reshape(k.shape)
         v = v + lora_delta(x, lora, "v", onehot).reshape(v.shape)
     if cfg.qk_norm:
-        q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+        q = rms_norm(q, w["q_norm"], eps, offset)
+        k = rms_norm(k, w["k_norm"], eps, offset)
+    cos, sin = (jnp.where(local, a, b) for a, b in zip(local_rope, rope)) if cfg.local_rope_theta else rope
     q = apply_rotary(q, cos, sin)
     k = apply_rotary(k, cos, sin)
 
@@ -273,8 +319,8 @@ def _decoder_layer(cfg: ModelConfig, plan: ShardPlan, attention, matmul, batch: 
 
     def write_and_attend(kv_pool, q, k, v, slot_mapping, md, layer, window, kv_scale):
         kv_pool = write_kv(kv_pool, layer, k, v, slot_mapping, kv_scale)
-        return kv_pool, scaled_attention(attention, q, kv_pool, layer, md, window, kv_scale,
-                                         sm_scale=cfg.head_dim ** -0.5)
+        return kv_pool, scaled_attention(attention, q, kv_pool, layer, md, window, kv_scale, soft_cap=cfg.attn_softcap,
+                                         sm_scale=cfg.attn_scale or cfg.head_dim ** -0.5)
 
     kv_pool, attn = plan.attention(write_and_attend)(kv_pool, q, k, v, batch.slot_mapping, batch.attn, layer, window,
                                                       kv_scale)
@@ -284,22 +330,44 @@ def _decoder_layer(cfg: ModelConfig, plan: ShardPlan, attention, matmul, batch: 
         out = out + lora_delta(attn, lora, "o", onehot)
     if cfg.o_bias:
         out = out + w["bo"]
+    if cfg.sandwich_norms:
+        out = rms_norm(out, w["attn_out_norm"], eps, offset)
     hidden = hidden + out
-    x = rms_norm(hidden, w["post_norm"], cfg.rms_norm_eps)
+    x = rms_norm(hidden, w["post_norm"], eps, offset)
+    mlp = _mlp(cfg, plan, matmul, w, x, moe, moe_impl, lora, onehot)
+    if cfg.sandwich_norms:
+        mlp = rms_norm(mlp, w["mlp_out_norm"], eps, offset)
+    return hidden + mlp, kv_pool, kv_scale
+
+
+def _mlp(cfg: ModelConfig, plan: ShardPlan, matmul, w, x, moe: bool, moe_impl: str, lora, onehot):
+    """The feed-forward of one layer: the gated dense MLP, or the routed experts (plus, where the
+    model has one, the shared expert: the dense MLP's weights, sigmoid-gated)."""
+    num_tokens, tp = x.shape[0], plan.size
+    out = None
+    if moe:
+        out = moe_mlp(x, w["router"], w["w_experts_gate_up"], w["w_experts_down"], top_k=cfg.num_experts_per_tok,
+                      normalize=cfg.norm_topk_prob, act=cfg.hidden_act, impl=moe_impl, plan=plan)
+    if "w_gate_up" not in w:
+        return out
+    inter = cfg.shared_expert_size if moe else cfg.intermediate_size
     gate_up = matmul(x, w["w_gate_up"], "w_gate_up")
     if cfg.mlp_bias:
         gate_up = gate_up + w["b_gate_up"]
     gate_up = gate_up.reshape(num_tokens, tp, -1)
-    inter_local = cfg.intermediate_size // tp
-    gate = gate_up[..., :inter_local].reshape(num_tokens, cfg.intermediate_size)
-    up = gate_up[..., inter_local:].reshape(num_tokens, cfg.intermediate_size)
+    inter_local = inter // tp
+    gate = gate_up[..., :inter_local].reshape(num_tokens, inter)
+    up = gate_up[..., inter_local:].reshape(num_tokens, inter)
     if lora is not None:
         gate = gate + lora_delta(x, lora, "gate", onehot)
         up = up + lora_delta(x, lora, "up", onehot)
-    act = jax.nn.silu(gate.astype(jnp.float32)).astype(up.dtype) * up
-    mlp = matmul(act, w["w_down"], "w_down")
+    act = activation(cfg.hidden_act, gate).astype(up.dtype) * up
+    dense = matmul(act, w["w_down"], "w_down")
     if lora is not None:
-        mlp = mlp + lora_delta(act, lora, "down", onehot)
+        dense = dense + lora_delta(act, lora, "down", onehot)
     if cfg.mlp_bias:
-        mlp = mlp + w["b_down"]
-    return hidden + mlp, kv_pool, kv_scale
+        dense = dense + w["b_down"]
+    if out is None:
+        return dense
+    gate = jax.nn.sigmoid((x @ w["shared_gate"]).astype(jnp.float32)).astype(dense.dtype)
+    return out + gate * dense

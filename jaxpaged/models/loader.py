@@ -10,7 +10,9 @@ layer's tensors, the device one copy of the weights.
 import dataclasses
 import functools
 import json
+import logging
 import os
+import re
 from typing import Any, Callable
 
 import jax
@@ -25,6 +27,8 @@ from jaxpaged.models.orbax_io import FORMAT_FILE, is_converted, load_converted
 from jaxpaged.models.prequantized import checkpoint_quantization, fp8_reader
 from jaxpaged.models.quantization import HostQuantized, QuantizedWeight, combine, quantize, resolve_quantization
 from jaxpaged.parallel import ShardPlan, check_tensor_parallel, fuse_columns, kv_head_replicas, repeat_heads
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 _CHECKPOINT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
@@ -50,13 +54,19 @@ def resolve_dtype(dtype: str, checkpoint_dtype: str) -> str:
     return dtype
 
 
-def resolve_scan_layers(scan_layers: bool | None) -> bool:
-    """None = the scan everywhere: its compile time is flat in depth. On XLA CPU the unrolled
+def resolve_scan_layers(scan_layers: bool | None, cfg: ModelConfig | None = None) -> bool:
+    """None = the scan wherever the layers are alike (`cfg.uniform_layers`), the unrolled loop for an MoE
+    model with dense layers among its expert ones (scan_layers=True is then a ValueError): the scan's
+    compile time is flat in depth. On XLA CPU the unrolled
     loop runs decode steps 25-40% faster (XLA copies each layer's weights out of a scanned
     stack, see `jaxpaged.models.llama`) but compiles 5x slower per variant (10 s against 2 s for
     SmolLM2's 30 layers): start-up with the default buckets took 7 min cold against 142 s, so
     the unrolled loop is opt-in (`scan_layers=False`) for long CPU runs."""
-    return True if scan_layers is None else bool(scan_layers)
+    uniform = cfg is None or cfg.uniform_layers
+    if scan_layers and not uniform:
+        raise ValueError(f"scan_layers=True needs layers of one shape; this {cfg.architecture} has dense layers "
+                         f"{list(cfg.dense_layers)} among its expert layers: use scan_layers=False or None")
+    return uniform if scan_layers is None else bool(scan_layers)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -66,28 +76,124 @@ def _set_layer(stack: jax.Array, value: jax.Array, i: jax.Array) -> jax.Array:
 
 
 def _hf_layer_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
-    """Our layer weight name -> the Hugging Face tensors (concatenated on the output dim) of layer i."""
+    """Our layer weight name -> the Hugging Face tensors (concatenated on the output dim) of layer i.
+
+    The names are the Llama-style ones every family is read through (`hf_reader` serves them from a
+    Phi-3 or Mixtral checkpoint); an MoE layer's experts are read as stacks [experts, out, in]
+    ("mlp.experts.gate_proj.weight", ...), also served by `hf_reader`."""
     p = f"model.layers.{i}."
     attn, mlp = p + "self_attn.", p + "mlp."
+    moe = cfg.is_moe_layer(i)
+    dense = mlp + "shared_expert." if moe else mlp
     sources = {
         "input_norm": [p + "input_layernorm.weight"],
-        "post_norm": [p + "post_attention_layernorm.weight"],
+        "post_norm": [p + ("pre_feedforward_layernorm.weight" if cfg.sandwich_norms
+                           else "post_attention_layernorm.weight")],
         "wqkv": [attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"],
         "wo": [attn + "o_proj.weight"],
-        "w_gate_up": [mlp + "gate_proj.weight", mlp + "up_proj.weight"],
-        "w_down": [mlp + "down_proj.weight"],
     }
+    if not moe or cfg.shared_expert_size:
+        sources["w_gate_up"] = [dense + "gate_proj.weight", dense + "up_proj.weight"]
+        sources["w_down"] = [dense + "down_proj.weight"]
+    if moe:
+        sources["router"] = [mlp + "gate.weight"]
+        sources["w_experts_gate_up"] = [mlp + "experts.gate_proj.weight", mlp + "experts.up_proj.weight"]
+        sources["w_experts_down"] = [mlp + "experts.down_proj.weight"]
+        if cfg.shared_expert_size:
+            sources["shared_gate"] = [mlp + "shared_expert_gate.weight"]
+    if cfg.sandwich_norms:
+        sources["attn_out_norm"] = [p + "post_attention_layernorm.weight"]
+        sources["mlp_out_norm"] = [p + "post_feedforward_layernorm.weight"]
     if cfg.qkv_bias:
         sources["bqkv"] = [attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"]
     if cfg.o_bias:
         sources["bo"] = [attn + "o_proj.bias"]
     if cfg.mlp_bias:
-        sources["b_gate_up"] = [mlp + "gate_proj.bias", mlp + "up_proj.bias"]
-        sources["b_down"] = [mlp + "down_proj.bias"]
+        sources["b_gate_up"] = [dense + "gate_proj.bias", dense + "up_proj.bias"]
+        sources["b_down"] = [dense + "down_proj.bias"]
     if cfg.qk_norm:
         sources["q_norm"] = [attn + "q_norm.weight"]
         sources["k_norm"] = [attn + "k_norm.weight"]
     return sources
+
+
+# our names of the expert stacks: sharded by expert (not by columns), never quantized
+EXPERT_WEIGHTS = ("w_experts_gate_up", "w_experts_down")
+# the matmul weights `quantization` applies to (routers and gates stay in the model dtype)
+QUANTIZABLE = ("wqkv", "wo", "w_gate_up", "w_down")
+_MIXTRAL_EXPERT = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+_EXPERT_STACK = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def hf_reader(cfg: ModelConfig, get: Callable[[str], np.ndarray],
+              has: Callable[[str], bool]) -> tuple[Callable[[str], np.ndarray], Callable[[str], bool]]:
+    """(get, has) that also serve `_hf_layer_sources`' names from the checkpoint's own layout: Phi-3's
+    fused qkv_proj and gate_up_proj (sliced), Mixtral's block_sparse_moe names, and expert stacks
+    [experts, out, in] (stacked from per-expert tensors, or sliced from transformers 5's fused
+    `experts.gate_up_proj` [experts, 2 x inter, hidden] / `experts.down_proj`)."""
+    arch = cfg.architecture
+
+    def source(name: str):
+        """name -> (real tensor name, slice of its rows or None), or None where it has no other source."""
+        if arch == "Phi3ForCausalLM":
+            q, kv = cfg.q_size, cfg.kv_size
+            for part, rows in (("q_proj", (0, q)), ("k_proj", (q, q + kv)), ("v_proj", (q + kv, q + 2 * kv))):
+                if name.endswith(f"self_attn.{part}.weight"):
+                    return name.replace(part, "qkv_proj"), rows
+            inter = cfg.intermediate_size
+            for part, rows in (("gate_proj", (0, inter)), ("up_proj", (inter, 2 * inter))):
+                if name.endswith(f"mlp.{part}.weight"):
+                    return name.replace(part, "gate_up_proj"), rows
+        if arch == "MixtralForCausalLM" and ".mlp." in name:
+            moe = name.replace(".mlp.", ".block_sparse_moe.")
+            for ours, theirs in _MIXTRAL_EXPERT.items():
+                moe = moe.replace(f".{ours}.", f".{theirs}.")
+            return moe, None
+        return None
+
+    def get_one(name: str) -> np.ndarray:
+        if has(name):
+            return get(name)
+        found = source(name)
+        if found is None:
+            return get(name)
+        real, rows = found
+        tensor = get(real)
+        return tensor if rows is None else tensor[rows[0]:rows[1]]
+
+    def has_one(name: str) -> bool:
+        return has(name) or (source(name) is not None and has(source(name)[0]))
+
+    def stack(name: str):
+        match = _EXPERT_STACK.match(name)
+        if match is None:
+            return None
+        prefix, part = match.groups()
+        return prefix, part
+
+    def get_any(name: str) -> np.ndarray:
+        found = stack(name)
+        if found is None:
+            return get_one(name)
+        prefix, part = found
+        fused = f"{prefix}.{'down_proj' if part == 'down_proj' else 'gate_up_proj'}"
+        if has(fused):   # transformers 5's own layout: [experts, 2 x inter, hidden] (gate | up) or down
+            tensor = get(fused)
+            if part == "down_proj":
+                return tensor
+            inter = tensor.shape[1] // 2
+            return tensor[:, :inter] if part == "gate_proj" else tensor[:, inter:]
+        return np.stack([get_one(f"{prefix}.{e}.{part}.weight") for e in range(cfg.num_experts)])
+
+    def has_any(name: str) -> bool:
+        found = stack(name)
+        if found is None:
+            return has_one(name)
+        prefix, part = found
+        fused = f"{prefix}.{'down_proj' if part == 'down_proj' else 'gate_up_proj'}"
+        return has(fused) or all(has_one(f"{prefix}.{e}.{part}.weight") for e in range(cfg.num_experts))
+
+    return get_any, has_any
 
 
 def hf_tensor(get: Callable[[str], np.ndarray], has: Callable[[str], bool], name: str,
@@ -102,12 +208,23 @@ def hf_tensor(get: Callable[[str], np.ndarray], has: Callable[[str], bool], name
 
 
 def hf_part_shape(cfg: ModelConfig, name: str, ours: tuple[int, ...], parts: int, j: int) -> tuple[int, ...]:
-    """PyTorch [out, in] shape of part j of our fused [in, out...] weight `name` (ours: its shape)."""
+    """PyTorch [out, in] shape of part j of our fused [in, out...] weight `name` (ours: its shape; an
+    expert stack [experts, in, out] reads [experts, out, in])."""
     if name in ("wqkv", "bqkv"):
         out = (cfg.q_size, cfg.kv_size, cfg.kv_size)[j]
     else:
         out = ours[-1] // parts
+    if len(ours) == 3:
+        return (ours[0], out, ours[1])
     return (out, ours[0]) if len(ours) == 2 else (out,)
+
+
+def hf_to_ours(part):
+    """A PyTorch [.., out, in] linear weight as ours [.., in, out] (a bias or norm as it is)."""
+    ndim = len(part.shape)
+    if ndim < 2:
+        return part
+    return part.T if ndim == 2 else np.swapaxes(part, -1, -2)
 
 
 def sharded_config(cfg: ModelConfig, tp: int) -> ModelConfig:
@@ -133,11 +250,12 @@ def _empty_stack(plan: ShardPlan, name: str, num_layers: int, layer_value):
     return layer_value.map_arrays(zeros, spec) if isinstance(layer_value, QuantizedWeight) else zeros(layer_value, spec)
 
 
-def _as_layer_weight(value, quantization: str | None, np_dtype, tp: int):
-    """A fused host weight in its device form: GGUF blocks packed, float quantized (`quantization`), or cast."""
+def _as_layer_weight(name: str, value, quantization: str | None, np_dtype, tp: int):
+    """A fused host weight in its device form: GGUF blocks packed, float quantized (`quantization`, the
+    `QUANTIZABLE` weights), or cast."""
     if isinstance(value, HostQuantized):
         return value.packed()
-    if quantization is not None and value.ndim == 2:
+    if quantization is not None and name in QUANTIZABLE:
         return quantize(value, quantization, tp).packed()
     return value.astype(np_dtype)
 
@@ -161,8 +279,10 @@ def convert_hf_weights(get: Callable[[str], np.ndarray], has: Callable[[str], bo
     tp = plan.size
     replicas = kv_head_replicas(cfg.num_kv_heads, tp)
     shapes = weight_shapes(cfg)
-    layer_shapes = layer_weight_shapes(sharded_config(cfg, tp))
-    hf_shapes = layer_weight_shapes(cfg)
+    get, has = hf_reader(cfg, get, has)
+    if quantization is not None and cfg.is_moe:
+        logger.info("quantization=%r applies to attention and dense MLP weights; the experts stay in %s",
+                    quantization, dtype)
 
     def fetch(name: str, shape: tuple[int, ...]) -> np.ndarray:
         return hf_tensor(get, has, name, shape)
@@ -183,21 +303,23 @@ def convert_hf_weights(get: Callable[[str], np.ndarray], has: Callable[[str], bo
     layers = []
     for i in range(cfg.num_layers):
         layer = {}
+        layer_shapes = layer_weight_shapes(sharded_config(cfg, tp), i)
+        hf_shapes = layer_weight_shapes(cfg, i)
         for name, hf_names in _hf_layer_sources(cfg, i).items():
             shape = layer_shapes[name]
             parts = [fetch(n, hf_part_shape(cfg, name, hf_shapes[name], len(hf_names), j))
                      for j, n in enumerate(hf_names)]
             axis = len(shape) - 1    # a linear's output columns (after the transpose), or a bias
-            if len(shape) == 2:   # linear: [out, in] -> [in, out]
-                parts = [p.T for p in parts]
+            parts = [hf_to_ours(p) for p in parts]   # linear: [out, in] -> [in, out]
             if any(isinstance(p, HostQuantized) for p in parts) and not all(
                     isinstance(p, HostQuantized) and p.kind == parts[0].kind for p in parts):
                 parts = [p.dequantize() if isinstance(p, HostQuantized) else p for p in parts]   # mixed types
             if name in ("wqkv", "bqkv"):   # K and V heads repeated until each device holds whole heads
                 parts = [parts[0]] + [combine([p], lambda a: repeat_heads(a[0], cfg.num_kv_heads, replicas, axis))
                                       for p in parts[1:]]
-            value = combine(parts, lambda a: fuse_columns(a, tp, axis)) if len(parts) > 1 else parts[0]
-            value = put(name, _as_layer_weight(value, quantization, np_dtype, tp))
+            column_tp = 1 if name in EXPERT_WEIGHTS else tp   # experts shard by expert, whole
+            value = combine(parts, lambda a: fuse_columns(a, column_tp, axis)) if len(parts) > 1 else parts[0]
+            value = put(name, _as_layer_weight(name, value, quantization, np_dtype, tp))
             if scan_layers:
                 if name not in stacks:
                     stacks[name] = _empty_stack(plan, name, cfg.num_layers, value)
@@ -239,7 +361,7 @@ def load_model(model: str, dtype: str = "auto", revision: str | None = None,
     `quantization`: see `jaxpaged.models.quantization.resolve_quantization` ("auto" keeps a GGUF
     file's Q8_0/Q4_0/Q4_1 matrices quantized).
     """
-    scan_layers = resolve_scan_layers(scan_layers)
+    requested_scan = scan_layers
     if model.endswith(".gguf"):
         from jaxpaged.models.gguf_loader import load_gguf, quantized_tensor_types
         from jaxpaged.models.quantization import GGUF_NATIVE
@@ -247,6 +369,7 @@ def load_model(model: str, dtype: str = "auto", revision: str | None = None,
         quantization = resolve_quantization(quantization, "gguf" if native else None)
         hf_config, tensors = load_gguf(model, keep_quantized=quantization == "gguf")
         cfg = model_config_from_hf(hf_config)
+        scan_layers = resolve_scan_layers(requested_scan, cfg)
         dtype = resolve_dtype(dtype, "float32")
         weights = convert_hf_weights(tensors.__getitem__, tensors.__contains__, cfg, dtype, scan_layers, shard_plan,
                                      None if quantization == "gguf" else quantization)
@@ -256,6 +379,7 @@ def load_model(model: str, dtype: str = "auto", revision: str | None = None,
         from transformers import AutoConfig
         hf_config = AutoConfig.from_pretrained(model)
         cfg = model_config_from_hf(hf_config)
+        scan_layers = resolve_scan_layers(requested_scan, cfg)
         check_tensor_parallel(cfg, shard_plan.size)
         with open(os.path.join(model, FORMAT_FILE)) as f:
             meta = json.load(f)
@@ -277,6 +401,7 @@ def load_model(model: str, dtype: str = "auto", revision: str | None = None,
             raise FileNotFoundError(f"no config.json in model folder {folder!r}")
         hf_config = AutoConfig.from_pretrained(folder)
         cfg = model_config_from_hf(hf_config)
+        scan_layers = resolve_scan_layers(requested_scan, cfg)
         checkpoint = Checkpoint(folder)
         dtype = resolve_dtype(dtype, _CHECKPOINT_DTYPES[checkpoint.dtype_name()])
         get, method = checkpoint.get, checkpoint_quantization(hf_config)

@@ -31,7 +31,7 @@ from jaxpaged.parallel import ShardPlan, kv_head_replicas
 FORMAT_FILE = "jaxpaged.json"
 FORMAT = "jaxpaged-orbax"
 VERSION = 1
-_FUSED = ("wqkv", "bqkv", "w_gate_up", "b_gate_up")
+_FUSED = ("wqkv", "bqkv", "w_gate_up", "b_gate_up", "w_experts_gate_up")
 
 
 def is_converted(path: str) -> bool:
@@ -138,9 +138,13 @@ def canonical_arrays(get, has, cfg: ModelConfig, np_dtype) -> dict[str, np.ndarr
     """Hugging Face tensors -> the stored arrays: our [in, out] layout, layers stacked, fused
     weights as their parts (see the module docstring). Host memory: about two copies of the weights
     (the per-layer arrays, then their stacks)."""
-    from jaxpaged.models.loader import _hf_layer_sources, hf_part_shape, hf_tensor
+    from jaxpaged.models.loader import _hf_layer_sources, hf_part_shape, hf_reader, hf_tensor, hf_to_ours
     from jaxpaged.models.llama import layer_weight_shapes, weight_shapes
 
+    if not cfg.uniform_layers:
+        raise ValueError(f"a converted folder stacks the layers; this {cfg.architecture} has dense layers "
+                         f"{list(cfg.dense_layers)} among its expert layers: serve its checkpoint as it is")
+    get, has = hf_reader(cfg, get, has)
     shapes = weight_shapes(cfg)
     arrays = {"embed": hf_tensor(get, has, "model.embed_tokens.weight", shapes["embed"]).astype(np_dtype),
               "final_norm": hf_tensor(get, has, "model.norm.weight", shapes["final_norm"]).astype(np_dtype)}
@@ -154,7 +158,7 @@ def canonical_arrays(get, has, cfg: ModelConfig, np_dtype) -> dict[str, np.ndarr
             for j, hf_name in enumerate(hf_names):
                 shape = hf_part_shape(cfg, name, layer_shapes[name], len(hf_names), j)
                 value = hf_tensor(get, has, hf_name, shape)
-                value = value.T if value.ndim == 2 else value
+                value = hf_to_ours(value)
                 key = _key(name, j) if name in _FUSED else name
                 stacked.setdefault(key, []).append(np.ascontiguousarray(value).astype(np_dtype))
     for key, values in stacked.items():

@@ -1,4 +1,4 @@
-"""Our Flax models against transformers' PyTorch forward on tiny random checkpoints (fp32)."""
+"""Our Flax models against transformers' PyTorch forward on tiny random checkpoints (fp32), every family."""
 
 import functools
 
@@ -11,7 +11,9 @@ from flax import nnx
 from jaxpaged.models.loader import load_model
 from jaxpaged.runner.batch_builder import BatchShape, SeqChunk, build_forward_batch, choose_shape
 from pallas_kernels import kv_pool_shape
-from tests.tiny_models import ARCHITECTURES, hf_logits, tiny_checkpoint
+from tests.tiny_models import ARCHITECTURES, FAMILIES, hf_logits, tiny_checkpoint
+
+ALL = ARCHITECTURES + FAMILIES
 
 NUM_BLOCKS = 48
 
@@ -45,8 +47,8 @@ def scattered_blocks(rng, n):
     return list(rng.permutation(np.arange(1, NUM_BLOCKS))[:n])
 
 
-@pytest.mark.parametrize("arch,rope", [(a, None) for a in ARCHITECTURES] + [("llama", "linear"),
-                                                                             ("llama", "dynamic")])
+@pytest.mark.parametrize("arch,rope", [(a, None) for a in ALL] + [("llama", "linear"), ("llama", "dynamic"),
+                                                                   ("phi3", "longrope")])
 def test_whole_prompt_logits_match_transformers(arch, rope):
     """40-token prompts; the dynamic-NTK variant's max_position_embeddings is 32, so its scaling is active."""
     path, cfg, forward = loaded(arch, **({"rope": rope} if rope else {}))
@@ -60,8 +62,10 @@ def test_whole_prompt_logits_match_transformers(arch, rope):
     assert_close(np.asarray(logits)[:len(tokens)], hf_logits(path, tokens))
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-@pytest.mark.parametrize("block_size,prompt_len", [(8, 16), (16, 17), (32, 32)])
+# every block boundary case on the Llama family; one (a prompt just past a block) on the others
+@pytest.mark.parametrize("arch,block_size,prompt_len",
+                         [(a, b, n) for a in ARCHITECTURES for b, n in ((8, 16), (16, 17), (32, 32))]
+                         + [(a, 16, 17) for a in FAMILIES])
 def test_incremental_decoding_through_scattered_pages(arch, block_size, prompt_len):
     """Prompt, then one token at a time; prompts end on and just past a block boundary."""
     path, cfg, forward = loaded(arch)
@@ -83,7 +87,7 @@ def test_incremental_decoding_through_scattered_pages(arch, block_size, prompt_l
     assert_close(np.stack(got), ref)
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch", ALL)
 def test_mixed_batch_of_prefills_chunks_and_decodes(arch):
     """One step mixing a fresh prompt, a prompt chunk on top of cached tokens and two decodes."""
     path, cfg, forward = loaded(arch)
@@ -104,3 +108,17 @@ def test_mixed_batch_of_prefills_chunks_and_decodes(arch):
         n = len(s) - c
         assert_close(logits[row:row + n], hf_logits(path, s)[c:])
         row += n
+
+
+@pytest.mark.parametrize("length", [20, 40])
+def test_longrope_takes_its_long_factors_past_the_original_length(length):
+    """Phi-3's long-rope: short factors up to original_max_position_embeddings (32), long ones past it,
+    on a partial rotary (half of each head rotates), as transformers computes a whole prompt."""
+    path, cfg, forward = loaded("phi3", rope="longrope")
+    assert cfg.rope_type == "longrope" and cfg.rotary_dim == cfg.head_dim // 2
+    rng = np.random.default_rng(length)
+    tokens = rng.integers(3, cfg.vocab_size, length).tolist()
+    chunk = SeqChunk(tokens, 0, scattered_blocks(rng, 3), logits_positions=list(range(length)))
+    batch = build_forward_batch([chunk], 16, 8, BatchShape(num_tokens=48, num_seqs=4, num_logits=48, q_tile=16))
+    _, logits = forward(empty_pool(cfg, 16), batch)
+    assert_close(np.asarray(logits)[:length], hf_logits(path, tokens))

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SHARDED = ("wqkv", "wo", "w_gate_up", "w_down", "embed", "lm_head", "bqkv", "b_gate_up")   # and column biases
+SHARDED = ("wqkv", "wo", "w_gate_up", "w_down", "embed", "lm_head", "bqkv", "b_gate_up",   # and column biases
+           "w_experts_gate_up", "w_experts_down")   # experts: expert parallelism
 
 # arch, config overrides, layouts (tp, dp): MHA, GQA with q/k/v bias, MQA with q/k norm
 # every layout of #13 for llama; the tensor-parallel ones for the others (data parallelism runs
@@ -25,6 +26,9 @@ CASES = {
     "llama-mha": ("llama", {"num_key_value_heads": 4}, LAYOUTS, [[1, 1], [2, 1]], []),
     "qwen2-gqa": ("qwen2", {}, TENSOR_PARALLEL, [], [[2, 1]]),
     "qwen3-mqa": ("qwen3", {"num_key_value_heads": 1}, TENSOR_PARALLEL, [[2, 1]], []),
+    # experts sharded over the devices; qwen2_moe: a shared expert and a dense layer (unrolled layers)
+    "mixtral-ep": ("mixtral", {}, [[1, 1], [4, 1]], [[2, 1]], []),
+    "qwen2_moe-ep": ("qwen2_moe", {}, [[1, 1], [2, 1]], [], []),
 }
 
 

@@ -7,11 +7,16 @@ from jaxpaged.core.kv_cache_manager import KVCacheManager
 from jaxpaged.core.request import Request
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.parallel import check_tensor_parallel, fuse_columns, kv_head_replicas, repeat_heads
+from jaxpaged.models.config import ModelConfig
 from jaxpaged.sampling_params import SamplingParams
 
 
-class _Cfg:
-    num_heads, num_kv_heads, intermediate_size, vocab_size = 8, 2, 64, 320
+def _config(**moe) -> ModelConfig:
+    return ModelConfig(architecture="LlamaForCausalLM", vocab_size=320, hidden_size=64, intermediate_size=64,
+                       num_layers=2, num_heads=8, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6,
+                       max_position_embeddings=64, tie_word_embeddings=True, qkv_bias=False, o_bias=False,
+                       mlp_bias=False, qk_norm=False, sliding_windows=(0, 0), rope_theta=1e4, rope_type="default",
+                       **moe)
 
 
 def test_fused_columns_are_shard_major():
@@ -28,9 +33,13 @@ def test_kv_heads_repeat_in_place_so_each_device_holds_whole_heads():
 
 def test_a_tensor_parallel_size_the_model_cannot_split_is_refused_with_the_allowed_sizes():
     for tp in (1, 2, 4, 8):
-        check_tensor_parallel(_Cfg, tp)
+        check_tensor_parallel(_config(), tp)
     with pytest.raises(ValueError, match=r"tensor_parallel_size .*one of \[1, 2, 4, 8\], got 3"):
-        check_tensor_parallel(_Cfg, 3)
+        check_tensor_parallel(_config(), 3)
+    # experts split whole over the devices (expert parallelism): 6 experts allow 1 and 2
+    moe = _config(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32)
+    with pytest.raises(ValueError, match=r"experts \(6\).*one of \[1, 2\], got 4"):
+        check_tensor_parallel(moe, 4)
 
 
 def test_engine_args_refuse_bad_sizes():
