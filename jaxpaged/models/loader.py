@@ -159,7 +159,11 @@ def hf_reader(cfg: ModelConfig, get: Callable[[str], np.ndarray],
             return get(name)
         real, rows = found
         tensor = get(real)
-        return tensor if rows is None else tensor[rows[0]:rows[1]]
+        if rows is None:
+            return tensor
+        if isinstance(tensor, HostQuantized):   # a pre-quantized fused tensor: sliced in float
+            tensor = tensor.dequantize()
+        return tensor[rows[0]:rows[1]]
 
     def has_one(name: str) -> bool:
         return has(name) or (source(name) is not None and has(source(name)[0]))
@@ -183,7 +187,9 @@ def hf_reader(cfg: ModelConfig, get: Callable[[str], np.ndarray],
                 return tensor
             inter = tensor.shape[1] // 2
             return tensor[:, :inter] if part == "gate_proj" else tensor[:, inter:]
-        return np.stack([get_one(f"{prefix}.{e}.{part}.weight") for e in range(cfg.num_experts)])
+        experts = [get_one(f"{prefix}.{e}.{part}.weight") for e in range(cfg.num_experts)]
+        # pre-quantized experts (an fp8 checkpoint's) are stacked in float: experts stay unquantized
+        return np.stack([p.dequantize() if isinstance(p, HostQuantized) else p for p in experts])
 
     def has_any(name: str) -> bool:
         found = stack(name)
@@ -433,9 +439,9 @@ def quantize_loaded(weights: dict, quantization: str, plan: ShardPlan) -> dict:
 
     layers = weights["layers"]
     if isinstance(layers, dict):
-        layers = {k: one(k, v, True) if v.ndim == 3 else v for k, v in layers.items()}
+        layers = {k: one(k, v, True) if k in QUANTIZABLE else v for k, v in layers.items()}
     else:
-        layers = [{k: one(k, v, False) if v.ndim == 2 else v for k, v in layer.items()} for layer in layers]
+        layers = [{k: one(k, v, False) if k in QUANTIZABLE else v for k, v in layer.items()} for layer in layers]
     return {**weights, "layers": layers}
 
 
