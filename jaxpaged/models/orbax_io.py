@@ -138,7 +138,7 @@ def canonical_arrays(get, has, cfg: ModelConfig, np_dtype) -> dict[str, np.ndarr
     """Hugging Face tensors -> the stored arrays: our [in, out] layout, layers stacked, fused
     weights as their parts (see the module docstring). Host memory: about two copies of the weights
     (the per-layer arrays, then their stacks)."""
-    from jaxpaged.models.loader import _hf_layer_sources, hf_part_shape, hf_reader, hf_tensor, hf_to_ours
+    from jaxpaged.models.hf_names import _hf_layer_sources, hf_part_shape, hf_reader, hf_tensor, hf_to_ours
     from jaxpaged.models.llama import layer_weight_shapes, weight_shapes
 
     if not cfg.uniform_layers:

@@ -53,7 +53,7 @@ def update_targets(cfg: ModelConfig, scan_layers: bool, tp: int) -> dict[str, Ta
     """Hugging Face name -> where it lives in the engine (cfg: the checkpoint's config, before KV
     heads are repeated for tensor parallelism)."""
     from jaxpaged.models.llama import layer_weight_shapes, weight_shapes
-    from jaxpaged.models.loader import _hf_layer_sources, hf_part_shape
+    from jaxpaged.models.hf_names import _hf_layer_sources, hf_part_shape
 
     if cfg.is_moe or cfg.architecture == "Phi3ForCausalLM":
         raise ValueError(f"update_weights does not yet take {cfg.architecture}'s tensors (per-expert or fused "

@@ -1,0 +1,169 @@
+"""Hugging Face tensor names -> our layer weights: which checkpoint tensors make each engine weight
+(`_hf_layer_sources`, Llama-style names for every family), the reader that serves those names from
+a family's own layout (`hf_reader`: Phi-3's fused tensors, Mixtral's names, expert stacks), and the
+shape and orientation of each part (PyTorch [out, in] -> our [in, out])."""
+
+import re
+from typing import Callable
+
+import numpy as np
+
+from jaxpaged.models.config import ModelConfig
+from jaxpaged.models.quantization import HostQuantized
+
+
+def _hf_layer_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
+    """Our layer weight name -> the Hugging Face tensors (concatenated on the output dim) of layer i.
+
+    The names are the Llama-style ones every family is read through (`hf_reader` serves them from a
+    Phi-3 or Mixtral checkpoint); an MoE layer's experts are read as stacks [experts, out, in]
+    ("mlp.experts.gate_proj.weight", ...), also served by `hf_reader`."""
+    p = f"model.layers.{i}."
+    attn, mlp = p + "self_attn.", p + "mlp."
+    moe = cfg.is_moe_layer(i)
+    dense = mlp + "shared_expert." if moe else mlp
+    sources = {
+        "input_norm": [p + "input_layernorm.weight"],
+        "post_norm": [p + ("pre_feedforward_layernorm.weight" if cfg.sandwich_norms
+                           else "post_attention_layernorm.weight")],
+        "wqkv": [attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"],
+        "wo": [attn + "o_proj.weight"],
+    }
+    if not moe or cfg.shared_expert_size:
+        sources["w_gate_up"] = [dense + "gate_proj.weight", dense + "up_proj.weight"]
+        sources["w_down"] = [dense + "down_proj.weight"]
+    if moe:
+        sources["router"] = [mlp + "gate.weight"]
+        sources["w_experts_gate_up"] = [mlp + "experts.gate_proj.weight", mlp + "experts.up_proj.weight"]
+        sources["w_experts_down"] = [mlp + "experts.down_proj.weight"]
+        if cfg.shared_expert_size:
+            sources["shared_gate"] = [mlp + "shared_expert_gate.weight"]
+    if cfg.sandwich_norms:
+        sources["attn_out_norm"] = [p + "post_attention_layernorm.weight"]
+        sources["mlp_out_norm"] = [p + "post_feedforward_layernorm.weight"]
+    if cfg.qkv_bias:
+        sources["bqkv"] = [attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"]
+    if cfg.o_bias:
+        sources["bo"] = [attn + "o_proj.bias"]
+    if cfg.mlp_bias:
+        sources["b_gate_up"] = [dense + "gate_proj.bias", dense + "up_proj.bias"]
+        sources["b_down"] = [dense + "down_proj.bias"]
+    if cfg.qk_norm:
+        sources["q_norm"] = [attn + "q_norm.weight"]
+        sources["k_norm"] = [attn + "k_norm.weight"]
+    return sources
+
+
+# our names of the expert stacks: sharded by expert (not by columns), never quantized
+EXPERT_WEIGHTS = ("w_experts_gate_up", "w_experts_down")
+# the matmul weights `quantization` applies to (routers and gates stay in the model dtype)
+QUANTIZABLE = ("wqkv", "wo", "w_gate_up", "w_down")
+_MIXTRAL_EXPERT = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+_EXPERT_STACK = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def hf_reader(cfg: ModelConfig, get: Callable[[str], np.ndarray],
+              has: Callable[[str], bool]) -> tuple[Callable[[str], np.ndarray], Callable[[str], bool]]:
+    """(get, has) that also serve `_hf_layer_sources`' names from the checkpoint's own layout: Phi-3's
+    fused qkv_proj and gate_up_proj (sliced), Mixtral's block_sparse_moe names, and expert stacks
+    [experts, out, in] (stacked from per-expert tensors, or sliced from transformers 5's fused
+    `experts.gate_up_proj` [experts, 2 x inter, hidden] / `experts.down_proj`)."""
+    arch = cfg.architecture
+
+    def source(name: str):
+        """name -> (real tensor name, slice of its rows or None), or None where it has no other source."""
+        if arch == "Phi3ForCausalLM":
+            q, kv = cfg.q_size, cfg.kv_size
+            for part, rows in (("q_proj", (0, q)), ("k_proj", (q, q + kv)), ("v_proj", (q + kv, q + 2 * kv))):
+                if name.endswith(f"self_attn.{part}.weight"):
+                    return name.replace(part, "qkv_proj"), rows
+            inter = cfg.intermediate_size
+            for part, rows in (("gate_proj", (0, inter)), ("up_proj", (inter, 2 * inter))):
+                if name.endswith(f"mlp.{part}.weight"):
+                    return name.replace(part, "gate_up_proj"), rows
+        if arch == "MixtralForCausalLM" and ".mlp." in name:
+            moe = name.replace(".mlp.", ".block_sparse_moe.")
+            for ours, theirs in _MIXTRAL_EXPERT.items():
+                moe = moe.replace(f".{ours}.", f".{theirs}.")
+            return moe, None
+        return None
+
+    def get_one(name: str) -> np.ndarray:
+        if has(name):
+            return get(name)
+        found = source(name)
+        if found is None:
+            return get(name)
+        real, rows = found
+        tensor = get(real)
+        if rows is None:
+            return tensor
+        if isinstance(tensor, HostQuantized):   # a pre-quantized fused tensor: sliced in float
+            tensor = tensor.dequantize()
+        return tensor[rows[0]:rows[1]]
+
+    def has_one(name: str) -> bool:
+        return has(name) or (source(name) is not None and has(source(name)[0]))
+
+    def stack(name: str):
+        """An expert stack's (prefix, part, transformers 5's fused name), or None for another tensor."""
+        match = _EXPERT_STACK.match(name)
+        if match is None:
+            return None
+        prefix, part = match.groups()
+        return prefix, part, f"{prefix}.{'down_proj' if part == 'down_proj' else 'gate_up_proj'}"
+
+    def get_any(name: str) -> np.ndarray:
+        found = stack(name)
+        if found is None:
+            return get_one(name)
+        prefix, part, fused = found
+        if has(fused):   # transformers 5's own layout: [experts, 2 x inter, hidden] (gate | up) or down
+            tensor = get(fused)
+            if part == "down_proj":
+                return tensor
+            inter = tensor.shape[1] // 2
+            return tensor[:, :inter] if part == "gate_proj" else tensor[:, inter:]
+        experts = [get_one(f"{prefix}.{e}.{part}.weight") for e in range(cfg.num_experts)]
+        # pre-quantized experts (an fp8 checkpoint's) are stacked in float: experts stay unquantized
+        return np.stack([p.dequantize() if isinstance(p, HostQuantized) else p for p in experts])
+
+    def has_any(name: str) -> bool:
+        found = stack(name)
+        if found is None:
+            return has_one(name)
+        prefix, part, fused = found
+        return has(fused) or all(has_one(f"{prefix}.{e}.{part}.weight") for e in range(cfg.num_experts))
+
+    return get_any, has_any
+
+
+def hf_tensor(get: Callable[[str], np.ndarray], has: Callable[[str], bool], name: str,
+              shape: tuple[int, ...]) -> np.ndarray:
+    """One Hugging Face tensor; ValueError naming it when it is missing or has the wrong shape."""
+    if not has(name):
+        raise ValueError(f"checkpoint is missing tensor {name!r} (expected shape {list(shape)})")
+    tensor = get(name)
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"tensor {name!r} has shape {list(tensor.shape)}, expected {list(shape)}")
+    return tensor
+
+
+def hf_part_shape(cfg: ModelConfig, name: str, ours: tuple[int, ...], parts: int, j: int) -> tuple[int, ...]:
+    """PyTorch [out, in] shape of part j of our fused [in, out...] weight `name` (ours: its shape; an
+    expert stack [experts, in, out] reads [experts, out, in])."""
+    if name in ("wqkv", "bqkv"):
+        out = (cfg.q_size, cfg.kv_size, cfg.kv_size)[j]
+    else:
+        out = ours[-1] // parts
+    if len(ours) == 3:
+        return (ours[0], out, ours[1])
+    return (out, ours[0]) if len(ours) == 2 else (out,)
+
+
+def hf_to_ours(part):
+    """A PyTorch [.., out, in] linear weight as ours [.., in, out] (a bias or norm as it is)."""
+    ndim = len(part.shape)
+    if ndim < 2:
+        return part
+    return part.T if ndim == 2 else np.swapaxes(part, -1, -2)
