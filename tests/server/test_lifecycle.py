@@ -75,9 +75,16 @@ def test_when_kv_blocks_not_seats_run_out_the_queue_still_fills(monkeypatch):
     # 8 seats but KV blocks for two requests: once a step left requests waiting, the next one is refused
     engine = AsyncLLM.from_engine_args(tiny_engine_args(max_num_seqs=8, num_gpu_blocks_override=12, max_model_len=64), use_tqdm=False,
                                        max_num_waiting=2)
-    step = engine.engine.step
-    monkeypatch.setattr(engine.engine, "step", lambda: time.sleep(0.1) or step())
-    # 35 prompt tokens + 4: 5 blocks each, so two fit in the 11 usable blocks, for 4 slow steps
+    step, late_answered = engine.engine.step, threading.Event()
+    two_run_two_wait = lambda m: m["jaxpaged:num_requests_running"] >= 2 and m["jaxpaged:num_requests_waiting"] >= 2  # noqa: E731
+
+    def held_step():   # once two wait, no step runs until the late request is answered: no race
+        time.sleep(0.02)
+        if two_run_two_wait(engine.engine.get_metrics()) and not late_answered.is_set():
+            return []
+        return step()
+    monkeypatch.setattr(engine.engine, "step", held_step)
+    # 35 prompt tokens + 4: 5 blocks each, so two fit in the 11 usable blocks
     body = lambda i: {"prompt": [5 + i] + list(range(10, 44)), "max_tokens": 4, "ignore_eos": True,  # noqa: E731
                       "temperature": 0.0}
     try:
@@ -87,10 +94,11 @@ def test_when_kv_blocks_not_seats_run_out_the_queue_still_fills(monkeypatch):
                     first = [asyncio.ensure_future(http.post(url + "/v1/completions", json=body(i)))
                              for i in range(4)]   # four in: two run, two wait for blocks
                     deadline = time.monotonic() + 20
-                    while engine.get_metrics()["jaxpaged:num_requests_waiting"] < 2:
+                    while not two_run_two_wait(engine.get_metrics()):
                         assert time.monotonic() < deadline
                         await asyncio.sleep(0.02)
                     late = await http.post(url + "/v1/completions", json=body(9))
+                    late_answered.set()
                     return late, await asyncio.gather(*first)
             late, first = asyncio.run(main())
             assert late.status_code == 503 and late.headers["retry-after"] == "1", late.text
