@@ -44,7 +44,7 @@ class Mode:
 
 MODES = {
     "fp32": Mode("fp32", "gguf", dict(quantization=None)),
-    "gguf": Mode("gguf (Q4_1 + Q8_0 kept)", "gguf", dict()),
+    "gguf": Mode("gguf (Q4_1 + Q8_0 kept)", "gguf", dict(quantization="gguf")),
     "int8": Mode("int8", "fp32", dict(quantization="int8")),
     "fp8": Mode("fp8", "fp32", dict(quantization="fp8")),
     "int4": Mode("int4 (groups of 32)", "fp32", dict(quantization="int4")),

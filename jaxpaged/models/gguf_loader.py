@@ -169,6 +169,11 @@ def quantized_tensor_types(path: str) -> set[str]:
     return {t.tensor_type.name for t in _open(path).tensors if t.tensor_type.name not in ("F32", "F16", "BF16", "F64")}
 
 
+def num_elements(path: str) -> int:
+    """How many values the file's tensors hold (their float32 size / 4)."""
+    return sum(int(np.prod(t.shape)) for t in _open(path).tensors)
+
+
 def load_gguf(path: str, keep_quantized: bool = False) -> tuple[transformers.PretrainedConfig, dict]:
     """Read a llama GGUF file; returns (LlamaConfig, HF-named float32 state dict).
 

@@ -198,6 +198,24 @@ def _local_folder(model: str, revision: str | None = None) -> str:
             f"({type(exc).__name__}: {exc})") from exc
 
 
+def _dequantize_gguf_at_load(num_values: int, dtype: str) -> bool:
+    """Whether "auto" de-quantizes a GGUF file's blocks once, at load: off a GPU, where the quantized
+    matmul is XLA's de-quantize-then-matmul in every step (the same values, rebuilt per step: the
+    built-in model's decode step took 2.5x as long), unless the float weights would take more than a
+    quarter of the host's memory (then the blocks stay)."""
+    if jax.devices()[0].platform == "gpu":
+        return False
+    itemsize = 2 if dtype in ("bfloat16", "float16") else 4
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if num_values * itemsize > host // 4:
+        logger.info("GGUF blocks kept quantized on %s: float weights (%.1f GiB) would exceed a quarter of "
+                    "the host's memory", jax.devices()[0].platform, num_values * itemsize / 2**30)
+        return False
+    logger.info("GGUF blocks de-quantized at load (%s: XLA would de-quantize them in every step); "
+                "quantization='gguf' keeps them", jax.devices()[0].platform)
+    return True
+
+
 def load_model(model: str, dtype: str = "auto", revision: str | None = None,
                attention_backend: str = "reference", scan_layers: bool | None = None,
                shard_plan: ShardPlan = ShardPlan(), quantization: str | None = "auto") -> LoadedModel:
@@ -208,18 +226,21 @@ def load_model(model: str, dtype: str = "auto", revision: str | None = None,
     the devices to spread the weights over (tensor parallelism, see jaxpaged.parallel); the
     returned config is then `sharded_config` (KV heads repeated where tp exceeds them).
     `quantization`: see `jaxpaged.models.quantization.resolve_quantization` ("auto" keeps a GGUF
-    file's Q8_0/Q4_0/Q4_1 matrices quantized).
+    file's Q8_0/Q4_0/Q4_1 matrices quantized on a GPU; elsewhere see `_dequantize_gguf_at_load`).
     """
     requested_scan = scan_layers
     if model.endswith(".gguf"):
-        from jaxpaged.models.gguf_loader import load_gguf, quantized_tensor_types
+        from jaxpaged.models.gguf_loader import load_gguf, num_elements, quantized_tensor_types
         from jaxpaged.models.quantization import GGUF_NATIVE
         native = quantized_tensor_types(model) & set(GGUF_NATIVE)
+        requested = quantization
         quantization = resolve_quantization(quantization, "gguf" if native else None)
+        dtype = resolve_dtype(dtype, "float32")
+        if requested == "auto" and native and _dequantize_gguf_at_load(num_elements(model), dtype):
+            quantization = None
         hf_config, tensors = load_gguf(model, keep_quantized=quantization == "gguf")
         cfg = model_config_from_hf(hf_config)
         scan_layers = resolve_scan_layers(requested_scan, cfg)
-        dtype = resolve_dtype(dtype, "float32")
         weights = convert_hf_weights(tensors.__getitem__, tensors.__contains__, cfg, dtype, scan_layers, shard_plan,
                                      None if quantization == "gguf" else quantization)
         del tensors

@@ -33,7 +33,10 @@ SCHEMAS = {
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(None, max_num_seqs=16, max_model_len=512, max_num_batched_tokens=256, use_tqdm=False)
+    # the quickstart notebook's CPU engine (its compiled steps are shared through the run's cache),
+    # compiling on demand: the variants these requests use, not every bucket
+    return LLM(None, max_num_seqs=8, max_model_len=512, max_num_batched_tokens=256, compile_on_startup=False,
+               use_tqdm=False)
 
 
 def _chat(llm, content, params):

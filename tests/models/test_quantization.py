@@ -143,7 +143,23 @@ def test_the_builtin_gguf_blocks_run_through_the_kernel():
     from jaxpaged.models.builtin import builtin_model_path
 
     tokens = list(range(100, 140))
-    ours, loaded = forward_logits(builtin_model_path(), tokens, quantized_matmul="pallas")
-    ref, _ = forward_logits(builtin_model_path(), tokens, quantized_matmul="reference")
+    ours, loaded = forward_logits(builtin_model_path(), tokens, quantized_matmul="pallas", quantization="gguf")
+    ref, _ = forward_logits(builtin_model_path(), tokens, quantized_matmul="reference", quantization="gguf")
     assert isinstance(loaded.model.embed.get_value(), qz.QuantizedWeight)
     assert_close(ours, ref)
+
+
+def test_auto_de_quantizes_gguf_blocks_at_load_off_a_gpu_unless_they_would_not_fit(monkeypatch):
+    """On CPU the per-step path de-quantizes for XLA's matmul anyway: "auto" does it once at load
+    (the same logits as the blocks kept), but keeps the blocks where float weights would not fit."""
+    from jaxpaged.models import loader
+    from jaxpaged.models.builtin import builtin_model_path
+
+    tokens = list(range(100, 140))
+    auto, loaded = forward_logits(builtin_model_path(), tokens)
+    assert loaded.quantization is None and not isinstance(loaded.model.embed.get_value(), qz.QuantizedWeight)
+    kept, _ = forward_logits(builtin_model_path(), tokens, quantization="gguf")
+    assert_close(auto, kept)
+    monkeypatch.setattr(loader.os, "sysconf", lambda name: 4096 if name == "SC_PAGE_SIZE" else 2**16)   # 256 MiB
+    assert not loader._dequantize_gguf_at_load(135_000_000, "float32")
+    assert loader._dequantize_gguf_at_load(10_000_000, "float32")

@@ -4,6 +4,7 @@ import functools
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 from jaxpaged import LLM, SamplingParams
@@ -21,10 +22,12 @@ def smollm2_llm() -> LLM:
                compile_on_startup=False)
 
 
-def test_prompt_logits_match_transformers():
+@pytest.mark.parametrize("quantization", ["auto", "gguf"])   # de-quantized at load on CPU / the blocks kept
+def test_prompt_logits_match_transformers(quantization):
     import torch
 
-    loaded = load_model(smollm2_path(), dtype="float32")
+    loaded = load_model(smollm2_path(), dtype="float32", quantization=quantization)
+    assert (loaded.quantization == "gguf") == (quantization == "gguf")
     cfg = loaded.config
     graphdef, state = nnx.split(loaded.model)
     tokens = smollm2_tokenizer().encode("The quick brown fox jumps over the lazy dog because it wanted to")
