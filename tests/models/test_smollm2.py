@@ -27,7 +27,8 @@ def test_prompt_logits_match_transformers(quantization):
     import torch
 
     loaded = load_model(smollm2_path(), dtype="float32", quantization=quantization)
-    assert (loaded.quantization == "gguf") == (quantization == "gguf")
+    kept = quantization == "gguf" or jax.devices()[0].platform == "gpu"   # "auto" keeps them on a GPU
+    assert (loaded.quantization == "gguf") == kept
     cfg = loaded.config
     graphdef, state = nnx.split(loaded.model)
     tokens = smollm2_tokenizer().encode("The quick brown fox jumps over the lazy dog because it wanted to")

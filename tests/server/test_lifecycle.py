@@ -76,7 +76,9 @@ def test_when_kv_blocks_not_seats_run_out_the_queue_still_fills(monkeypatch):
     engine = AsyncLLM.from_engine_args(tiny_engine_args(max_num_seqs=8, num_gpu_blocks_override=12, max_model_len=64), use_tqdm=False,
                                        max_num_waiting=2)
     step, late_answered = engine.engine.step, threading.Event()
-    two_run_two_wait = lambda m: m["jaxpaged:num_requests_running"] >= 2 and m["jaxpaged:num_requests_waiting"] >= 2  # noqa: E731
+
+    def two_run_two_wait(m):
+        return m["jaxpaged:num_requests_running"] >= 2 and m["jaxpaged:num_requests_waiting"] >= 2
 
     def held_step():   # once two wait, no step runs until the late request is answered: no race
         time.sleep(0.02)
