@@ -22,12 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.layout import fp8_values, kv_pool_shape
+from pallas_kernels.layout import kv_pool_shape
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.reference import ragged_paged_attention_reference
-from pallas_kernels.triton_attention import (combine_splits, compute_dtype, kernel_call_args,
-                                             ragged_paged_attention_triton)
+from pallas_kernels.triton_attention import combine_splits, kernel_call_args, ragged_paged_attention_triton
 from tests.kernels.cases import live_tokens, random_case
+from tests.kernels.triton_emulation import replay
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -37,60 +37,7 @@ def emulate_kernel(q, kv_pool, layer, md, sliding_window=0, soft_cap=0.0, *, sm_
     ranges, masks, dot input dtypes, output slots and split-K combine. Concrete inputs only; slow."""
     launch, operands, out_type, meta, tokens = kernel_call_args(q, kv_pool, layer, md, sliding_window, soft_cap,
                                                               sm_scale=sm_scale, kv_chunk_blocks=kv_chunk_blocks)
-    q, pool, (layer,), (window,), (cap,), kv_lens, tables, cu_q_lens, tile_seq, tile_first_row, tile_rows = (
-        np.asarray(x) for x in operands)
-    pages = np.asarray(fp8_values(jnp.asarray(pool[layer])))   # [2, num_blocks, kv_heads, block_size, head_dim]
-    dots = compute_dtype(q.dtype, pool.dtype)                  # the dots' input dtype
-    queries = q.astype(dots).astype(np.float32)
-    group, rows, chunk, block_size = launch.group, launch.rows, launch.chunk_tokens, launch.block_size
-    live_rows, masked = launch.q_tile * group, np.float32(-1e30)    # the kernel's mask value
-    acc = np.zeros((launch.num_tiles, launch.kv_heads, launch.num_splits, launch.row_blocks * rows,
-                    launch.head_dim_pad), np.float32)                       # the kernel's output slots
-    m_out, l_out = np.full(acc.shape[:-1], masked), np.zeros(acc.shape[:-1], np.float32)
-    for program in np.ndindex(*launch.grid):
-        (tile, row_block), kv_head, split = divmod(program[0], launch.row_blocks), program[1], program[2]
-        seq, first_row, num_rows = tile_seq[tile], tile_first_row[tile], tile_rows[tile]
-        kv_len, q_start = kv_lens[seq], cu_q_lens[seq]
-        pos_offset = kv_len - (cu_q_lens[seq + 1] - q_start) + first_row
-        r = row_block * rows + np.arange(rows)
-        row = r // group
-        row_ok = (r < live_rows) & (row < num_rows)
-        q_pos = pos_offset + row
-        qt = np.zeros((rows, launch.head_dim), np.float32)
-        qt[row_ok] = queries[q_start + first_row + row[row_ok], kv_head * group + r[row_ok] % group]
-
-        start_row = row_block * rows // group
-        end_row = min(-(-min((row_block + 1) * rows, live_rows) // group), num_rows)
-        hi = pos_offset + end_row
-        lo = max(pos_offset + start_row - window + 1, 0) if window > 0 else 0
-        chunk_lo = lo // chunk
-        chunk_hi = -(-hi // chunk) if end_row > start_row and hi > lo else chunk_lo
-        per_split = -(-(chunk_hi - chunk_lo) // launch.num_splits)
-        chunk_begin = chunk_lo + split * per_split
-        m_i, l_i = np.full(rows, masked), np.zeros(rows, np.float32)
-        acc_i = np.zeros((rows, launch.head_dim), np.float32)
-        for c in range(chunk_begin, min(chunk_begin + per_split, chunk_hi)):
-            k_pos = c * chunk + np.arange(chunk)
-            k_ok = (k_pos < kv_len) & (k_pos // block_size < launch.max_blocks)
-            block_id = np.where(k_ok, tables[seq, np.minimum(k_pos // block_size, launch.max_blocks - 1)], 0)
-            k, v = (np.where(k_ok[:, None], pages[kv, block_id, kv_head, k_pos % block_size].astype(dots),
-                             0).astype(np.float32) for kv in (0, 1))
-            s = (qt @ k.T) * np.float32(sm_scale)
-            if cap > 0:
-                with np.errstate(over="ignore"):
-                    s = cap * (1.0 - 2.0 / (np.exp(2.0 * (s / cap)) + 1.0))
-            mask = row_ok[:, None] & k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
-            if window > 0:
-                mask &= q_pos[:, None] - k_pos[None, :] < window
-            s = np.where(mask, s, masked).astype(np.float32)
-            m_new = np.maximum(m_i, s.max(axis=1))
-            p = np.where(mask, np.exp(s - m_new[:, None]), 0.0).astype(np.float32)
-            alpha = np.exp(m_i - m_new)
-            l_i = l_i * alpha + p.sum(axis=1)
-            acc_i = acc_i * alpha[:, None] + p.astype(dots).astype(np.float32) @ v
-            m_i = m_new
-        slots = (tile, kv_head, split, slice(row_block * rows, (row_block + 1) * rows))
-        acc[slots][:, :launch.head_dim], m_out[slots], l_out[slots] = acc_i, m_i, l_i
+    acc, m_out, l_out = replay(operands, launch, sm_scale)
     return combine_splits(jnp.asarray(acc), jnp.asarray(m_out), jnp.asarray(l_out), launch, tokens, q.dtype)
 
 
