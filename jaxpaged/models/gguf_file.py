@@ -49,6 +49,7 @@ class GGUFFile:
     file is not GGUF or is cut short."""
 
     def __init__(self, path: str):
+        self.path = path
         with open(path, "rb") as f:
             self._buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self._pos = 0

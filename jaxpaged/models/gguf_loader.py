@@ -46,7 +46,9 @@ _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
 
 
-def _open(path: str) -> GGUFFile:
+def open_gguf(path: str) -> GGUFFile:
+    """The file's header and tensor index (tensor data is memory-mapped, read on use); a
+    ValueError for an architecture this loader does not map."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: path={path!r}")
     reader = GGUFFile(path)
@@ -164,17 +166,22 @@ def _unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return heads.swapaxes(1, 2).reshape(out_features, in_features)
 
 
-def quantized_tensor_types(path: str) -> set[str]:
+def _reader(source: str | GGUFFile) -> GGUFFile:
+    return source if isinstance(source, GGUFFile) else open_gguf(source)
+
+
+def quantized_tensor_types(source: str | GGUFFile) -> set[str]:
     """The quantized GGUF tensor types in the file (e.g. {"Q4_1", "Q8_0"}); empty for float files."""
-    return {t.tensor_type.name for t in _open(path).tensors if t.tensor_type.name not in ("F32", "F16", "BF16", "F64")}
+    return {t.tensor_type.name for t in _reader(source).tensors
+            if t.tensor_type.name not in ("F32", "F16", "BF16", "F64")}
 
 
-def num_elements(path: str) -> int:
+def num_elements(source: str | GGUFFile) -> int:
     """How many values the file's tensors hold (their float32 size / 4)."""
-    return sum(int(np.prod(t.shape)) for t in _open(path).tensors)
+    return sum(int(np.prod(t.shape)) for t in _reader(source).tensors)
 
 
-def load_gguf(path: str, keep_quantized: bool = False) -> tuple[transformers.PretrainedConfig, dict]:
+def load_gguf(source: str | GGUFFile, keep_quantized: bool = False) -> tuple[transformers.PretrainedConfig, dict]:
     """Read a llama GGUF file; returns (LlamaConfig, HF-named float32 state dict).
 
     Tensors are dequantized one at a time from the memory-mapped file, so peak memory
@@ -184,7 +191,8 @@ def load_gguf(path: str, keep_quantized: bool = False) -> tuple[transformers.Pre
     With `keep_quantized`, Q8_0, Q4_0 and Q4_1 matrices come back as `HostQuantized` [out, in]
     (their own blocks' scales and minimums) and other quantized types are dequantized, logged once.
     """
-    reader = _open(path)
+    reader = _reader(source)
+    path = reader.path
     config = _config(reader)
     state: dict = {}
     dequantized: set[str] = set()

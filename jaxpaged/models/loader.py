@@ -230,15 +230,17 @@ def load_model(model: str, dtype: str = "auto", revision: str | None = None,
     """
     requested_scan = scan_layers
     if model.endswith(".gguf"):
-        from jaxpaged.models.gguf_loader import load_gguf, num_elements, quantized_tensor_types
+        from jaxpaged.models.gguf_loader import load_gguf, num_elements, open_gguf, quantized_tensor_types
         from jaxpaged.models.quantization import GGUF_NATIVE
-        native = quantized_tensor_types(model) & set(GGUF_NATIVE)
+        reader = open_gguf(model)   # the header once: the three calls below read it
+        native = quantized_tensor_types(reader) & set(GGUF_NATIVE)
         requested = quantization
         quantization = resolve_quantization(quantization, "gguf" if native else None)
         dtype = resolve_dtype(dtype, "float32")
-        if requested == "auto" and native and _dequantize_gguf_at_load(num_elements(model), dtype):
+        if requested == "auto" and native and _dequantize_gguf_at_load(num_elements(reader), dtype):
             quantization = None
-        hf_config, tensors = load_gguf(model, keep_quantized=quantization == "gguf")
+        hf_config, tensors = load_gguf(reader, keep_quantized=quantization == "gguf")
+        del reader
         cfg = model_config_from_hf(hf_config)
         scan_layers = resolve_scan_layers(requested_scan, cfg)
         weights = convert_hf_weights(tensors.__getitem__, tensors.__contains__, cfg, dtype, scan_layers, shard_plan,
