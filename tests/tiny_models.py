@@ -4,8 +4,10 @@ Each config exercises that architecture's switches: GQA and MQA, an explicit hea
 q/k/v bias, q/k norm, a sliding window shorter than the test sequences, rope scaling.
 """
 
+import atexit
 import functools
 import os
+import shutil
 import tempfile
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
@@ -14,7 +16,13 @@ FAMILIES = ("phi3", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe")
 _CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
             "gemma2": "Gemma2", "gemma3": "Gemma3", "mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe",
             "qwen3_moe": "Qwen3Moe"}
-_ROOT = tempfile.mkdtemp(prefix="jaxpaged-tiny-")
+_ROOT = tempfile.mkdtemp(prefix="jaxpaged-tiny-")   # this process's checkpoints, removed when it exits
+atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)
+
+
+def scratch_folder(prefix: str) -> str:
+    """A new empty folder for a test's files (adapters, converted models), removed with _ROOT."""
+    return tempfile.mkdtemp(prefix=prefix, dir=_ROOT)
 
 
 def _config(arch: str, **overrides):

@@ -4,13 +4,12 @@ import functools
 import json
 import os
 import shutil
-import tempfile
 
 import pytest
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.engine.generation_config import load_generation_defaults
-from tests.tiny_models import tiny_checkpoint
+from tests.tiny_models import scratch_folder, tiny_checkpoint
 
 PROMPT = {"prompt_token_ids": [5, 17, 42, 99, 7, 3]}
 
@@ -33,7 +32,7 @@ def _checkpoint_with_generation_config() -> tuple[str, int]:
     greedy decoding reaches at its 5th token (chosen so it appears nowhere earlier)."""
     tokens = _greedy_tokens()
     index = next(i for i in range(4, len(tokens)) if tokens[i] not in tokens[:i] and tokens[i] != 2)
-    folder = tempfile.mkdtemp(prefix="jaxpaged-genconfig-")
+    folder = scratch_folder("genconfig-")
     shutil.copytree(tiny_checkpoint("llama"), folder, dirs_exist_ok=True)
     with open(os.path.join(folder, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": [2, tokens[index]], "top_k": 1, "temperature": 0.9, "do_sample": True}, f)

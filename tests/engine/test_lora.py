@@ -5,14 +5,13 @@ nothing compiles when adapters change, and bad adapters are ValueErrors that los
 
 import functools
 import os
-import tempfile
 
 import numpy as np
 import pytest
 
 from jaxpaged import LLM, BeamSearchParams, LoRARequest, SamplingParams
 from tests.engine.test_no_compiles_after_startup import compilations
-from tests.tiny_models import hf_model, tiny_checkpoint
+from tests.tiny_models import hf_model, scratch_folder, tiny_checkpoint
 
 ARCH = "qwen2"   # q/k/v bias, untied LM head
 QV = ["q_proj", "v_proj"]
@@ -38,7 +37,7 @@ def adapter(seed: int, targets: tuple[str, ...] = tuple(ALL), rank: int = 8, alp
         for name, p in model.named_parameters():
             if "lora_" in name:
                 p.normal_(0.0, 0.3)
-    path = tempfile.mkdtemp(prefix=f"jaxpaged-lora-{seed}-")
+    path = scratch_folder(f"lora-{seed}-")
     model.save_pretrained(path)
     return path
 
@@ -213,7 +212,7 @@ def _write_adapter_config(path: str, **changes) -> str:
     import json
     import shutil
 
-    bad = tempfile.mkdtemp(prefix="jaxpaged-bad-lora-")
+    bad = scratch_folder("bad-lora-")
     for name in os.listdir(path):
         shutil.copy(os.path.join(path, name), bad)
     with open(os.path.join(bad, "adapter_config.json")) as f:

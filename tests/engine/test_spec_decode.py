@@ -15,6 +15,7 @@ from jaxpaged.runner.persistent_batch import emitted_rows
 from jaxpaged.runner.sampler import sample
 from tests.engine.test_memory_features import make_llm, workload
 from tests.runner.test_sampler import metadata, params, softmax
+from tests.tiny_models import scratch_folder
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 
@@ -203,11 +204,10 @@ def test_builtin_model_prompt_lookup_keeps_greedy_outputs_and_stop_strings():
 def _truncated_copy(path: str, num_layers: int) -> str:
     """The checkpoint at `path` with only its first `num_layers` layers (a draft model)."""
     import os
-    import tempfile
 
     import transformers
 
-    out = os.path.join(tempfile.mkdtemp(prefix="jaxpaged-draft-"), "draft")
+    out = os.path.join(scratch_folder("draft-"), "draft")
     model = transformers.AutoModelForCausalLM.from_pretrained(path)
     model.model.layers = model.model.layers[:num_layers]
     model.config.num_hidden_layers = num_layers

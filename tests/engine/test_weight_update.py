@@ -3,7 +3,6 @@ wake. An updated engine gives what an engine built on the new weights gives, tok
 
 import functools
 import os
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, SamplingParams
-from tests.tiny_models import tiny_checkpoint
+from tests.tiny_models import scratch_folder, tiny_checkpoint
 
 OPTS = dict(dtype="float32", num_gpu_blocks_override=64, max_model_len=128, compile_on_startup=False, block_size=8)
 PROMPTS = [{"prompt_token_ids": list(range(5, 25))}, {"prompt_token_ids": list(range(40, 49))}]
@@ -39,7 +38,7 @@ def save_like(path: str, state: dict[str, np.ndarray]) -> str:
     import transformers
     model = transformers.AutoModelForCausalLM.from_pretrained(path)
     model.load_state_dict({k: torch.from_numpy(np.array(v, np.float32)) for k, v in state.items()})
-    out = os.path.join(tempfile.mkdtemp(prefix="jaxpaged-updated-"), "model")
+    out = os.path.join(scratch_folder("updated-"), "model")
     model.save_pretrained(out)
     return out
 

@@ -45,17 +45,15 @@ def main(spec: dict) -> dict:
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from jaxpaged import LLM
-    from tests.tiny_models import tiny_checkpoint
+    from tests.tiny_models import scratch_folder, tiny_checkpoint
 
     path = tiny_checkpoint(spec["arch"], **spec.get("overrides", {}))
     prompts, params = prompts_and_params()
     runs = [("", path, tp, dp) for tp, dp in spec["layouts"]]
     runs += [("pallas-", path, tp, dp) for tp, dp in spec.get("pallas_layouts", [])]
     if spec.get("orbax_layouts"):   # `jaxpaged convert`'s folder, restored into each layout
-        import tempfile
-
         from jaxpaged.models.loader import convert_checkpoint
-        converted = convert_checkpoint(path, os.path.join(tempfile.mkdtemp(), "converted"), "float32")
+        converted = convert_checkpoint(path, os.path.join(scratch_folder("converted-"), "converted"), "float32")
         runs += [("orbax-", converted, tp, dp) for tp, dp in spec["orbax_layouts"]]
     results = {}
     for prefix, source, tp, dp in runs:
