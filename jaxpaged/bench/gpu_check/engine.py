@@ -141,7 +141,8 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 def speculative_step_cost(ctx: Context) -> Iterator[Row]:
     """Issue #17's premise on the GPU: a step verifying k drafts per sequence costs little more than a
     decode step. The engine without and with speculative_config (k = 4, a proposer that always drafts
-    k tokens, so every decode step verifies); ms per step after an untimed warm-up of the same shapes."""
+    k tokens, so every decode step verifies); ms per step after an untimed warm-up of the same shapes
+    (which compiles the steps they take: no start-up compilation of every variant)."""
     from jaxpaged import LLM, SamplingParams
     from jaxpaged.bench.throughput import StepClock
 
@@ -158,7 +159,7 @@ def speculative_step_cost(ctx: Context) -> Iterator[Row]:
         llm = LLM(path, dtype=CHECKPOINT_DTYPE, block_size=sizes.block_size, max_num_seqs=sizes.engine_prompts,
                   max_model_len=sizes.engine_max_model_len, max_num_batched_tokens=sizes.engine_batched_tokens,
                   num_gpu_blocks_override=2 * sizes.engine_prompts * per_seq + 1, use_tqdm=False,
-                  speculative_config=spec)
+                  speculative_config=spec, compile_on_startup=False)   # the warm-up compiles what is timed
         if spec is not None:
             speculator = llm.llm_engine.speculator
             speculator.proposer = lambda request, k: [int(request.all_token_ids[-1])] * k
