@@ -1,11 +1,24 @@
 """Engine arguments, with vLLM's names and meanings."""
 
 import dataclasses
+import os
 
 from jaxpaged.models.quantization import ALLOWED as QUANTIZATIONS
 from jaxpaged.sampling_params import MAX_LOGPROBS
 from pallas_kernels.backends import BACKENDS as ATTENTION_BACKENDS
 from pallas_kernels.layout import KV_CACHE_DTYPES
+
+
+# The default of optimization_level where the argument is not given (a test suite or CI of tiny
+# models compiling at 0, say); unset: 2.
+OPTIMIZATION_LEVEL_ENV = "JAXPAGED_OPTIMIZATION_LEVEL"
+
+
+def xla_compiler_options(optimization_level: int) -> dict:
+    """vLLM's optimization levels in XLA's terms: 0 and 1 lower the optimization of the code XLA
+    generates (LLVM's level: a tiny model's step compiles in about two thirds of the time on
+    XLA:CPU; elementwise work runs slower), 2 and 3 are XLA's defaults."""
+    return {} if optimization_level >= 2 else {"xla_backend_optimization_level": optimization_level}
 
 
 @dataclasses.dataclass
@@ -35,6 +48,7 @@ class EngineArgs:
     served_model_name: str | None = None
     generation_config: str = "auto"          # auto: the model's generation_config.json; vllm: ignore it; or a folder
     compile_on_startup: bool = True           # compile the step's shape buckets before serving
+    optimization_level: int | None = None     # vLLM's -O: 0 compiles fastest, 2 runs fastest (None: 2, or the env's)
     max_logprobs: int = 20                    # most top logprobs a request may ask for (every step returns this many)
     disable_log_stats: bool = True
     tensor_parallel_size: int = 1             # devices each model replica is sharded over (Megatron-style)
@@ -59,6 +73,14 @@ class EngineArgs:
         def require(name, ok, allowed):
             if not ok:
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+        if self.optimization_level is None:
+            default = os.environ.get(OPTIMIZATION_LEVEL_ENV, "2")
+            if default not in ("0", "1", "2", "3"):
+                raise ValueError(f"{OPTIMIZATION_LEVEL_ENV} must be 0, 1, 2 or 3, got {default!r}")
+            self.optimization_level = int(default)
+        require("optimization_level", type(self.optimization_level) is int and 0 <= self.optimization_level <= 3,
+                "0, 1, 2 or 3 (None: the default, 2)")
 
         require("block_size", isinstance(self.block_size, int) and self.block_size in (8, 16, 32, 64, 128),
                 "one of 8, 16, 32, 64, 128")

@@ -7,7 +7,7 @@ import jax
 
 from jaxpaged.core.kv_cache_manager import cdiv
 from jaxpaged.engine import memory
-from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.engine.arg_utils import EngineArgs, xla_compiler_options
 from jaxpaged.models.loader import LoadedModel, load_model
 from jaxpaged.parallel import ShardPlan
 from jaxpaged.runner import multihost
@@ -134,7 +134,8 @@ def _new_runner(args: EngineArgs, loaded: LoadedModel, num_blocks: int, max_mode
                        args.batched_tokens(max_model_len), kv_dtype=kv_dtype(args, loaded),
                        num_host_blocks=num_host_blocks, max_logprobs=args.max_logprobs,
                        calculate_kv_scales=args.calculate_kv_scales,
-                       num_speculative_tokens=_num_speculative_tokens(args))
+                       num_speculative_tokens=_num_speculative_tokens(args),
+                       compiler_options=xla_compiler_options(args.optimization_level))
 
 
 def _num_speculative_tokens(args: EngineArgs) -> int:
@@ -204,7 +205,8 @@ def build_draft_proposer(args: EngineArgs, draft: LoadedModel, num_blocks: int, 
     by the target's block ids), its step variants compiled like the target's."""
     from jaxpaged.engine.spec_decode import DraftModelProposer
     runner = ModelRunner(draft.model, num_blocks, args.block_size, max_model_len, args.max_num_seqs,
-                         args.batched_tokens(max_model_len), max_logprobs=0)
+                         args.batched_tokens(max_model_len), max_logprobs=0,
+                         compiler_options=xla_compiler_options(args.optimization_level))
     if args.compile_on_startup:
         from tqdm.auto import tqdm
         shapes = runner.warmup_shapes()

@@ -83,8 +83,9 @@ class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, kv_dtype=None, num_host_blocks: int = 0,
                  max_logprobs: int = MAX_LOGPROBS, calculate_kv_scales: bool = False,
-                 num_speculative_tokens: int = 0):
+                 num_speculative_tokens: int = 0, compiler_options: dict | None = None):
         self.model_config = model.config
+        self.compiler_options = compiler_options or None   # XLA options of the step's programs (optimization_level)
         self.graphdef, self.state = nnx.split(model)
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -332,7 +333,7 @@ class ModelRunner:
             args = (self.state, self.kv_pool, self.slot_state,
                     jax.ShapeDtypeStruct(buffer.shape, buffer.dtype, sharding=self.plan.array_sharding(P())),
                     self._no_prev_tokens)
-            forward = self._compiled[shape] = forward_fn.lower(statics, *args).compile()
+            forward = self._compiled[shape] = forward_fn.lower(statics, *args).compile(self.compiler_options)
         key = _sampler_key(shape)
         sampler = self._samplers.get(key)
         if sampler is None:
@@ -344,7 +345,7 @@ class ModelRunner:
             statics = SampleStatics(self.graphdef, key[1], self.max_logprobs, self.max_num_seqs, self.plan)
             bitmask = jax.ShapeDtypeStruct((shape.num_logits, self.bitmask_words), jnp.int32, sharding=replicated)
             sampler = self._samplers[key] = sample_fn.lower(statics, self.state, self.slot_state, rows,
-                                                            bitmask).compile()
+                                                            bitmask).compile(self.compiler_options)
         return forward, sampler
 
     # ---- sleep mode -------------------------------------------------------------------------

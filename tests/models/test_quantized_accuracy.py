@@ -9,13 +9,15 @@ import functools
 import pytest
 
 from jaxpaged.bench import quantization as bench
+from tests.fixtures_smollm2 import BUILTIN_LEVEL
 
 GOALS = {"int8": 0.01, "fp8": 0.02, "fp8-kv-calibrated": 0.01}
 
 
 @functools.cache
 def measured(name: str) -> tuple[float, str]:
-    llm = bench.make_llm(bench.MODES[name], compile_on_startup=False, max_model_len=1100)
+    llm = bench.make_llm(bench.MODES[name], compile_on_startup=False, max_model_len=1100,
+                         optimization_level=BUILTIN_LEVEL)
     return bench.perplexity(llm, bench.text_tokens(llm)), bench.chat_answer(llm)
 
 

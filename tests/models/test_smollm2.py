@@ -11,7 +11,7 @@ from jaxpaged import LLM, SamplingParams
 from jaxpaged.models.loader import load_model
 from jaxpaged.runner.batch_builder import BatchShape, SeqChunk, build_forward_batch
 from pallas_kernels import kv_pool_shape
-from tests.fixtures_smollm2 import smollm2_hf_model, smollm2_path, smollm2_tokenizer
+from tests.fixtures_smollm2 import BUILTIN_LEVEL, smollm2_hf_model, smollm2_path, smollm2_tokenizer
 
 QUESTIONS = ["What is the capital of France?", "What is 2 + 2?", "Name a primary color."]
 
@@ -19,7 +19,7 @@ QUESTIONS = ["What is the capital of France?", "What is 2 + 2?", "Name a primary
 @functools.cache
 def smollm2_llm() -> LLM:
     return LLM(None, dtype="float32", max_model_len=256, num_gpu_blocks_override=64,
-               compile_on_startup=False)
+               compile_on_startup=False, optimization_level=BUILTIN_LEVEL)
 
 
 @pytest.mark.parametrize("quantization", ["auto", "gguf"])   # de-quantized at load on CPU / the blocks kept

@@ -14,10 +14,20 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from jaxpaged.engine.arg_utils import OPTIMIZATION_LEVEL_ENV
+from tests.fixtures_smollm2 import BUILTIN_LEVEL
+
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 NAMES = ["quickstart.ipynb", "serving.ipynb", "paged_attention.ipynb", "rl_rollouts.ipynb"]
 CELL_TIMEOUT_S = 600   # per cell; each whole notebook takes 1-3 minutes on a 2-core CPU
 SAVE_TO = os.environ.get("JAXPAGED_NOTEBOOKS_OUT")   # a folder: keep the executed notebooks (CI artifacts)
+
+
+@pytest.fixture(autouse=True)
+def _readers_optimization_level(monkeypatch):
+    """The kernels (and the server the serving notebook starts) inherit this: a reader's default
+    level, not the suite's 0 (see tests/fixtures_smollm2.py)."""
+    monkeypatch.setenv(OPTIMIZATION_LEVEL_ENV, str(BUILTIN_LEVEL))
 
 
 def _execute(nb, name: str) -> None:

@@ -11,6 +11,7 @@ import pytest
 from jaxpaged import AsyncLLM
 from jaxpaged.engine.arg_utils import EngineArgs
 from server import build_app
+from tests.fixtures_smollm2 import BUILTIN_LEVEL
 from tests.server.test_openai_server import serving
 from tests.server.test_tool_calls import SCHEMAS, TOOLS
 
@@ -24,7 +25,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris? Call the tool.
 @pytest.fixture(scope="module")
 def client():
     engine = AsyncLLM.from_engine_args(EngineArgs(model=None, max_num_seqs=8, max_model_len=1024,
-                                                  max_num_batched_tokens=256, compile_on_startup=False),
+                                                  max_num_batched_tokens=256, compile_on_startup=False,
+                                                  optimization_level=BUILTIN_LEVEL),
                                        use_tqdm=False)
     with serving(build_app(engine, ["smollm2"])) as (url,):
         yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
