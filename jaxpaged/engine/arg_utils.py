@@ -17,8 +17,10 @@ OPTIMIZATION_LEVEL_ENV = "JAXPAGED_OPTIMIZATION_LEVEL"
 def xla_compiler_options(optimization_level: int) -> dict:
     """vLLM's optimization levels in XLA's terms: 0 and 1 lower the optimization of the code XLA
     generates (LLVM's level: a tiny model's step compiles in about two thirds of the time on
-    XLA:CPU; elementwise work runs slower), 2 and 3 are XLA's defaults."""
-    return {} if optimization_level >= 2 else {"xla_backend_optimization_level": optimization_level}
+    XLA:CPU; elementwise work runs slower), 2 and 3 are XLA's default (3). Always explicit, so the
+    level holds whatever a process's XLA_FLAGS say for its other programs (a test suite compiles its
+    own at 0)."""
+    return {"xla_backend_optimization_level": optimization_level if optimization_level < 2 else 3}
 
 
 @dataclasses.dataclass
