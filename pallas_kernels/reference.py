@@ -7,8 +7,9 @@ into tiles of `q_tile` tokens, each tile belonging to one sequence:
     tiles        | t0 | t1 | t2    | t3      | t4 | t5 |
 
 Each tile walks its sequence's KV in chunks of `kv_chunk_blocks` pages with an online
-softmax, so memory stays O(tiles x chunk) whatever the context length, and the number of
-chunks visited is the longest context in the batch, not a compiled bucket.
+softmax, so memory stays O(tiles x chunk) whatever the context length. Tiles go
+`tiles_per_group` at a time: only the groups holding a tile in use, each only as far as its
+tiles' last visible key (not a compiled bucket, not the batch's longest context).
 
 A decode-only batch (`md.decode_only`) takes a second path: every page any sequence reads
 goes into one flat list, walked `pages_per_chunk` pages at a time (see `_flat_pages_attention`).
@@ -78,7 +79,7 @@ def tile_layout(md: AttentionMetadata, num_tokens: int):
     return q_lens, tile_seq, tile_valid, tile_first_row, token_tile, token_row % q_tile
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "kv_chunk_blocks", "pages_per_chunk"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "kv_chunk_blocks", "pages_per_chunk", "tiles_per_group"))
 def ragged_paged_attention_reference(
     q: jax.Array,             # [num_tokens, num_heads, head_dim]
     kv_pool: jax.Array,       # [num_layers, 2, num_blocks, kv_heads, block_size, head_dim]
@@ -89,24 +90,36 @@ def ragged_paged_attention_reference(
     *,
     sm_scale: float,
     kv_chunk_blocks: int = 8,    # pages per step of a tile's walk (mixed batches)
+    tiles_per_group: int = 8,    # query tiles walked together (mixed batches)
     pages_per_chunk: int = 128,  # pages per step of the flat walk (decode-only batches), at most 16 per seq
 ) -> jax.Array:               # [num_tokens, num_heads, head_dim], dtype of q
     validate_inputs(q, kv_pool, md)
-    for name, value in (("kv_chunk_blocks", kv_chunk_blocks), ("pages_per_chunk", pages_per_chunk)):
+    for name, value in (("kv_chunk_blocks", kv_chunk_blocks), ("pages_per_chunk", pages_per_chunk),
+                        ("tiles_per_group", tiles_per_group)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     if md.decode_only:
         return _flat_pages_attention(q, kv_pool, layer, md, sliding_window, soft_cap, sm_scale=sm_scale,
                                      pages_per_chunk=pages_per_chunk)
     return _tiled_attention(q, kv_pool, layer, md, sliding_window, soft_cap, sm_scale=sm_scale,
-                            kv_chunk_blocks=kv_chunk_blocks)
+                            kv_chunk_blocks=kv_chunk_blocks, tiles_per_group=tiles_per_group)
 
 
 def _soft_capped(s: jax.Array, cap: jax.Array) -> jax.Array:
     return jnp.where(cap > 0, cap * jnp.tanh(s / jnp.where(cap > 0, cap, 1.0)), s)
 
 
-def _tiled_attention(q, kv_pool, layer, md, sliding_window, soft_cap, *, sm_scale, kv_chunk_blocks):
+def _tiled_attention(q, kv_pool, layer, md, sliding_window, soft_cap, *, sm_scale, kv_chunk_blocks, tiles_per_group):
+    """Mixed batches: tiles walked `tiles_per_group` at a time, only the groups that hold a tile in
+    use, each group only as far as its tiles' last visible key.
+
+        tiles        | seq0: t0 t1 t2 | seq1: t3 | seq2: t4 t5 | padding: t6 ... t(N-1) |
+        groups of 2  | g0: t0 t1 | g1: t2 t3 | g2: t4 t5 |  (g3... never run)
+        g0 walks up to t1's last query position, g1 up to max(t2's, t3's), ...
+
+    The static tile count bounds a batch of up to num_seqs sequences (each wastes at most one partial
+    tile), far more than a prompt chunk or two use: walking every tile to the longest context cost a
+    256-token prompt chunk with max_num_seqs 256 eighteen times its work."""
     num_tokens, num_heads, head_dim = q.shape
     _, _, num_blocks, kv_heads, block_size, _ = kv_pool.shape
     group = num_heads // kv_heads
@@ -116,6 +129,15 @@ def _tiled_attention(q, kv_pool, layer, md, sliding_window, soft_cap, *, sm_scal
     pages = pages_view(kv_pool)
 
     q_lens, tile_seq, tile_valid, tile_first_row, token_tile, token_tile_row = tile_layout(md, num_tokens)
+    num_tiles = tile_seq.shape[0]
+    G = min(tiles_per_group, num_tiles)
+    num_groups = -(-num_tiles // G)
+    pad = num_groups * G - num_tiles   # the last group's slots past the tiles: invalid tiles
+
+    def padded(x, value=0):
+        return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1), constant_values=value)
+
+    tile_seq, tile_first_row, tile_valid = padded(tile_seq), padded(tile_first_row), padded(tile_valid, False)
     rows = tile_first_row[:, None] + jnp.arange(q_tile, dtype=jnp.int32)[None, :]   # [N, q_tile]
     row_valid = tile_valid[:, None] & (rows < q_lens[tile_seq][:, None])
     q_index = jnp.clip(md.cu_q_lens[tile_seq][:, None] + rows, 0, num_tokens - 1)
@@ -123,49 +145,60 @@ def _tiled_attention(q, kv_pool, layer, md, sliding_window, soft_cap, *, sm_scal
     q_tiles = q_tiles.reshape(*q_index.shape, kv_heads, group, head_dim)
     kv_len = jnp.where(tile_valid, md.kv_lens[tile_seq], 0)                        # [N]
     q_pos = (kv_len - q_lens[tile_seq])[:, None] + rows                            # [N, qt]
+    # keys a tile can see: up to its last valid row's position (causal), none for an unused tile
+    tile_end = jnp.where(row_valid, q_pos + 1, 0).max(axis=1)                      # [N]
     tables = md.block_tables[tile_seq]                                             # [N, max_blocks]
     k_base = (layer * 2) * num_blocks
     v_base = k_base + num_blocks
     window = jnp.asarray(sliding_window, jnp.int32)
     cap = jnp.asarray(soft_cap, jnp.float32)
-
-    num_tiles = q_index.shape[0]
     chunk_tokens = chunk * block_size
-    acc0 = jnp.zeros((num_tiles, kv_heads, group, q_tile, head_dim), jnp.float32)
-    m0 = jnp.full((num_tiles, kv_heads, group, q_tile), _MASKED, jnp.float32)
-    l0 = jnp.zeros_like(m0)
 
     def kv_chunk(base, block_ids):
-        """[N, kv_heads, chunk_tokens, head_dim]: whole blocks gathered, then each head's pages side by side."""
+        """[G, kv_heads, chunk_tokens, head_dim]: whole blocks gathered, then each head's pages side by side."""
         # block ids are valid by construction (padding points at block 0): skip XLA's bounds clamping,
         # which makes CPU gathers several times slower
-        blocks = pages.at[base + block_ids].get(mode="promise_in_bounds")          # [N, chunk, h, bs, D]
-        return blocks.transpose(0, 2, 1, 3, 4).reshape(num_tiles, kv_heads, chunk_tokens, head_dim)
+        blocks = pages.at[base + block_ids].get(mode="promise_in_bounds")          # [G, chunk, h, bs, D]
+        return blocks.transpose(0, 2, 1, 3, 4).reshape(G, kv_heads, chunk_tokens, head_dim)
 
-    def body(c, carry):
-        acc, m, l = carry
-        block_idx = jnp.clip(c * chunk + jnp.arange(chunk, dtype=jnp.int32), 0, max_blocks - 1)
-        block_ids = tables[:, block_idx]                                            # [N, chunk]
-        k = fp8_values(kv_chunk(k_base, block_ids)).astype(jnp.float32)
-        v = fp8_values(kv_chunk(v_base, block_ids)).astype(jnp.float32)
-        s = _soft_capped(jnp.einsum("nqhgd,nhkd->nhgqk", q_tiles, k), cap)
-        k_pos = c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)       # [ck]
-        mask = (k_pos[None, None, :] < kv_len[:, None, None]) & (k_pos[None, None, :] <= q_pos[:, :, None])
-        mask &= (window <= 0) | (q_pos[:, :, None] - k_pos[None, None, :] < window)
-        mask &= row_valid[:, :, None]                                               # [N, qt, ck]
-        mask = mask[:, None, None]
-        s = jnp.where(mask, s, _MASKED)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
-        alpha = jnp.exp(m - m_new)
-        l = l * alpha + p.sum(axis=-1)
-        acc = acc * alpha[..., None] + jnp.einsum("nhgqk,nhkd->nhgqd", p, v)
-        return acc, m_new, l
+    def group_body(g, out):
+        first = g * G
+        take = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=first, slice_size=G, axis=0)
+        gq, g_len, g_pos, g_rows, g_tables = (take(x) for x in (q_tiles, kv_len, q_pos, row_valid, tables))
 
-    num_chunks = (jnp.max(kv_len) + chunk_tokens - 1) // chunk_tokens
-    acc, _, l = jax.lax.fori_loop(0, num_chunks, body, (acc0, m0, l0))
-    out = acc / jnp.where(l > 0, l, 1.0)[..., None]                                # [N, h, g, qt, D]
-    out = out.transpose(0, 3, 1, 2, 4).reshape(num_tiles, q_tile, num_heads, head_dim)
+        def body(c, carry):
+            acc, m, l = carry
+            block_idx = jnp.clip(c * chunk + jnp.arange(chunk, dtype=jnp.int32), 0, max_blocks - 1)
+            block_ids = g_tables[:, block_idx]                                      # [G, chunk]
+            k = fp8_values(kv_chunk(k_base, block_ids)).astype(jnp.float32)
+            v = fp8_values(kv_chunk(v_base, block_ids)).astype(jnp.float32)
+            s = _soft_capped(jnp.einsum("nqhgd,nhkd->nhgqk", gq, k), cap)
+            k_pos = c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)   # [ck]
+            mask = (k_pos[None, None, :] < g_len[:, None, None]) & (k_pos[None, None, :] <= g_pos[:, :, None])
+            mask &= (window <= 0) | (g_pos[:, :, None] - k_pos[None, None, :] < window)
+            mask &= g_rows[:, :, None]                                              # [G, qt, ck]
+            mask = mask[:, None, None]
+            s = jnp.where(mask, s, _MASKED)
+            m_new = jnp.maximum(m, s.max(axis=-1))
+            p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+            alpha = jnp.exp(m - m_new)
+            l = l * alpha + p.sum(axis=-1)
+            acc = acc * alpha[..., None] + jnp.einsum("nhgqk,nhkd->nhgqd", p, v)
+            return acc, m_new, l
+
+        m0 = jnp.full((G, kv_heads, group, q_tile), _MASKED, jnp.float32)
+        acc0 = jnp.zeros((G, kv_heads, group, q_tile, head_dim), jnp.float32)
+        # a window hides whole chunks before the group's earliest visible key
+        g_first = jnp.where(g_rows, jnp.maximum(g_pos - window + 1, 0), jnp.iinfo(jnp.int32).max).min()
+        start = jnp.where(window > 0, jnp.minimum(g_first, take(tile_end).max()) // chunk_tokens, 0)
+        stop = (take(tile_end).max() + chunk_tokens - 1) // chunk_tokens
+        acc, _, l = jax.lax.fori_loop(start, stop, body, (acc0, m0, jnp.zeros_like(m0)))
+        return jax.lax.dynamic_update_slice_in_dim(out, acc / jnp.where(l > 0, l, 1.0)[..., None], first, axis=0)
+
+    groups_in_use = (jnp.sum(tile_valid) + G - 1) // G   # tiles in use come first, sequence by sequence
+    out = jnp.zeros((num_groups * G, kv_heads, group, q_tile, head_dim), jnp.float32)
+    out = jax.lax.fori_loop(0, groups_in_use, group_body, out)                    # [N, h, g, qt, D]
+    out = out.transpose(0, 3, 1, 2, 4).reshape(num_groups * G, q_tile, num_heads, head_dim)
     return out[token_tile, token_tile_row].astype(q.dtype)
 
 

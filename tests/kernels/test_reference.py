@@ -83,17 +83,22 @@ def test_decode_batches_match_naive_attention(block_size, group, window, soft_ca
     assert_close(tiled, want, md, dtype)
 
 
+@pytest.mark.parametrize("tiles_per_group", [1, 3, 8])
 @pytest.mark.parametrize("block_size,group,window,soft_cap,q_tile,seed", [
     (8, 2, 0, 0.0, 4, 10),
     (16, 4, 13, 0.0, 8, 11),
+    (8, 2, 9, 0.0, 2, 13),
     (32, 1, 0, 10.0, 2, 12),
 ])
-def test_mixed_batches_match_naive_attention(block_size, group, window, soft_cap, q_tile, seed):
+def test_mixed_batches_match_naive_attention(block_size, group, window, soft_cap, q_tile, seed, tiles_per_group):
+    """Tiles walked one, three or eight at a time (the groups in use only, each from its window's
+    first chunk to its last visible key) over contexts of up to eight pages, two pages a chunk."""
     rng = np.random.default_rng(seed)
     q, kv_pool, layer, md, kwargs = random_case(rng, head_dim=32, group=group, block_size=block_size, num_seqs=5,
                                                 dtype=jnp.float32, sliding_window=window, soft_cap=soft_cap,
-                                                q_tile=q_tile)
-    got = ragged_paged_attention_reference(q, kv_pool, layer, md, **kwargs, kv_chunk_blocks=2)
+                                                q_tile=q_tile, max_blocks_per_seq=8, pad_seqs=3)
+    got = ragged_paged_attention_reference(q, kv_pool, layer, md, **kwargs, kv_chunk_blocks=2,
+                                           tiles_per_group=tiles_per_group)
     assert_close(got, naive_attention(q, kv_pool, layer, md, **kwargs), md, jnp.float32)
 
 
@@ -129,7 +134,7 @@ def test_all_padding_batch_gives_zeros():
     np.testing.assert_array_equal(out, np.zeros(q.shape, np.float32))
 
 
-@pytest.mark.parametrize("argument", ["kv_chunk_blocks", "pages_per_chunk"])
+@pytest.mark.parametrize("argument", ["kv_chunk_blocks", "pages_per_chunk", "tiles_per_group"])
 def test_invalid_chunk_sizes_are_named(argument):
     q, kv_pool, layer, md, kwargs = random_case(np.random.default_rng(22), head_dim=32, group=2, block_size=8,
                                                 num_seqs=2, dtype=jnp.float32, decode_only=True)
