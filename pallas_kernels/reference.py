@@ -130,7 +130,7 @@ def _tiled_attention(q, kv_pool, layer, md, sliding_window, soft_cap, *, sm_scal
 
     q_lens, tile_seq, tile_valid, tile_first_row, token_tile, token_tile_row = tile_layout(md, num_tokens)
     num_tiles = tile_seq.shape[0]
-    G = min(tiles_per_group, num_tiles)
+    G = max(1, min(tiles_per_group, num_tiles))
     num_groups = -(-num_tiles // G)
     pad = num_groups * G - num_tiles   # the last group's slots past the tiles: invalid tiles
 
