@@ -145,8 +145,6 @@ def _tiled_attention(q, kv_pool, layer, md, sliding_window, soft_cap, *, sm_scal
     q_tiles = q_tiles.reshape(*q_index.shape, kv_heads, group, head_dim)
     kv_len = jnp.where(tile_valid, md.kv_lens[tile_seq], 0)                        # [N]
     q_pos = (kv_len - q_lens[tile_seq])[:, None] + rows                            # [N, qt]
-    # keys a tile can see: up to its last valid row's position (causal), none for an unused tile
-    tile_end = jnp.where(row_valid, q_pos + 1, 0).max(axis=1)                      # [N]
     tables = md.block_tables[tile_seq]                                             # [N, max_blocks]
     k_base = (layer * 2) * num_blocks
     v_base = k_base + num_blocks
@@ -164,7 +162,7 @@ def _tiled_attention(q, kv_pool, layer, md, sliding_window, soft_cap, *, sm_scal
     def group_body(g, out):
         first = g * G
         take = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=first, slice_size=G, axis=0)
-        gq, g_len, g_pos, g_rows, g_tables = (take(x) for x in (q_tiles, kv_len, q_pos, row_valid, tables))
+        gq, g_pos, g_rows, g_tables = (take(x) for x in (q_tiles, q_pos, row_valid, tables))
 
         def body(c, carry):
             acc, m, l = carry
@@ -174,7 +172,8 @@ def _tiled_attention(q, kv_pool, layer, md, sliding_window, soft_cap, *, sm_scal
             v = fp8_values(kv_chunk(v_base, block_ids)).astype(jnp.float32)
             s = _soft_capped(jnp.einsum("nqhgd,nhkd->nhgqk", gq, k), cap)
             k_pos = c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)   # [ck]
-            mask = (k_pos[None, None, :] < g_len[:, None, None]) & (k_pos[None, None, :] <= g_pos[:, :, None])
+            # a valid row's position is below its kv_len: the causal test keeps keys inside the sequence
+            mask = k_pos[None, None, :] <= g_pos[:, :, None]
             mask &= (window <= 0) | (g_pos[:, :, None] - k_pos[None, None, :] < window)
             mask &= g_rows[:, :, None]                                              # [G, qt, ck]
             mask = mask[:, None, None]
@@ -188,10 +187,11 @@ def _tiled_attention(q, kv_pool, layer, md, sliding_window, soft_cap, *, sm_scal
 
         m0 = jnp.full((G, kv_heads, group, q_tile), _MASKED, jnp.float32)
         acc0 = jnp.zeros((G, kv_heads, group, q_tile, head_dim), jnp.float32)
-        # a window hides whole chunks before the group's earliest visible key
-        g_first = jnp.where(g_rows, jnp.maximum(g_pos - window + 1, 0), jnp.iinfo(jnp.int32).max).min()
-        start = jnp.where(window > 0, jnp.minimum(g_first, take(tile_end).max()) // chunk_tokens, 0)
-        stop = (take(tile_end).max() + chunk_tokens - 1) // chunk_tokens
+        # keys the group sees: up to its last valid row (causal); a window hides those before its first
+        end = jnp.where(g_rows, g_pos + 1, 0).max()
+        begin = jnp.where(g_rows, jnp.maximum(g_pos - window + 1, 0), end).min()
+        start = jnp.where(window > 0, begin // chunk_tokens, 0)
+        stop = (end + chunk_tokens - 1) // chunk_tokens
         acc, _, l = jax.lax.fori_loop(start, stop, body, (acc0, m0, jnp.zeros_like(m0)))
         return jax.lax.dynamic_update_slice_in_dim(out, acc / jnp.where(l > 0, l, 1.0)[..., None], first, axis=0)
 
