@@ -18,7 +18,8 @@ QUESTIONS = ["What is the capital of France?", "What is 2 + 2?", "Name a primary
 
 @functools.cache
 def smollm2_llm() -> LLM:
-    return LLM(None, dtype="float32", max_model_len=256, num_gpu_blocks_override=64,
+    # the quickstart notebook's CPU engine: its steps are shared through the run's compilation cache
+    return LLM(None, dtype="float32", max_model_len=512, max_num_seqs=8, max_num_batched_tokens=256,
                compile_on_startup=False, optimization_level=BUILTIN_LEVEL)
 
 

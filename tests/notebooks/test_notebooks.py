@@ -15,7 +15,6 @@ import pytest
 from nbclient import NotebookClient
 
 from jaxpaged.engine.arg_utils import OPTIMIZATION_LEVEL_ENV
-from tests.conftest import SUITE_XLA_FLAG
 from tests.fixtures_smollm2 import BUILTIN_LEVEL
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
@@ -26,10 +25,12 @@ SAVE_TO = os.environ.get("JAXPAGED_NOTEBOOKS_OUT")   # a folder: keep the execut
 
 @pytest.fixture(autouse=True)
 def _readers_optimization_level(monkeypatch):
-    """The kernels (and the server the serving notebook starts) inherit this: a reader's default
-    level, not the suite's 0 (see tests/fixtures_smollm2.py), and XLA_FLAGS without the suite's."""
+    """The kernels (and the server the serving notebook starts) inherit this: the engines' steps at a
+    reader's default level, not the suite's 0 (see tests/fixtures_smollm2.py). XLA_FLAGS stay the
+    suite's: an engine passes its level explicitly, so the flag only touches the notebooks' own small
+    jits, and XLA_FLAGS are part of the compilation cache's key: with the test processes' flags, the
+    notebooks and the built-in model's tests (same engine shapes, same level) read each other's steps."""
     monkeypatch.setenv(OPTIMIZATION_LEVEL_ENV, str(BUILTIN_LEVEL))
-    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "").replace(SUITE_XLA_FLAG, "").strip())
 
 
 def _execute(nb, name: str) -> None:

@@ -24,7 +24,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris? Call the tool.
 
 @pytest.fixture(scope="module")
 def client():
-    engine = AsyncLLM.from_engine_args(EngineArgs(model=None, max_num_seqs=8, max_model_len=1024,
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=None, max_num_seqs=8, max_model_len=512,
                                                   max_num_batched_tokens=256, compile_on_startup=False,
                                                   optimization_level=BUILTIN_LEVEL),
                                        use_tqdm=False)
