@@ -13,6 +13,10 @@ import os
 # the quantized-accuracy tests 242 -> 633 s, the notebooks 397 -> 692 s, structured outputs 78 -> 218 s).
 # Those engines and the notebooks' share one level, so their steps are shared through the run's cache.
 BUILTIN_LEVEL = 2
+# The quickstart notebook's CPU engine shape, which the RL and serving notebooks take too: the built-in
+# model's tests use it so that one set of steps (with BUILTIN_LEVEL) is compiled per run and read back
+# from the run's cache by the others (tests/notebooks checks the notebooks still say it).
+QUICKSTART_SHAPE = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=256)
 
 
 @functools.cache

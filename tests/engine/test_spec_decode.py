@@ -14,7 +14,7 @@ from jaxpaged.engine.spec_decode import SpeculativeConfig, ngram_proposal
 from jaxpaged.runner.persistent_batch import emitted_rows
 from jaxpaged.runner.sampler import sample
 from tests.engine.test_memory_features import make_llm, workload
-from tests.fixtures_smollm2 import BUILTIN_LEVEL
+from tests.fixtures_smollm2 import BUILTIN_LEVEL, QUICKSTART_SHAPE
 from tests.runner.test_sampler import metadata, params, softmax
 from tests.tiny_models import scratch_folder
 
@@ -164,7 +164,7 @@ def test_builtin_model_prompt_lookup_keeps_greedy_outputs_and_stop_strings():
     from jaxpaged.bench.throughput import make_repeat_workload
 
     # the quickstart notebook's CPU engine shape (the run's compilation cache shares its steps)
-    opts = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=256, compile_on_startup=False,
+    opts = dict(**QUICKSTART_SHAPE, compile_on_startup=False,
                 optimization_level=BUILTIN_LEVEL, use_tqdm=False)
     base = LLM(None, **opts)
     work = make_repeat_workload(3, base.get_tokenizer(), seed=1)

@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 
 from jaxpaged import LLM, SamplingParams, StructuredOutputsParams
-from tests.fixtures_smollm2 import BUILTIN_LEVEL
+from tests.fixtures_smollm2 import BUILTIN_LEVEL, QUICKSTART_SHAPE
 
 SCHEMAS = {
     "person": {"type": "object", "required": ["name", "age"], "additionalProperties": False,
@@ -36,7 +36,7 @@ SCHEMAS = {
 def llm():
     # the quickstart notebook's CPU engine (its compiled steps are shared through the run's cache),
     # compiling on demand: the variants these requests use, not every bucket
-    return LLM(None, max_num_seqs=8, max_model_len=512, max_num_batched_tokens=256, compile_on_startup=False,
+    return LLM(None, **QUICKSTART_SHAPE, compile_on_startup=False,
                optimization_level=BUILTIN_LEVEL, use_tqdm=False)
 
 

@@ -11,16 +11,14 @@ from jaxpaged import LLM, SamplingParams
 from jaxpaged.models.loader import load_model
 from jaxpaged.runner.batch_builder import BatchShape, SeqChunk, build_forward_batch
 from pallas_kernels import kv_pool_shape
-from tests.fixtures_smollm2 import BUILTIN_LEVEL, smollm2_hf_model, smollm2_path, smollm2_tokenizer
+from tests.fixtures_smollm2 import BUILTIN_LEVEL, QUICKSTART_SHAPE, smollm2_hf_model, smollm2_path, smollm2_tokenizer
 
 QUESTIONS = ["What is the capital of France?", "What is 2 + 2?", "Name a primary color."]
 
 
 @functools.cache
 def smollm2_llm() -> LLM:
-    # the quickstart notebook's CPU engine: its steps are shared through the run's compilation cache
-    return LLM(None, dtype="float32", max_model_len=512, max_num_seqs=8, max_num_batched_tokens=256,
-               compile_on_startup=False, optimization_level=BUILTIN_LEVEL)
+    return LLM(None, dtype="float32", **QUICKSTART_SHAPE, compile_on_startup=False, optimization_level=BUILTIN_LEVEL)
 
 
 @pytest.mark.parametrize("quantization", ["auto", "gguf"])   # de-quantized at load on CPU / the blocks kept

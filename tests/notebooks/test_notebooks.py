@@ -15,7 +15,7 @@ import pytest
 from nbclient import NotebookClient
 
 from jaxpaged.engine.arg_utils import OPTIMIZATION_LEVEL_ENV
-from tests.fixtures_smollm2 import BUILTIN_LEVEL
+from tests.fixtures_smollm2 import BUILTIN_LEVEL, QUICKSTART_SHAPE
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 NAMES = ["quickstart.ipynb", "serving.ipynb", "paged_attention.ipynb", "rl_rollouts.ipynb"]
@@ -91,6 +91,18 @@ def test_notebook_is_committed_without_outputs(name):
     assert f"colab.research.google.com/github/jaxpaged/jaxpaged/blob/main/notebooks/{name}" in nb.cells[0].source
     install = code[0].source
     assert "import jaxpaged" in install and "except ImportError" in install, "install only where jaxpaged is missing"
+
+
+def test_the_notebooks_cpu_engines_have_the_shape_the_builtin_tests_share():
+    """The quickstart's, the RL notebook's and the serving notebook's CPU engines are QUICKSTART_SHAPE:
+    the built-in model's tests and the notebooks then compile those steps once per run."""
+    code = {name: "\n".join(c.source for c in _load(name).cells if c.cell_type == "code")
+            for name in ("quickstart.ipynb", "rl_rollouts.ipynb", "serving.ipynb")}
+    for key, value in QUICKSTART_SHAPE.items():
+        assert f"{key}={value}" in code["quickstart.ipynb"], key
+        assert f"{key}={value}" in code["rl_rollouts.ipynb"], key
+        flag = "--" + key.replace("_", "-")
+        assert f'"{flag}", "{value}"' in code["serving.ipynb"], flag
 
 
 def test_quickstart(record_property):

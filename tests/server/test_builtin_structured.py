@@ -11,7 +11,7 @@ import pytest
 from jaxpaged import AsyncLLM
 from jaxpaged.engine.arg_utils import EngineArgs
 from server import build_app
-from tests.fixtures_smollm2 import BUILTIN_LEVEL
+from tests.fixtures_smollm2 import BUILTIN_LEVEL, QUICKSTART_SHAPE
 from tests.server.test_openai_server import serving
 from tests.server.test_tool_calls import SCHEMAS, TOOLS
 
@@ -24,8 +24,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris? Call the tool.
 
 @pytest.fixture(scope="module")
 def client():
-    engine = AsyncLLM.from_engine_args(EngineArgs(model=None, max_num_seqs=8, max_model_len=512,
-                                                  max_num_batched_tokens=256, compile_on_startup=False,
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=None, **QUICKSTART_SHAPE, compile_on_startup=False,
                                                   optimization_level=BUILTIN_LEVEL),
                                        use_tqdm=False)
     with serving(build_app(engine, ["smollm2"])) as (url,):
