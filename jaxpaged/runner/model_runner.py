@@ -58,7 +58,14 @@ logger = logging.getLogger(__name__)
 
 KV_CHUNK_BLOCKS = 8   # attention walks the context 8 blocks at a time
 TOKEN_FLOOR = 16      # the smallest token bucket of a step with a prompt chunk
-SEQ_FLOOR = 4         # the smallest sequence bucket
+SEQ_FLOOR = 4         # the smallest sequence bucket (of a decode-only step)
+# On a CPU a step decoding one sequence has a bucket of its own (one more forward and sampler to
+# compile). XLA:CPU's matmul (YNNPACK) takes a one-row input through a matrix-vector path that
+# streams each weight once (~25 GB/s on the 2-core dev machine), and 2 rows or more through its
+# matrix-matrix path, which first copies each weight into its packed layout, on every call (~7 GB/s
+# of weight at 2-8 rows): one sequence alone decodes ~1.6x faster. On a GPU one row or four read the
+# same weights in the same time: no extra variant there.
+ONE_ROW_BUCKET_PLATFORMS = ("cpu",)
 
 
 @dataclasses.dataclass
@@ -96,11 +103,12 @@ class ModelRunner:
         # with more rows, up to max_decode_seqs)
         self.speculative = num_speculative_tokens > 0
         self.max_decode_seqs = max_decode_queries(max_num_seqs, max_num_batched_tokens, num_speculative_tokens)
+        self.plan = model.shard_plan   # its devices (tensor parallelism: the pool is sharded by KV heads)
+        self.one_row_bucket = self.plan.local_device.platform in ONE_ROW_BUCKET_PLATFORMS
         blocks = cdiv(max_model_len, block_size)
         self.max_blocks_per_seq = cdiv(blocks, KV_CHUNK_BLOCKS) * KV_CHUNK_BLOCKS
         cfg = self.model_config
         dtype = kv_dtype or model.dtype
-        self.plan = model.shard_plan   # its devices (tensor parallelism: the pool is sharded by KV heads)
         self.kv_pool = self.plan.zeros(kv_pool_shape(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
                                                      cfg.head_dim), dtype, POOL_SPEC)
         # fp8 KV scales from the first step's tokens (vLLM's calculate_kv_scales): 0 = not yet calibrated
@@ -237,7 +245,8 @@ class ModelRunner:
                 count_slots.append(slot)
         shape = choose_shape(chunks, token_floor=TOKEN_FLOOR, seq_floor=SEQ_FLOOR, max_tokens=self.max_num_batched_tokens,
                              max_seqs=self.max_num_seqs, num_sample_rows=len(sample_tokens),
-                             row_per_token=self.speculative, max_decode_seqs=self.max_decode_seqs)
+                             row_per_token=self.speculative, max_decode_seqs=self.max_decode_seqs,
+                             one_row_bucket=self.one_row_bucket)
         layout = StepLayout.of(shape)
         before, in_step = slots.take_updates(layout.num_updates)
         if before:   # requests with penalties, bias or min_tokens joined, or more updates than fit
@@ -411,7 +420,8 @@ class ModelRunner:
     def warmup_shapes(self) -> list[BatchShape]:
         """Every bucket a step can take: decode-only steps for each sequence bucket, and steps
         with a prompt chunk for each token bucket (choose_shape gives their sequence bucket)."""
-        shapes = [BatchShape(s, s, s, 1) for s in _buckets(SEQ_FLOOR, self.max_decode_seqs)]
+        decode = ([1] if self.one_row_bucket else []) + _buckets(SEQ_FLOOR, self.max_decode_seqs)
+        shapes = [BatchShape(s, s, s, 1) for s in decode]
         for t in _buckets(TOKEN_FLOOR, self.max_num_batched_tokens):
             s = min(t, self.max_num_seqs)
             shapes.append(BatchShape(t, s, t if self.speculative else s, PREFILL_Q_TILE))

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from jaxpaged import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
+from jaxpaged.runner.batch_builder import BatchShape
 from tests.tiny_models import tiny_checkpoint
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -33,7 +34,7 @@ def compilations():
         jax.monitoring.unregister_event_duration_listener(listener)
 
 
-def test_no_request_mix_compiles_after_startup():
+def test_no_request_mix_compiles_after_startup(monkeypatch):
     # a pool of 20 blocks of 8 tokens for up to 8 sequences of up to 128 tokens: preemption is certain;
     # 8 host blocks: some victims swap, the rest are recomputed
     llm = LLM(tiny_checkpoint("llama"), dtype="float32", block_size=8, num_gpu_blocks_override=20,
@@ -52,6 +53,15 @@ def test_no_request_mix_compiles_after_startup():
         SamplingParams(temperature=0.7, max_tokens=40, stop_token_ids=[11], ignore_eos=True),
         SamplingParams(n=2, temperature=1.0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex="[a-z ]+")),
     ]
+    from jaxpaged.runner import model_runner
+    shapes = []   # every step's bucket
+
+    def recorded(*args, **kwargs):
+        shapes.append(model_runner.choose_shape.__wrapped__(*args, **kwargs))
+        return shapes[-1]
+
+    recorded.__wrapped__ = model_runner.choose_shape
+    monkeypatch.setattr(model_runner, "choose_shape", recorded)
     with compilations() as compiled:
         for _ in range(2):
             outs = llm.generate(prompts, params, use_tqdm=False)
@@ -61,6 +71,8 @@ def test_no_request_mix_compiles_after_startup():
     metrics = llm.get_metrics()
     assert metrics["jaxpaged:num_preemptions_total"] > 0 and metrics["jaxpaged:swapped_out_blocks_total"] > 0
     assert compiled == [], f"compiled after start-up: {compiled}"
+    # on a CPU a sequence decoding alone (the last of each batch here) runs the one-row bucket, compiled at start-up
+    assert BatchShape(1, 1, 1, 1) in shapes and BatchShape(4, 4, 4, 1) in shapes
 
 
 def test_speculative_steps_compile_nothing_after_startup():
