@@ -63,7 +63,7 @@ SEQ_FLOOR = 4         # the smallest sequence bucket (of a decode-only step)
 # compile). XLA:CPU's matmul (YNNPACK) takes a one-row input through a matrix-vector path that
 # streams each weight once (~25 GB/s on the 2-core dev machine), and 2 rows or more through its
 # matrix-matrix path, which first copies each weight into its packed layout, on every call (~7 GB/s
-# of weight at 2-8 rows): one sequence alone decodes ~1.6x faster. On a GPU one row or four read the
+# of weight at 2-8 rows): one sequence alone decodes 1.6-1.9x faster. On a GPU one row or four read the
 # same weights in the same time: no extra variant there.
 ONE_ROW_BUCKET_PLATFORMS = ("cpu",)
 
