@@ -23,9 +23,10 @@ PY=${PYTHON:-python3}
 # project's pin) needs triton>=3.7, and a triton wheel (~190 MB) cannot travel. Each version travels in
 # its own folder (two versions in one install stop it); the check uses the first that works.
 JAX_TRITON_VERSIONS=(0.3.1 0.4.1)
-# Pure-Python packages the image lacks; their dependencies (anyio, click, h11, numpy, pyyaml, requests,
-# tqdm, typing-extensions) are on it.
-COMMON=(starlette==1.10.0 uvicorn==0.54.0 gguf==0.19.0)
+# Packages the image lacks (pydantic: the server's protocol; pydantic-core is its one binary wheel, ~2 MB);
+# their other dependencies (anyio, click, h11, numpy, pyyaml, requests, tqdm, typing-extensions) are on it.
+COMMON=(starlette==1.10.0 uvicorn==0.54.0 gguf==0.19.0 pydantic==2.14.4 pydantic-core==2.50.5
+        annotated-types==0.8.0 typing-inspection==0.4.5)
 MAX_WHEEL_BYTES=$((4 * 1024 * 1024))   # all of them: the call carries 64 MiB with the tree
 TIMEOUT_S=600                          # the driver's own budget is 450 s (--budget-s)
 

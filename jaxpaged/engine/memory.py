@@ -3,6 +3,7 @@
     budget    = gpu_memory_utilization x the device's total memory
     usable    = min(budget, what JAX's allocator may hand out)
     KV cache  = usable - bytes in use (weights, other live arrays) - the largest step's activations
+                - headroom (1% of usable)
 
 JAX's GPU allocator (XLA_PYTHON_CLIENT_ALLOCATOR, default BFC) never hands out more than
 `mem_fraction x total` (XLA_CLIENT_MEM_FRACTION or the older XLA_PYTHON_CLIENT_MEM_FRACTION,
@@ -15,6 +16,12 @@ otherwise sizes the cache to the cap with a warning saying what to set.
 The activations come from the compiled step's own memory analysis at the largest buckets,
 compiled against a 2-block pool: the pool is updated in place (donated), so the step's
 temporary bytes do not depend on the pool's size (tests/engine/test_memory_sizing.py checks it).
+
+The headroom is for what the analysis does not see. The first H200 run (Qwen2.5-0.5B shape,
+default arguments) sized the pool to leave exactly the analysed 1.24 GiB, and its first step
+failed to allocate the sampler's 890 MiB: something the analysis does not count (allocator
+fragmentation, a program's runtime buffers; not yet known which) held the difference. The GPU
+check's start-up row reports the allocator's statistics after start-up to find out.
 """
 
 import ctypes
@@ -24,6 +31,7 @@ import os
 import jax
 
 GiB = 1 << 30
+HEADROOM_FRACTION = 0.01               # of the usable memory, left free beside the pool and the step
 DEFAULT_MEM_FRACTION = 0.75            # XLA's GpuAllocatorConfig default
 FRACTION_VARS = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")   # new name first
 FRACTION_VAR = "XLA_PYTHON_CLIENT_MEM_FRACTION"   # the one we set and name: every jaxlib reads it
@@ -159,7 +167,9 @@ def largest_buckets(shapes) -> list:
 
 def step_memory(runner, shape) -> StepMemory:
     """Memory analysis of `runner`'s step compiled for `shape`, its forward and sampler together
-    (compiles; runs nothing). They run one after the other: the larger temporaries count."""
+    (compiles; runs nothing). Their temporaries count together: the sampler is queued right
+    behind the forward, and the next step's forward behind it (async scheduling); whether the
+    GPU allocator lets a queued program reuse the one before's temporaries is not measured."""
     forward, sampler = (c.memory_analysis() for c in runner.compile_step(shape))
     if forward is None or sampler is None:
         raise ValueError("this backend gives no memory analysis of the compiled step: pass "
@@ -167,9 +177,10 @@ def step_memory(runner, shape) -> StepMemory:
     weights = sum(x.nbytes for x in jax.tree.leaves(runner.state) if hasattr(x, "nbytes"))
     state = runner.slot_state.nbytes
     # the sampler's inputs besides the weights and the persistent batch are the forward's outputs
-    inputs = forward.argument_size_in_bytes - weights - runner.kv_pool.nbytes - state
+    pool = runner.kv_pool_spec.size * runner.kv_pool_spec.dtype.itemsize
+    inputs = forward.argument_size_in_bytes - weights - pool - state
     outputs = sum(a.output_size_in_bytes - a.alias_size_in_bytes for a in (forward, sampler))
-    temp = max(forward.temp_size_in_bytes, sampler.temp_size_in_bytes)
+    temp = forward.temp_size_in_bytes + sampler.temp_size_in_bytes
     return StepMemory(temp, max(inputs, 0), max(outputs, 0), state)
 
 
@@ -202,7 +213,7 @@ def size_kv_cache(report: MemoryReport, allocator: AllocatorConfig, gpu_memory_u
                    f"{gpu_memory_utilization:g} "
                    "before JAX starts (or create the LLM before any other JAX work; in a notebook, restart "
                    "the runtime)")
-    kv_bytes = usable - report.bytes_in_use - activation_bytes
+    kv_bytes = usable - report.bytes_in_use - activation_bytes - headroom_bytes(usable)
     if report.largest_free_block is not None:
         kv_bytes = min(kv_bytes, report.largest_free_block)
     if kv_bytes < 2 * bytes_per_block:
@@ -211,10 +222,16 @@ def size_kv_cache(report: MemoryReport, allocator: AllocatorConfig, gpu_memory_u
             f"{_gib(report.total_bytes)} gives {_gib(usable)}"
             + (f" (capped by JAX's allocator; see {FRACTION_VAR})" if warning else "")
             + f"; the weights and other arrays use {_gib(report.bytes_in_use)} and the largest step "
-            f"(max_num_batched_tokens={max_num_batched_tokens}) needs {_gib(activation_bytes)}, leaving "
+            f"(max_num_batched_tokens={max_num_batched_tokens}) needs {_gib(activation_bytes)} and "
+            f"{_gib(headroom_bytes(usable))} stays free, leaving "
             f"{_gib(max(kv_bytes, 0))}, under 2 blocks of {bytes_per_block} B. Raise gpu_memory_utilization "
             "(at most 1), lower max_num_batched_tokens or max_num_seqs, or use a smaller model or dtype")
     return KVCacheSizing(kv_bytes // bytes_per_block, kv_bytes, warning)
+
+
+def headroom_bytes(usable: int) -> int:
+    """Memory left free beside the weights, the pool and the analysed step (see the module's doc)."""
+    return int(HEADROOM_FRACTION * usable)
 
 
 def _gib(n: int) -> str:

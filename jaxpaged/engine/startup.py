@@ -184,6 +184,12 @@ def build_runner(args: EngineArgs, loaded: LoadedModel, use_tqdm: bool = True, d
             runner.warmup(shapes, bar)
         logger.info("compiled %d step variants in %.1f s (tokens x sequences buckets; nothing compiles "
                     "after start-up)", len(shapes), time.perf_counter() - start)
+        device = runner.plan.local_device
+        stats = memory.memory_stats(device) if memory.has_device_memory(device) else {}
+        if "bytes_in_use" in stats and "bytes_limit" in stats:   # the pool is in place now (its first use)
+            logger.info("device memory after start-up: %.2f GiB in use of %.2f GiB, largest free block %.2f GiB",
+                        stats["bytes_in_use"] / memory.GiB, stats["bytes_limit"] / memory.GiB,
+                        stats.get("largest_free_block_bytes", 0) / memory.GiB)
     return runner, max_model_len, num_blocks
 
 

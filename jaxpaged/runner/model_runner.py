@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from jax.sharding import SingleDeviceSharding
 
 from jaxpaged.core.kv_cache_manager import cdiv
 from jaxpaged.core.scheduler import SchedulerOutput
@@ -109,8 +110,14 @@ class ModelRunner:
         self.max_blocks_per_seq = cdiv(blocks, KV_CHUNK_BLOCKS) * KV_CHUNK_BLOCKS
         cfg = self.model_config
         dtype = kv_dtype or model.dtype
-        self.kv_pool = self.plan.zeros(kv_pool_shape(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
-                                                     cfg.head_dim), dtype, POOL_SPEC)
+        # The pool's memory is taken at its first use (kv_pool), after start-up's compilations: XLA's
+        # GPU autotuner times each matmul on copies of its operands while it compiles, and a pool
+        # already holding the memory budget left it none (the first H200 start-up ran out of memory
+        # compiling its first step variant so). The steps compile against this description of it.
+        self._kv_pool = None
+        self.kv_pool_spec = jax.ShapeDtypeStruct(
+            kv_pool_shape(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim), dtype,
+            sharding=self.plan.array_sharding(POOL_SPEC) or SingleDeviceSharding(self.plan.local_device))
         # fp8 KV scales from the first step's tokens (vLLM's calculate_kv_scales): 0 = not yet calibrated
         self.calibrating_kv_scales = calculate_kv_scales and is_fp8(dtype)
         if self.calibrating_kv_scales:
@@ -130,10 +137,27 @@ class ModelRunner:
                                                                   cfg.vocab_size))
             # every step returns its sampled tokens padded to max_num_seqs rows (its largest bucket)
             self._no_prev_tokens = self.plan.replicate(jnp.zeros(max_num_seqs, jnp.int32))
-        self.swap_space = HostSwapSpace(self.kv_pool, num_host_blocks) if num_host_blocks else None
+        self.swap_space = HostSwapSpace(self.kv_pool_spec, num_host_blocks) if num_host_blocks else None
         # several hosts: rank 0 sends each device operation to the others (multihost.py)
         self.channel = StepChannel() if is_multihost() else None
         self.steps_run = 0                  # device steps launched (a follower counts the ones it ran)
+
+    # ---- the KV pool -------------------------------------------------------------------------
+    @property
+    def kv_pool(self) -> jax.Array:
+        """The paged KV pool, zeros when first used (see kv_pool_spec); None while asleep."""
+        if self._kv_pool is None and not self.is_sleeping:
+            spec = self.kv_pool_spec
+            self._kv_pool = self.plan.zeros(spec.shape, spec.dtype, POOL_SPEC)
+        return self._kv_pool
+
+    @kv_pool.setter
+    def kv_pool(self, value: jax.Array | None) -> None:
+        self._kv_pool = value
+
+    @property
+    def kv_pool_allocated(self) -> bool:
+        return self._kv_pool is not None
 
     # ---- sizes -----------------------------------------------------------------------------
     @staticmethod
@@ -339,7 +363,7 @@ class ModelRunner:
             statics = StepStatics(self.graphdef, layout, shape.q_tile, self.block_size, self.max_logprobs,
                                   self.plan)
             buffer = layout.empty(self.slot_table.pad_slot)[0]   # its shape only: nothing moves while compiling
-            args = (self.state, self.kv_pool, self.slot_state,
+            args = (self.state, self.kv_pool_spec, self.slot_state,
                     jax.ShapeDtypeStruct(buffer.shape, buffer.dtype, sharding=self.plan.array_sharding(P())),
                     self._no_prev_tokens)
             forward = self._compiled[shape] = forward_fn.lower(statics, *args).compile(self.compiler_options)
@@ -361,10 +385,10 @@ class ModelRunner:
     def sleep(self, level: int) -> None:
         """Give the device memory back: the KV pool is dropped; the weights move to pinned host
         memory (level 1) or are dropped too (level 2: the caller writes new ones after wake_up)."""
-        self._asleep = (level, jax.ShapeDtypeStruct(self.kv_pool.shape, self.kv_pool.dtype,
-                                                    sharding=self.kv_pool.sharding))
-        self.kv_pool.delete()
-        self.kv_pool = None
+        if self._kv_pool is not None:
+            self._kv_pool.delete()
+        self._kv_pool = None
+        self._asleep = level
         for _, variable in nnx.to_flat_state(self.state):
             def off(x):
                 if level == 1:
@@ -377,9 +401,8 @@ class ModelRunner:
             variable.set_value(jax.tree.map(off, variable.get_value()))
 
     def wake_up(self) -> None:
-        """Undo sleep(): weights back on the device (zeros after level 2), an empty KV pool; every
-        array gets back the sharding the steps were compiled for."""
-        level, pool = self._asleep
+        """Undo sleep(): weights back on the device (zeros after level 2), an empty KV pool (taken at
+        its first use); every array gets back the sharding the steps were compiled for."""
         for _, variable in nnx.to_flat_state(self.state):
             def on(x):
                 device = x.sharding.with_memory_kind("device")
@@ -387,7 +410,6 @@ class ModelRunner:
                     return jax.jit(lambda: jnp.zeros(x.shape, x.dtype), out_shardings=device)()
                 return jax.device_put(x, device)
             variable.set_value(jax.tree.map(on, variable.get_value()))
-        self.kv_pool = jax.jit(lambda: jnp.zeros(pool.shape, pool.dtype), out_shardings=pool.sharding)()
         self._asleep = None
 
     @property

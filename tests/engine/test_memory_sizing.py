@@ -4,15 +4,16 @@ The GPU path runs on CPU with a fake memory report (GPU-like `memory_stats`, a f
 total); the activation reserve comes from the real compiled step of a tiny model.
 """
 
+import gc
 import logging
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxpaged import LLM
+from jaxpaged import LLM, SamplingParams
 from jaxpaged.engine import memory
-from jaxpaged.engine.memory import AllocatorConfig, MemoryReport, size_kv_cache
+from jaxpaged.engine.memory import AllocatorConfig, MemoryReport, headroom_bytes, size_kv_cache
 from jaxpaged.models.loader import load_model
 from jaxpaged.runner.model_runner import ModelRunner
 from tests.tiny_models import tiny_checkpoint
@@ -41,7 +42,7 @@ def test_default_preallocated_pool_caps_the_cache_and_says_what_to_set():
     warning names the variable and the value that would honour it."""
     pool = int(0.75 * TOTAL)
     out = sizing({}, MemoryReport(TOTAL, IN_USE, pool, pool - IN_USE))
-    assert out.num_blocks == (pool - IN_USE - ACTIVATIONS) // PER_BLOCK
+    assert out.num_blocks == (pool - IN_USE - ACTIVATIONS - headroom_bytes(pool)) // PER_BLOCK
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.9" in out.warning
     assert "gpu_memory_utilization=0.9" in out.warning and "unset" in out.warning
 
@@ -50,14 +51,14 @@ def test_fraction_equal_to_utilization_gives_90_percent_of_the_device():
     pool = int(0.9 * TOTAL)
     out = sizing({"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"}, MemoryReport(TOTAL, IN_USE, pool, pool - IN_USE))
     assert out.warning is None
-    assert out.num_blocks == (int(0.9 * TOTAL) - IN_USE - ACTIVATIONS) // PER_BLOCK
+    assert out.num_blocks == (int(0.9 * TOTAL) - IN_USE - ACTIVATIONS - headroom_bytes(int(0.9 * TOTAL))) // PER_BLOCK
 
 
 def test_a_larger_pool_than_the_utilization_uses_only_the_utilization():
     pool = int(0.95 * TOTAL)
     out = sizing({"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"}, MemoryReport(TOTAL, IN_USE, pool, pool - IN_USE))
     assert out.warning is None
-    assert out.num_blocks == (int(0.9 * TOTAL) - IN_USE - ACTIVATIONS) // PER_BLOCK
+    assert out.num_blocks == (int(0.9 * TOTAL) - IN_USE - ACTIVATIONS - headroom_bytes(int(0.9 * TOTAL))) // PER_BLOCK
 
 
 def test_preallocate_off_still_caps_at_the_fraction(monkeypatch):
@@ -69,7 +70,7 @@ def test_preallocate_off_still_caps_at_the_fraction(monkeypatch):
     report = report_from_stats(env, stats, TOTAL, monkeypatch)
     assert report == MemoryReport(TOTAL, IN_USE, limit, None)
     out = sizing(env, report)
-    assert out.num_blocks == (limit - IN_USE - ACTIVATIONS) // PER_BLOCK
+    assert out.num_blocks == (limit - IN_USE - ACTIVATIONS - headroom_bytes(limit)) // PER_BLOCK
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.9" in out.warning
 
 
@@ -81,7 +82,8 @@ def test_platform_allocator_has_no_cap_and_counts_live_arrays(monkeypatch):
     assert report.bytes_in_use >= weights.nbytes
     out = sizing(env, report)
     assert out.warning is None
-    assert out.num_blocks == (int(0.9 * TOTAL) - report.bytes_in_use - ACTIVATIONS) // PER_BLOCK
+    assert out.num_blocks == (int(0.9 * TOTAL) - report.bytes_in_use - ACTIVATIONS
+                              - headroom_bytes(int(0.9 * TOTAL))) // PER_BLOCK
 
 
 def test_total_falls_back_to_the_pool_over_its_fraction(monkeypatch):
@@ -189,7 +191,7 @@ def test_engine_takes_90_percent_of_the_device(fake_gpu, monkeypatch):
     llm = tiny_llm(gpu_memory_utilization=0.9)
     # the largest step's prompt logprobs alone return [max_num_batched_tokens, 2 + 2K] f32
     assert seen["reserve"] > 2048 * (2 + 2 * 20) * 4
-    assert llm.llm_engine.num_blocks == (pool - in_use - seen["reserve"]) // tiny_per_block()
+    assert llm.llm_engine.num_blocks == (pool - in_use - seen["reserve"] - headroom_bytes(pool)) // tiny_per_block()
 
 
 def test_engine_started_after_jax_sizes_to_the_pool_and_warns(fake_gpu, monkeypatch, caplog):
@@ -201,5 +203,31 @@ def test_engine_started_after_jax_sizes_to_the_pool_and_warns(fake_gpu, monkeypa
     seen = fake_gpu(None, {"bytes_in_use": in_use, "bytes_limit": pool, "largest_free_block_bytes": pool - in_use})
     with caplog.at_level(logging.WARNING, logger="jaxpaged.engine.startup"):
         llm = tiny_llm(gpu_memory_utilization=0.9)
-    assert llm.llm_engine.num_blocks == (pool - in_use - seen["reserve"]) // tiny_per_block()
+    assert llm.llm_engine.num_blocks == (pool - in_use - seen["reserve"] - headroom_bytes(pool)) // tiny_per_block()
     assert "set XLA_PYTHON_CLIENT_MEM_FRACTION=0.9" in caplog.text
+
+
+def test_start_up_compiles_before_the_pool_takes_its_memory(fake_gpu, monkeypatch):
+    """XLA's GPU autotuner times each matmul on copies of its operands while it compiles: with the
+    pool (the whole memory budget) already allocated, the first H200 start-up ran out of memory at
+    its first step variant. Every start-up compilation runs with no pool on the device; the pool
+    is there when LLM() returns."""
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    total, in_use = 96 * MiB, 16 * MiB
+    pool = int(0.9 * total)
+    fake_gpu(total, {"bytes_in_use": in_use, "bytes_limit": pool, "largest_free_block_bytes": pool - in_use})
+    pools_during_compiles = []
+    compile_step = ModelRunner.compile_step
+
+    def watching(runner, shape):
+        shape_of_pool = runner.kv_pool_spec.shape
+        pools_during_compiles.append(sum(a.shape == shape_of_pool for a in jax.live_arrays() if not a.is_deleted()))
+        return compile_step(runner, shape)
+    monkeypatch.setattr(ModelRunner, "compile_step", watching)
+    gc.collect()
+    llm = LLM(tiny_checkpoint("llama"), dtype="float32", block_size=8, max_model_len=128, max_num_seqs=4,
+              max_num_batched_tokens=32)
+    runner = llm.llm_engine.runner
+    assert len(pools_during_compiles) > len(runner.warmup_shapes()) and not any(pools_during_compiles)
+    assert [a for a in jax.live_arrays() if a.shape == runner.kv_pool_spec.shape and not a.is_deleted()]
+    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))[0].outputs[0].token_ids

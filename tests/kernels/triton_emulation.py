@@ -83,15 +83,23 @@ def _launch_from_call(grid, meta) -> TritonLaunch:
     return launch
 
 
-def fake_jax_triton() -> types.ModuleType:
-    """A `jax_triton` whose triton_call replays the kernel on the host (inside jit, per call)."""
-    def triton_call(*operands, kernel, out_type, grid, name, num_warps, num_stages, compute_capability, **meta):
+def fake_jax_triton(output_keyword: str = "out_type") -> types.ModuleType:
+    """A `jax_triton` whose triton_call replays the kernel on the host (inside jit, per call).
+    output_keyword: what its triton_call names the output shapes, `out_type` as jax-triton 0.4 or
+    `out_shape` as 0.3 (the one that pairs with the GPU image's triton 3.6)."""
+    def launch_replay(operands, out, grid, meta):
         launch = _launch_from_call(grid, meta)
 
         def host(*arrays):
             acc, m, l = replay(arrays, launch, meta["SM_SCALE"])
             return acc.reshape(-1, launch.head_dim_pad), m.reshape(-1), l.reshape(-1)
-        return jax.pure_callback(host, out_type, *operands)
+        return jax.pure_callback(host, out, *operands)
+
+    def triton_call_04(*operands, kernel, out_type, grid, name, num_warps, num_stages, compute_capability, **meta):
+        return launch_replay(operands, out_type, grid, meta)
+
+    def triton_call_03(*operands, kernel, out_shape, grid, name, num_warps, num_stages, compute_capability, **meta):
+        return launch_replay(operands, out_shape, grid, meta)
     module = types.ModuleType("jax_triton")
-    module.triton_call = triton_call
+    module.triton_call = {"out_type": triton_call_04, "out_shape": triton_call_03}[output_keyword]
     return module

@@ -99,7 +99,7 @@ PARTS = (
     Part("engine:triton", functools.partial(engine.engine_run, backend="triton"), 90),
     Part("engine:reference", functools.partial(engine.engine_run, backend="reference"), 90),
     Part("engine:agreement", lambda ctx, limit_s: engine.engine_agreement(ctx), 10, in_driver=True),
-    Part("spec", engine.speculative_step_cost, 90),   # issue #17: last, skipped first when time runs short
+    Part("spec", engine.speculative_step_cost, 150),   # issue #17: last, skipped first when time runs short
 )
 _CHILD_PARTS = {p.name: p for p in (*PARTS, PROBE) if not p.in_driver}
 

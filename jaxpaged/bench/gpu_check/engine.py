@@ -30,8 +30,9 @@ def random_checkpoint(ctx: Context) -> Iterator[Row]:
     torch.manual_seed(0)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(getattr(torch, CHECKPOINT_DTYPE))   # half the memory and time of an fp32 model
-    try:
-        model = transformers.Qwen2ForCausalLM(config).eval()
+    try:   # built on the GPU where there is one: its random init took 55 s of the H200 machine's CPU
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            model = transformers.Qwen2ForCausalLM(config).eval()
     finally:
         torch.set_default_dtype(default_dtype)
     with torch.no_grad():
@@ -67,7 +68,6 @@ def engine_run(ctx: Context, backend: str) -> Iterator[Row]:
     import jax
 
     from jaxpaged import LLM, SamplingParams
-    from jaxpaged.bench.gpu_check.system import adapt_jax_triton
     from pallas_kernels.backends import resolve_backend
 
     platform = jax.devices()[0].platform
@@ -76,8 +76,6 @@ def engine_run(ctx: Context, backend: str) -> Iterator[Row]:
     except ValueError as exc:
         yield Row("engine", backend, "error" if platform == "gpu" else "skip", note=str(exc))
         return
-    if backend == "triton":
-        adapt_jax_triton()
     path = os.path.join(ctx.workdir, MODEL_FOLDER)
     if not os.path.exists(os.path.join(path, "config.json")):
         yield Row("engine", backend, "error", note=f"no model in {path}: see the checkpoint part")
@@ -141,8 +139,10 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 def speculative_step_cost(ctx: Context) -> Iterator[Row]:
     """Issue #17's premise on the GPU: a step verifying k drafts per sequence costs little more than a
     decode step. The engine without and with speculative_config (k = 4, a proposer that always drafts
-    k tokens, so every decode step verifies); ms per step after an untimed warm-up of the same shapes
-    (which compiles the steps they take: no start-up compilation of every variant)."""
+    k tokens, so every decode step verifies), each compiling its steps at start-up (the default: the
+    first H200 run compiled lazily and timed the compilations of shapes its warm-up had not taken,
+    360 ms a verifying step); ms per step after an untimed warm-up; compilations while timed must be 0."""
+    from jaxpaged.bench.gpu_check.step import compilations
     from jaxpaged import LLM, SamplingParams
     from jaxpaged.bench.throughput import StepClock
 
@@ -159,19 +159,22 @@ def speculative_step_cost(ctx: Context) -> Iterator[Row]:
         llm = LLM(path, dtype=CHECKPOINT_DTYPE, block_size=sizes.block_size, max_num_seqs=sizes.engine_prompts,
                   max_model_len=sizes.engine_max_model_len, max_num_batched_tokens=sizes.engine_batched_tokens,
                   num_gpu_blocks_override=2 * sizes.engine_prompts * per_seq + 1, use_tqdm=False,
-                  speculative_config=spec, compile_on_startup=False)   # the warm-up compiles what is timed
+                  speculative_config=spec)
         if spec is not None:
             speculator = llm.llm_engine.speculator
             speculator.proposer = lambda request, k: [int(request.all_token_ids[-1])] * k
         llm.generate(warm, greedy, use_tqdm=False)
         clock = StepClock(llm.llm_engine.runner)
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, greedy, use_tqdm=False)
-        seconds = time.perf_counter() - start
+        with compilations() as compiled:
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, greedy, use_tqdm=False)
+            seconds = time.perf_counter() - start
         ms[name] = 1e3 * seconds / max(clock.steps, 1)
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-        yield Row("spec", name, "ok", {"ms/step": ms[name], "steps": clock.steps, "out tok/s": tokens / seconds,
-                                       "seqs": len(prompts)})
+        yield Row("spec", name, "fail" if compiled else "ok",
+                  {"ms/step": ms[name], "steps": clock.steps, "out tok/s": tokens / seconds, "seqs": len(prompts),
+                   "XLA compiles": len(compiled)},
+                  note=f"compiled while timed: {', '.join(sorted({n for n, _ in compiled}))}" if compiled else "")
         del llm
     yield Row("spec", "verify / decode step", "ok", {"ratio": ms["verify k=4"] / ms["decode"]},
               note="5 tokens per sequence per verifying step; drafts repeat the last token (mostly rejected)")

@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.bench.gpu_check.common import Context, Row, error_row, guarded, time_call
-from jaxpaged.bench.gpu_check.system import adapt_jax_triton
 from jaxpaged.runner.batch_builder import PREFILL_Q_TILE
 from pallas_kernels import AttentionMetadata, kv_pool_shape
 from pallas_kernels.backends import get_attention, resolve_backend
@@ -116,8 +115,6 @@ def backend_kernel(name: str, platform: str) -> Callable | str:
         resolved = resolve_backend(name, platform)
     except ValueError as exc:
         return str(exc)
-    if resolved == "triton":
-        adapt_jax_triton()
     return get_attention(resolved, platform)
 
 

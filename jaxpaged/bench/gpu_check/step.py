@@ -68,9 +68,7 @@ def step_check(ctx: Context) -> Iterator[Row]:
     # read at the first compilation.
     os.environ["JAXPAGED_COMPILATION_CACHE"] = os.path.join(ctx.workdir, _COMPILE_CACHE_FOLDER)
     from jaxpaged import LLM
-    from jaxpaged.bench.gpu_check.system import adapt_jax_triton
 
-    adapt_jax_triton()   # `auto` may time the triton backend at start-up; jax-triton 0.3 needs the shim
     sizes = ctx.sizes
     path = os.path.join(ctx.workdir, MODEL_FOLDER)
     if not os.path.exists(os.path.join(path, "config.json")):
@@ -80,10 +78,14 @@ def step_check(ctx: Context) -> Iterator[Row]:
         start = time.perf_counter()
         llm = LLM(path, **sizes.step_engine_args)
         startup = time.perf_counter() - start
+    startup_memory = _allocator_stats()
     yield guarded("step", "start-up", functools.partial(_startup_row, llm, startup, startup_compiles,
                                                         sizes.step_engine_args))
 
+    yield guarded("step", "memory after start-up",
+                  functools.partial(_memory_row, "memory after start-up", startup_memory))
     yield guarded("step", "compiles after start-up", functools.partial(_workload_row, llm, sizes))
+    yield guarded("step", "memory after the workload", functools.partial(_memory_row, "memory after the workload"))
     copy = [r.data["gbps"] for r in ctx.rows_of("copy") if "gbps" in r.data]
     weight_bytes = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
     for num_seqs in sizes.step_decode_seqs:
@@ -111,6 +113,28 @@ def step_check(ctx: Context) -> Iterator[Row]:
             for num_seqs in sizes.step_decode_seqs:
                 yield guarded("step", f"decode {num_seqs} seqs tp {tp}", functools.partial(
                     _decode_row, holder["llm"], sizes, num_seqs, weight_bytes // tp, copy[0] if copy else None))
+
+
+def _allocator_stats() -> dict:
+    import jax
+
+    return jax.devices()[0].memory_stats() or {}
+
+
+def _memory_row(case: str, stats: dict | None = None) -> Row:
+    """The GPU allocator's statistics: the first H200 run's first step ran out of memory with the
+    pool sized to leave the analysed step reserve free (engine/memory.py); these say where it went."""
+    stats = _allocator_stats() if stats is None else stats
+    if not stats:
+        return Row("step", case, "skip", note="no allocator statistics on this device (a GPU reports them)")
+    gib = {"in use": "bytes_in_use", "peak": "peak_bytes_in_use", "limit": "bytes_limit",
+           "largest free block": "largest_free_block_bytes", "largest alloc": "largest_alloc_size"}
+    metrics = {f"{name} GiB": stats[key] / (1 << 30) for name, key in gib.items() if key in stats}
+    if "bytes_limit" in stats and "bytes_in_use" in stats:
+        metrics["free GiB"] = (stats["bytes_limit"] - stats["bytes_in_use"]) / (1 << 30)
+    if "num_allocs" in stats:
+        metrics["allocations"] = stats["num_allocs"]
+    return Row("step", case, "ok", metrics, note="jax.devices()[0].memory_stats()", data={"stats": stats})
 
 
 def _tensor_parallel_size(llm) -> int:

@@ -24,32 +24,17 @@ IMPORTS = ("pallas_kernels.pallas_attention", "pallas_kernels.triton_attention",
 _VERSIONS = ("jax", "jaxlib", "flax", "numpy", "transformers", "triton", "jax_triton", "torch")
 
 
-def adapt_jax_triton() -> str:
-    """Let pallas_kernels' `triton_call(out_type=...)` run on jax-triton 0.3, whose keyword is `out_shape`.
-
-    The GPU image has triton 3.6, which only jax-triton 0.3.x accepts (0.4 needs triton >= 3.7);
-    0.3 and 0.4 differ in that keyword alone for our call. Changes jax_triton.triton_call in this
-    process (a child of the check); returns what it found or did, for the table.
-    """
+def jax_triton_keyword() -> str:
+    """How this jax-triton takes the kernel's output shapes, for the table: jax-triton 0.4 calls the
+    keyword `out_type`, 0.3 (the one the GPU image's triton 3.6 accepts) `out_shape`; the kernel
+    (pallas_kernels.triton_attention) passes whichever the installed one has."""
     try:
         import jax_triton
     except Exception as exc:  # noqa: BLE001 -- not importable is an answer, reported by the env part
         return f"not importable ({type(exc).__name__})"
     from jaxpaged.bench.gpu_check.triton_probe import output_keyword
 
-    original = jax_triton.triton_call
-    if getattr(original, "gpu_check_adapted", False):
-        return "adapted: out_type= passed as out_shape= (jax-triton 0.3)"
-    if output_keyword(jax_triton) == "out_type":
-        return "native: triton_call takes out_type="
-
-    @functools.wraps(original)
-    def triton_call(*args, out_type=None, **kwargs):
-        return original(*args, out_shape=out_type, **kwargs)
-
-    triton_call.gpu_check_adapted = True
-    jax_triton.triton_call = triton_call
-    return "adapted: out_type= passed as out_shape= (jax-triton 0.3)"
+    return f"takes {output_keyword(jax_triton)}= (jax-triton {getattr(jax_triton, '__version__', '?')})"
 
 
 def _version(module: str) -> str:
@@ -73,7 +58,7 @@ def environment(ctx: Context) -> Iterator[Row]:
     on_gpu = devices[0].platform == "gpu"
     for module in IMPORTS:
         yield guarded("env", f"import {module}", functools.partial(_import_row, module))
-    yield Row("env", "jax-triton call", "ok", {"triton_call": adapt_jax_triton()},
+    yield Row("env", "jax-triton call", "ok", {"triton_call": jax_triton_keyword()},
               note=f"PYTHONPATH first: {ctx.jax_triton_path}" if ctx.jax_triton_path else "")
     from pallas_kernels.backends import resolve_backend
     for name in ("reference", "pallas", "triton"):
