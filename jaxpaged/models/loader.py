@@ -199,20 +199,24 @@ def _local_folder(model: str, revision: str | None = None) -> str:
 
 
 def _dequantize_gguf_at_load(num_values: int, dtype: str) -> bool:
-    """Whether "auto" de-quantizes a GGUF file's blocks once, at load: off a GPU, where the quantized
-    matmul is XLA's de-quantize-then-matmul in every step (the same values, rebuilt per step: the
-    built-in model's decode step took 2.5x as long), unless the float weights would take more than a
-    quarter of the host's memory (then the blocks stay)."""
-    if jax.devices()[0].platform == "gpu":
-        return False
+    """Whether "auto" de-quantizes a GGUF file's blocks once, at load (the same values;
+    quantization='gguf' keeps them): yes unless the float weights would take more than a quarter of
+    the memory they load into, the device's on a GPU (its allocator's limit), the host's elsewhere.
+    Off a GPU the quantized matmul is XLA's de-quantize-then-matmul in every step (the built-in
+    model's decode step took 2.5x as long); on a GPU the W8A16 / W4A16 kernel ran 2-5x slower than
+    the bf16 matmul on one H200 (pallas_kernels/RESULTS.md), so kept blocks save memory, not time."""
+    device = jax.devices()[0]
     itemsize = 2 if dtype in ("bfloat16", "float16") else 4
-    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if num_values * itemsize > host // 4:
-        logger.info("GGUF blocks kept quantized on %s: float weights (%.1f GiB) would exceed a quarter of "
-                    "the host's memory", jax.devices()[0].platform, num_values * itemsize / 2**30)
+    if device.platform == "gpu":
+        where, capacity = "the device's memory", (device.memory_stats() or {}).get("bytes_limit", 0)
+    else:
+        where, capacity = "the host's memory", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if num_values * itemsize > capacity // 4:
+        logger.info("GGUF blocks kept quantized on %s: float weights (%.1f GiB) would exceed a quarter of %s",
+                    device.platform, num_values * itemsize / 2**30, where)
         return False
-    logger.info("GGUF blocks de-quantized at load (%s: XLA would de-quantize them in every step); "
-                "quantization='gguf' keeps them", jax.devices()[0].platform)
+    logger.info("GGUF blocks de-quantized at load (%s: faster than its quantized matmul); quantization='gguf' "
+                "keeps them", device.platform)
     return True
 
 
@@ -226,7 +230,8 @@ def load_model(model: str, dtype: str = "auto", revision: str | None = None,
     the devices to spread the weights over (tensor parallelism, see jaxpaged.parallel); the
     returned config is then `sharded_config` (KV heads repeated where tp exceeds them).
     `quantization`: see `jaxpaged.models.quantization.resolve_quantization` ("auto" keeps a GGUF
-    file's Q8_0/Q4_0/Q4_1 matrices quantized on a GPU; elsewhere see `_dequantize_gguf_at_load`).
+    file's Q8_0/Q4_0/Q4_1 matrices quantized only where float weights would not fit: see
+    `_dequantize_gguf_at_load`).
     """
     requested_scan = scan_layers
     if model.endswith(".gguf"):

@@ -149,18 +149,29 @@ def test_the_builtin_gguf_blocks_run_through_the_kernel():
     assert_close(ours, ref)
 
 
-def test_auto_de_quantizes_gguf_blocks_at_load_off_a_gpu_unless_they_would_not_fit(monkeypatch):
-    """On CPU the per-step path de-quantizes for XLA's matmul anyway: "auto" does it once at load
-    (the same logits as the blocks kept), but keeps the blocks where float weights would not fit."""
+def test_auto_de_quantizes_gguf_blocks_at_load_unless_they_would_not_fit(monkeypatch):
+    """On CPU the per-step path de-quantizes for XLA's matmul anyway, and on a GPU the quantized
+    kernel ran slower than the bf16 matmul: "auto" de-quantizes once at load (the same logits as the
+    blocks kept), but keeps the blocks where float weights would take over a quarter of the memory
+    (the host's; a GPU's allocator limit)."""
     from jaxpaged.models import loader
     from jaxpaged.models.builtin import builtin_model_path
 
     tokens = list(range(100, 140))
     auto, loaded = forward_logits(builtin_model_path(), tokens)
-    if jax.devices()[0].platform != "gpu":
-        assert loaded.quantization is None and not isinstance(loaded.model.embed.get_value(), qz.QuantizedWeight)
+    assert loaded.quantization is None and not isinstance(loaded.model.embed.get_value(), qz.QuantizedWeight)
     kept, _ = forward_logits(builtin_model_path(), tokens, quantization="gguf")
     assert_close(auto, kept)
     monkeypatch.setattr(loader.os, "sysconf", lambda name: 4096 if name == "SC_PAGE_SIZE" else 2**16)   # 256 MiB
-    assert not loader._dequantize_gguf_at_load(135_000_000, "float32")
-    assert loader._dequantize_gguf_at_load(10_000_000, "float32") == (jax.devices()[0].platform != "gpu")
+    if jax.devices()[0].platform != "gpu":
+        assert not loader._dequantize_gguf_at_load(135_000_000, "float32")
+        assert loader._dequantize_gguf_at_load(10_000_000, "float32")
+
+    class FakeGPU:   # its allocator's limit decides, not the host's memory
+        platform = "gpu"
+
+        def memory_stats(self):
+            return {"bytes_limit": 4 << 30}
+    monkeypatch.setattr(loader.jax, "devices", lambda *args: [FakeGPU()])
+    assert loader._dequantize_gguf_at_load(135_000_000, "bfloat16")       # 0.27 GB of 1 GiB
+    assert not loader._dequantize_gguf_at_load(1_000_000_000, "bfloat16")  # 2 GB
