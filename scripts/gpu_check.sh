@@ -68,7 +68,7 @@ install_wheels() {
     export PYTHONPATH="$SITE/site${PYTHONPATH:+:$PYTHONPATH}"
     echo "[gpu_check.sh] installed $(ls "$WHEELS"/common/*.whl | wc -l) wheel(s) into $SITE/site"
   else
-    echo "[gpu_check.sh] no wheels in $WHEELS/common: starlette, uvicorn, gguf only if the machine has them"
+    echo "[gpu_check.sh] no wheels in $WHEELS/common: starlette, uvicorn, gguf, pydantic only if the machine has them"
   fi
   local candidates=() version
   for version in "${JAX_TRITON_VERSIONS[@]}"; do
