@@ -155,10 +155,6 @@ class ModelRunner:
     def kv_pool(self, value: jax.Array | None) -> None:
         self._kv_pool = value
 
-    @property
-    def kv_pool_allocated(self) -> bool:
-        return self._kv_pool is not None
-
     # ---- sizes -----------------------------------------------------------------------------
     @staticmethod
     def bytes_per_block(model_config, block_size: int, dtype) -> int:

@@ -142,8 +142,8 @@ def speculative_step_cost(ctx: Context) -> Iterator[Row]:
     k tokens, so every decode step verifies), each compiling its steps at start-up (the default: the
     first H200 run compiled lazily and timed the compilations of shapes its warm-up had not taken,
     360 ms a verifying step); ms per step after an untimed warm-up; compilations while timed must be 0."""
-    from jaxpaged.bench.gpu_check.step import compilations
     from jaxpaged import LLM, SamplingParams
+    from jaxpaged.bench.gpu_check.step import compilations
     from jaxpaged.bench.throughput import StepClock
 
     path = os.path.join(ctx.workdir, MODEL_FOLDER)
