@@ -91,7 +91,8 @@ class HostBlock(NamedTuple):
 class HostSwapSpace:
     """Host blocks in pinned host memory and the two transfers between them and the device pool."""
 
-    def __init__(self, kv_pool: jax.Array, num_host_blocks: int):
+    def __init__(self, kv_pool: jax.Array | jax.ShapeDtypeStruct, num_host_blocks: int):
+        """kv_pool: the pool, or its description before it is allocated (only its sharding is read)."""
         self.num_host_blocks = num_host_blocks
         self.device_sharding = kv_pool.sharding.with_memory_kind("device")
         self.host_sharding = kv_pool.sharding.with_memory_kind("pinned_host")
