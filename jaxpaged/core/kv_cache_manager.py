@@ -44,6 +44,10 @@ class KVCacheManager:
         # the pinned host pool for swapped-out requests (block 0 unused, like the device pool)
         self.host_pool = BlockPool(num_host_blocks + 1, enable_caching=False) if num_host_blocks else None
         self.req_host_blocks: dict[str, list[int]] = {}
+        # request id -> how many of its leading blocks were offered to the prefix cache already: each
+        # step registers only the blocks filled since (a decode step's host work does not grow with
+        # the context). A block whose hash another block holds stays unregistered, as in vLLM.
+        self.num_registered: dict[str, int] = {}
         self.pending_copies: list[tuple[int, int]] = []   # copy-on-write (src, dst) for the next step
         self.prefix_queries = 0   # tokens looked up in the prefix cache
         self.prefix_hits = 0      # of which found cached
@@ -184,6 +188,7 @@ class KVCacheManager:
     def swap_out(self, request: Request) -> list[tuple[int, int]]:
         """Move the request's blocks to host blocks; returns (device, host) pairs to copy. Changes state."""
         blocks = self.req_blocks.pop(request.request_id)
+        self.num_registered.pop(request.request_id, None)   # swapped back in, it holds other blocks
         host_blocks = self.host_pool.allocate(len(blocks))
         self.req_host_blocks[request.request_id] = host_blocks
         self.pool.free(list(reversed(blocks)))
@@ -215,9 +220,13 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         self._update_hashes(request)
-        blocks = self.req_blocks[request.request_id]
-        for i in range(min(num_tokens // self.block_size, len(request.block_hashes), len(blocks))):
+        rid = request.request_id
+        blocks, start = self.req_blocks[rid], self.num_registered.get(rid, 0)
+        end = min(num_tokens // self.block_size, len(request.block_hashes), len(blocks))
+        for i in range(start, end):
             self.pool.cache(blocks[i], request.block_hashes[i])
+        if end > start:
+            self.num_registered[rid] = end
 
     def forget_cached_blocks(self, blocks: list[int]) -> None:
         """Drop these blocks from the prefix cache (their K/V is not trusted); changes state."""
@@ -226,6 +235,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release all blocks of a request (tail first, so its tail is evicted before its prefix)."""
         blocks = self.req_blocks.pop(request.request_id, [])
+        self.num_registered.pop(request.request_id, None)
         self.pool.free(list(reversed(blocks)))
         host_blocks = self.req_host_blocks.pop(request.request_id, [])
         if host_blocks:
@@ -240,5 +250,6 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         self.pool.check_invariants(self.req_blocks)
+        assert self.num_registered.keys() <= self.req_blocks.keys(), "registration marks of released requests"
         if self.host_pool is not None:
             self.host_pool.check_invariants(self.req_host_blocks)

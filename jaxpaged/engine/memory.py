@@ -181,6 +181,9 @@ def step_memory(runner, shape) -> StepMemory:
     inputs = forward.argument_size_in_bytes - weights - pool - state
     outputs = sum(a.output_size_in_bytes - a.alias_size_in_bytes for a in (forward, sampler))
     temp = forward.temp_size_in_bytes + sampler.temp_size_in_bytes
+    prompt = runner.prompt_logprobs_executable(shape)   # host_branches: prompt logprobs run after the forward
+    if prompt is not None:
+        temp += prompt.memory_analysis().temp_size_in_bytes
     return StepMemory(temp, max(inputs, 0), max(outputs, 0), state)
 
 

@@ -24,7 +24,9 @@ takes it from the previous step's sampled tokens, inside the step.
 
 The compiled step is a closed set: one forward per shape bucket (`warmup_shapes`) and one
 sampler per sample-row count (and kind of bucket), compiled at start-up; every sampling feature
-changes input values, never the executable.
+changes input values, never the executable. On a GPU (`host_branches`, see step.py) each sampler
+comes twice (plain greedy, general: the host picks) and each prompt bucket has a prompt-logprobs
+executable.
 """
 
 import concurrent.futures
@@ -48,8 +50,10 @@ from jaxpaged.runner.multihost import (OP_MOVE, OP_SAMPLE, OP_STEP, OP_STOP, OP_
                                        is_multihost, pairs_payload)
 from jaxpaged.runner.persistent_batch import (SlotState, SlotTable, StepLayout, apply_updates, pack_updates,
                                               warm_up_updates)
-from jaxpaged.runner.step import SampleStatics, StepStatics, forward_fn, sample_fn
+from jaxpaged.runner.step import (PromptStatics, SampleStatics, StepStatics, forward_fn, prompt_logprobs_fn,
+                                  sample_fn)
 from jaxpaged.runner.step_results import StepResult, unpack_accepted, unpack_prompt_logprobs, unpack_sampled
+from jaxpaged.runner.sampler import GREEDY_EPS, uses_output_tokens
 from jaxpaged.runner.structured_outputs import bitmask_words, step_bitmask
 from jaxpaged.sampling_params import MAX_LOGPROBS
 from pallas_kernels import kv_pool_shape
@@ -67,6 +71,11 @@ SEQ_FLOOR = 4         # the smallest sequence bucket (of a decode-only step)
 # of weight at 2-8 rows): one sequence alone decodes 1.6-1.9x faster. On a GPU one row or four read the
 # same weights in the same time: no extra variant there.
 ONE_ROW_BUCKET_PLATFORMS = ("cpu",)
+# Where the host picks a step's branches (step.py): XLA:GPU reads a conditional's predicate on the host,
+# after everything queued before it, so a `lax.cond` in the step kept the host from running ahead of
+# the device. This costs a compiled executable per prompt bucket (prompt logprobs) and a second
+# sampler per sample-row count; on a CPU the conditional is cheap and those stay unneeded.
+HOST_BRANCH_PLATFORMS = ("gpu",)
 
 
 @dataclasses.dataclass
@@ -79,6 +88,7 @@ class _Pending:
     spec_rows: list[tuple[str, int, int]]             # (request_id, first sample row, drafts verified)
     lp_rows: list[tuple[str, int, int, int]]          # (request_id, first flat token, count, start position)
     num_logprobs: int
+    greedy: bool | None = None                        # the sampler the host picked (None: the step's cond picks)
     packed: jax.Array | None = None                   # f32[S * (3 + 2K)]: one row per sample row (once sampled)
     tokens: jax.Array | None = None                   # i32[MAX_ROWS]: sampled tokens, for the next step
 
@@ -106,6 +116,7 @@ class ModelRunner:
         self.max_decode_seqs = max_decode_queries(max_num_seqs, max_num_batched_tokens, num_speculative_tokens)
         self.plan = model.shard_plan   # its devices (tensor parallelism: the pool is sharded by KV heads)
         self.one_row_bucket = self.plan.local_device.platform in ONE_ROW_BUCKET_PLATFORMS
+        self.host_branches = self.plan.local_device.platform in HOST_BRANCH_PLATFORMS
         blocks = cdiv(max_model_len, block_size)
         self.max_blocks_per_seq = cdiv(blocks, KV_CHUNK_BLOCKS) * KV_CHUNK_BLOCKS
         cfg = self.model_config
@@ -128,7 +139,8 @@ class ModelRunner:
         self._all_allowed = {}              # sample rows -> a device bitmask of all ones (no transfer per step)
         self.max_moved_blocks = next_bucket(self.max_blocks_per_seq, 4)   # per swap or copy call
         self._compiled = {}                 # BatchShape -> the forward compiled for it
-        self._samplers = {}                 # (sample rows, skip_padding) -> the sampler compiled for them
+        self._samplers = {}                 # (sample rows, skip_padding, greedy) -> the sampler compiled for them
+        self._prompt_fns = {}               # host_branches: step tokens -> its prompt-logprobs executable
         self._warmed_up = False             # warmup() ran: a later compile is a missing bucket
         # the persistent batch: one slot per sequence a step can hold
         self.slot_table = SlotTable(max_num_seqs, cfg.vocab_size)
@@ -292,24 +304,33 @@ class ModelRunner:
             v["prev_index"][:len(from_prev)], v["prev_source"][:len(from_prev)] = zip(*from_prev)
         pack_updates(in_step, layout.num_updates, v["updates"])
         prev_tokens = prev.tokens if prev is not None else self._no_prev_tokens
+        greedy = None
+        if self.host_branches:
+            sampling = [chunk.request for chunk in plan.chunks if chunk.samples]
+            greedy = all(_plain_greedy(r) for r in sampling + [c for chunk in plan.chunks for c in chunk.forks])
         if self.channel is not None:
             # an unconstrained step's sampler follows at once with the all-ones mask: no OP_SAMPLE
             self.channel.send(OP_STEP, (shape.num_tokens, shape.num_seqs, shape.num_logits, shape.q_tile,
-                                        int(prev is not None), int(not constrained)), buffer)
-        sample_rows, prompt_packed = self.run_forward(shape, buffer, prev_tokens)
+                                        int(prev is not None), int(not constrained),
+                                        -1 if greedy is None else int(greedy), int(bool(lp_rows))), buffer)
+        sample_rows, prompt_packed = self.run_forward(shape, buffer, prev_tokens, bool(lp_rows))
         pending = _Pending(shape, sample_rows, constrained, prompt_packed if lp_rows else None, rows, spec_rows,
-                           lp_rows, self.max_logprobs)
+                           lp_rows, self.max_logprobs, greedy)
         if not constrained:
             self.sample(pending)
         return pending
 
-    def run_forward(self, shape: BatchShape, buffer: np.ndarray, prev_tokens: jax.Array):
+    def run_forward(self, shape: BatchShape, buffer: np.ndarray, prev_tokens: jax.Array,
+                    prompt_logprobs: bool = False):
         """Launch the forward of a step (its inputs packed in `buffer`); returns (sample rows, prompt
-        logprobs), both left on the device. The first step of an engine calibrating its fp8 KV scales
+        logprobs), both left on the device (prompt logprobs: None when the step asks none and the host
+        picks branches). The first step of an engine calibrating its fp8 KV scales
         (calculate_kv_scales) sets them for every later step."""
         forward, _ = self._executables(shape)
         self.kv_pool, self.slot_state, sample_rows, prompt_packed, kv_scales = forward(
             self.state, self.kv_pool, self.slot_state, self.plan.put(buffer), prev_tokens)
+        if self.host_branches:   # prompt_packed holds the hidden states
+            prompt_packed = self._prompt_logprobs(shape, prompt_packed, buffer) if prompt_logprobs else None
         if self.calibrating_kv_scales:
             self.state["kv_scales"].set_value(kv_scales)
             self.calibrating_kv_scales = False
@@ -325,7 +346,7 @@ class ModelRunner:
         bitmask = step_bitmask(pending.constrained, pending.shape.num_logits, self.bitmask_words)
         if self.channel is not None and pending.constrained:   # a held-back sampler: its mask goes along
             self.channel.send(OP_SAMPLE, (), bitmask)
-        _, sampler = self._executables(pending.shape)
+        _, sampler = self._executables(pending.shape, pending.greedy)
         self.slot_state, pending.packed, pending.tokens = sampler(
             self.state, self.slot_state, pending.sample_rows, self._bitmask_arg(pending.shape, bitmask))
         pending.sample_rows = None
@@ -341,14 +362,33 @@ class ModelRunner:
             self._all_allowed[shape.num_logits] = allowed
         return allowed
 
-    def _executables(self, shape: BatchShape):
-        """The forward and sampler compiled for `shape` (compiling them first if start-up did not)."""
-        forward, sampler = self._compiled.get(shape), self._samplers.get(_sampler_key(shape))
+    def _executables(self, shape: BatchShape, greedy: bool | None = None):
+        """The forward and sampler compiled for `shape` (compiling them first if start-up did not);
+        `greedy`: the sampler the host picked (host_branches; None there: the general one), None: the
+        one that picks itself."""
+        if self.host_branches and greedy is None:
+            greedy = False
+        forward, sampler = self._compiled.get(shape), self._samplers.get(_sampler_key(shape, greedy))
         if forward is None or sampler is None:   # expected only without compile_on_startup
             log = logger.warning if self._warmed_up else logger.debug
             log("compiling a step variant not compiled at start-up: %s", shape)
-            forward, sampler = self.compile_step(shape)
+            forward, _ = self.compile_step(shape)
+            sampler = self._samplers[_sampler_key(shape, greedy)]
         return forward, sampler
+
+    def prompt_logprobs_executable(self, shape: BatchShape):
+        """host_branches: the compiled prompt-logprobs program of a prompt bucket (None otherwise)."""
+        return self._prompt_fns.get(shape.num_tokens) if shape.q_tile != 1 else None
+
+    def _prompt_logprobs(self, shape: BatchShape, hidden: jax.Array, buffer: np.ndarray) -> jax.Array:
+        """host_branches: the prompt logprobs of a step that asks for some, from its hidden states."""
+        prompt_fn = self._prompt_fns.get(shape.num_tokens)
+        if prompt_fn is None:
+            logger.warning("compiling a step variant not compiled at start-up: %s", shape)
+            self.compile_step(shape)
+            prompt_fn = self._prompt_fns[shape.num_tokens]
+        offset, size = StepLayout.of(shape).fields["prompt_targets"]
+        return prompt_fn(self.state, hidden, self.plan.put(buffer[offset:offset + size]))
 
     def compile_step(self, shape: BatchShape):
         """Compile (and keep) the forward for `shape` and, unless kept already, its sampler;
@@ -357,25 +397,34 @@ class ModelRunner:
         if forward is None:
             layout = StepLayout.of(shape)
             statics = StepStatics(self.graphdef, layout, shape.q_tile, self.block_size, self.max_logprobs,
-                                  self.plan)
+                                  self.plan, inline_prompt_logprobs=not self.host_branches)
             buffer = layout.empty(self.slot_table.pad_slot)[0]   # its shape only: nothing moves while compiling
             args = (self.state, self.kv_pool_spec, self.slot_state,
                     jax.ShapeDtypeStruct(buffer.shape, buffer.dtype, sharding=self.plan.array_sharding(P())),
                     self._no_prev_tokens)
             forward = self._compiled[shape] = forward_fn.lower(statics, *args).compile(self.compiler_options)
-        key = _sampler_key(shape)
-        sampler = self._samplers.get(key)
-        if sampler is None:
-            # the forward's rows come replicated, like the bitmask (one device: no sharding is
-            # declared, which would commit the sampler's outputs and miss jit caches downstream)
-            replicated = self.plan.array_sharding(P())
-            rows = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
-                                forward.out_info[2])
-            statics = SampleStatics(self.graphdef, key[1], self.max_logprobs, self.max_num_seqs, self.plan)
-            bitmask = jax.ShapeDtypeStruct((shape.num_logits, self.bitmask_words), jnp.int32, sharding=replicated)
-            sampler = self._samplers[key] = sample_fn.lower(statics, self.state, self.slot_state, rows,
-                                                            bitmask).compile(self.compiler_options)
-        return forward, sampler
+        # the forward's outputs come replicated, like the bitmask (one device: no sharding is
+        # declared, which would commit the executables' outputs and miss jit caches downstream)
+        replicated = self.plan.array_sharding(P())
+
+        def like(a):
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated)
+        for greedy in (False, True) if self.host_branches else (None,):
+            key = _sampler_key(shape, greedy)
+            if key not in self._samplers:
+                statics = SampleStatics(self.graphdef, key[1], self.max_logprobs, self.max_num_seqs, self.plan,
+                                        greedy)
+                bitmask = like(jax.ShapeDtypeStruct((shape.num_logits, self.bitmask_words), jnp.int32))
+                self._samplers[key] = sample_fn.lower(statics, self.state, self.slot_state,
+                                                      jax.tree.map(like, forward.out_info[2]),
+                                                      bitmask).compile(self.compiler_options)
+        if self.host_branches and shape.q_tile != 1 and shape.num_tokens not in self._prompt_fns:
+            statics = PromptStatics(self.graphdef, self.max_logprobs, self.plan)
+            targets = like(jax.ShapeDtypeStruct((shape.num_tokens,), jnp.int32))
+            self._prompt_fns[shape.num_tokens] = prompt_logprobs_fn.lower(
+                statics, self.state, like(forward.out_info[3]), targets).compile(self.compiler_options)
+        # the general sampler: the larger (engine/memory.py sizes the step's reserve with it)
+        return forward, self._samplers[_sampler_key(shape, False if self.host_branches else None)]
 
     # ---- sleep mode -------------------------------------------------------------------------
     def sleep(self, level: int) -> None:
@@ -478,10 +527,19 @@ def max_decode_queries(max_num_seqs: int, max_num_batched_tokens: int, num_specu
     return min(max_num_batched_tokens + max_num_seqs, max_num_seqs * (num_speculative_tokens + 1))
 
 
-def _sampler_key(shape: BatchShape) -> tuple[int, bool]:
-    """What a sampler is compiled for: the sample-row count, and whether padding rows are skipped
-    (a prompt step's bucket is mostly padding; a decode bucket is at most half)."""
-    return shape.num_logits, shape.q_tile != 1
+def _sampler_key(shape: BatchShape, greedy: bool | None = None) -> tuple[int, bool, bool | None]:
+    """What a sampler is compiled for: the sample-row count, whether padding rows are skipped
+    (a prompt step's bucket is mostly padding; a decode bucket is at most half), and the branch the
+    host picked (host_branches; None: the sampler picks)."""
+    return shape.num_logits, shape.q_tile != 1, greedy
+
+
+def _plain_greedy(request) -> bool:
+    """The host's side of sampler.is_plain_greedy, erring towards False (the general sampler is
+    right for every row): greedy, no bias, penalties or logprobs, no grammar, no min_tokens pending."""
+    p = request.sampling_params
+    return (p.temperature < GREEDY_EPS and not p.logit_bias and not uses_output_tokens(p) and not p.logprobs
+            and request.matcher is None and p.min_tokens <= request.num_sampled_tokens)
 
 
 def _to_host(x: jax.Array) -> np.ndarray:

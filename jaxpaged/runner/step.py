@@ -1,10 +1,18 @@
 """The engine's jitted step, in two executables (compiled by ModelRunner):
 
-    forward(weights, kv_pool, slots, buffer, prev_tokens) -> (kv_pool, slots, rows, prompt_packed)
+    forward(weights, kv_pool, slots, buffer, prev_tokens) -> (kv_pool, slots, rows, prompt_out)
     sample(weights, slots, rows, bitmask)                 -> (slots, packed, tokens)
 
 one forward per shape bucket and one sampler per sample-row count. The split lets the host fill
 a structured-output bitmask while the forward runs (vLLM V1's execute_model / sample_tokens).
+
+Branches: on a CPU the step skips the work a batch does not need with `lax.cond` (prompt logprobs
+in the forward, the plain-greedy fast path in the sampler). XLA:GPU evaluates a conditional's
+predicate on the host, which waits for the device to finish everything queued before it: the host
+could not run ahead of the device (an H200 trace: each forward's dispatch blocked the host for the
+whole forward). There (`host_branches`) the host, which knows the batch, picks instead: the forward
+returns its hidden states and a third executable computes prompt logprobs only for steps that
+ask (`prompt_logprobs_fn`); the sampler is compiled plain-greedy and general (`SampleStatics.greedy`).
 
 Inputs and outputs are described in model_runner.py; this module holds the traced code only.
 """
@@ -70,6 +78,7 @@ class StepStatics:
     block_size: int
     num_logprobs: int
     plan: ShardPlan
+    inline_prompt_logprobs: bool = True   # False: return the hidden states (prompt_logprobs_fn follows)
 
 
 @jax.tree_util.register_dataclass
@@ -93,6 +102,7 @@ class SampleStatics:
     num_logprobs: int
     max_rows: int            # the next step's in-flight tokens: i32[max_rows]
     plan: ShardPlan
+    greedy: bool | None = None   # None: lax.cond picks the plain-greedy path; True / False: the host did
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2, 3))
@@ -103,8 +113,10 @@ def forward_fn(statics: StepStatics, state, kv_pool, slots: SlotState, buffer, p
     the previous step's sampled tokens, of which row prev_source[i] becomes input token
     prev_index[i] (out-of-bounds indices are dropped).
 
-    Returns (kv_pool, slots, SampleRows, prompt_packed f32[T * (2 + 2K)], kv_scales f32[L, 2]): the
-    last, the fp8 KV scales the step wrote with (calibrated by this step where they were 0).
+    Returns (kv_pool, slots, SampleRows, prompt_out, kv_scales f32[L, 2]): prompt_out, the prompt
+    logprobs packed f32[T * (2 + 2K)] (zeros where no token asks), or with inline_prompt_logprobs
+    False the hidden states [T, hidden] for prompt_logprobs_fn; kv_scales, the fp8 KV scales the step
+    wrote with (calibrated by this step where they were 0).
     """
     f = statics.layout.unpack(buffer)
     slots = apply_step_updates(slots, f["updates"])
@@ -120,8 +132,11 @@ def forward_fn(statics: StepStatics, state, kv_pool, slots: SlotState, buffer, p
     rows = SampleRows(hidden[batch.logits_indices], f["row_slots"], f["count_slots"], f["row_draft"],
                       f["row_first"])
     targets = f["prompt_targets"]
-    prompt_packed = jax.lax.cond(jnp.any(targets >= 0), lambda: _prompt_logprobs(model, hidden, targets, K),
-                                 lambda: jnp.zeros(hidden.shape[0] * (2 + 2 * K), jnp.float32))
+    if statics.inline_prompt_logprobs:
+        prompt_packed = jax.lax.cond(jnp.any(targets >= 0), lambda: _prompt_logprobs(model, hidden, targets, K),
+                                     lambda: jnp.zeros(hidden.shape[0] * (2 + 2 * K), jnp.float32))
+    else:
+        prompt_packed = hidden
     # with a mesh: the pool stays sharded by KV heads, everything else comes back replicated, so
     # the sampler and the next step (compiled for exactly these shardings) take them as they are
     plan = statics.plan
@@ -149,12 +164,17 @@ def sample_fn(statics: SampleStatics, state, slots: SlotState, rows: SampleRows,
                             jnp.arange(S, dtype=jnp.int32) - rows.first)
     # decode buckets are at most half padding; a prompt step's many padding rows skip the matmul
     num_rows = jnp.sum(rows.row_slots != slots.params.shape[0] - 1) if statics.skip_padding else None
-    out = jax.lax.cond(
-        is_plain_greedy(smd),   # the common decode case, in the CPU-friendly layout
-        lambda h: greedy_from_transposed(_row_logits(model.compute_logits_transposed, h, num_rows, 1), K,
-                                         smd.draft_tokens),
-        lambda h: sample(_row_logits(model.compute_logits, h, num_rows, 0), smd),
-        rows.hidden)
+    def plain_greedy(h):   # the common decode case, in the CPU-friendly layout
+        return greedy_from_transposed(_row_logits(model.compute_logits_transposed, h, num_rows, 1), K,
+                                      smd.draft_tokens)
+
+    def general(h):
+        return sample(_row_logits(model.compute_logits, h, num_rows, 0), smd)
+
+    if statics.greedy is None:
+        out = jax.lax.cond(is_plain_greedy(smd), plain_greedy, general, rows.hidden)
+    else:
+        out = (plain_greedy if statics.greedy else general)(rows.hidden)
     emitted = emitted_rows(rows.drafts, out.accepted, rows.first)
     slots = count_sampled(slots, jnp.where(emitted, rows.count_slots, slots.params.shape[0]), out.token_ids)
     packed = _pack(out.token_ids, out.logprobs, out.ranks, out.topk_ids, out.topk_logprobs,
@@ -164,6 +184,23 @@ def sample_fn(statics: SampleStatics, state, slots: SlotState, rows: SampleRows,
     plan = statics.plan
     slots, packed, tokens = (jax.tree.map(lambda a: plan.constrain(a, P()), x) for x in (slots, packed, tokens))
     return slots, packed, tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptStatics:
+    graphdef: object
+    num_logprobs: int
+    plan: ShardPlan
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def prompt_logprobs_fn(statics: PromptStatics, state, hidden, targets):
+    """A step's prompt logprobs from the forward's hidden states (host_branches: run only for steps
+    with a token asking). targets: i32[T], each token's next prompt token (-1: not asked).
+    Returns f32[T * (2 + 2K)], as the forward's inline prompt_packed."""
+    model = nnx.merge(statics.graphdef, state)
+    packed = _prompt_logprobs(model, hidden, targets, statics.num_logprobs)
+    return statics.plan.constrain(packed, P())
 
 
 def _prompt_logprobs(model, hidden, targets, K):

@@ -53,9 +53,16 @@ def _rows(flat: np.ndarray, num_rows: int, K: int) -> np.ndarray:
 
 
 def unpack_sampled(flat: np.ndarray, rows: list[tuple[str, int]], num_rows: int, K: int) -> dict[str, SampledToken]:
-    """request id -> its sampled token, for `rows` (request id, sample row) of f32[num_rows * (4 + 2K)]."""
-    main = _rows(flat, num_rows, K)
-    return {request_id: _token(main, r, K) for request_id, r in rows}
+    """request id -> its sampled token, for `rows` (request id, sample row) of f32[num_rows * (4 + 2K)].
+    Column by column (a decode step of 256 rows: one conversion per column, not per row)."""
+    if not rows:
+        return {}
+    request_ids, indices = zip(*rows)
+    main = _rows(flat, num_rows, K)[list(indices)]
+    tokens, ranks, top_ids = (_as_int(main[:, c]).tolist() for c in (slice(0, 1), slice(2, 3), slice(3, 3 + K)))
+    logprobs, top_logprobs = main[:, 1].tolist(), main[:, 3 + K:3 + 2 * K].tolist()
+    return {rid: SampledToken(t[0], lp, rank[0], ids, lps)
+            for rid, t, lp, rank, ids, lps in zip(request_ids, tokens, logprobs, ranks, top_ids, top_logprobs)}
 
 
 def unpack_accepted(flat: np.ndarray, spec_rows: list[tuple[str, int, int]], num_rows: int,

@@ -237,3 +237,27 @@ def test_cache_salt_separates_prefix_cache_tenants():
     assert prefill(kv, again) == 48
     assert kv.blocks_of("d")[:3] == kv.blocks_of("a")[:3]
     kv.check_invariants()
+
+
+def test_a_decode_step_offers_only_newly_filled_blocks_to_the_prefix_cache():
+    """Host work per decode step must not grow with the context: 64 cached blocks are offered once,
+    then each step offers only a block it filled. The registered prefix still serves a hit."""
+    kv = KVCacheManager(num_blocks=100, block_size=BS)
+    request = make_request("a", list(range(64 * BS + 3)), max_tokens=40)
+    offered = []
+    cache = kv.pool.cache
+    kv.pool.cache = lambda block, block_hash: (offered.append(block), cache(block, block_hash))
+    prefill(kv, request)
+    assert len(offered) == 64
+    offered.clear()
+    for token in range(40):   # decode: the token is known before the next step's slot
+        request.append_output_token(token)
+        assert kv.allocate_slots(request, 1) is not None
+        request.num_computed_tokens += 1
+    assert offered == kv.blocks_of("a")[64:66]   # blocks 64 and 65 filled during the decode
+    kv.check_invariants()
+    other = make_request("b", list(range(64 * BS + 3)) + list(range(40)) + [7])
+    assert kv.get_computed_blocks(other)[1] == 66 * BS
+    kv.free(request)
+    assert kv.num_registered == {}
+    kv.check_invariants()

@@ -1,0 +1,72 @@
+"""On a GPU the host picks the step's branches (model_runner.HOST_BRANCH_PLATFORMS): the forward returns
+its hidden states and prompt logprobs run as a third executable only for steps that ask, and the
+sampler is compiled plain-greedy and general, chosen per step by the host (XLA:GPU reads a
+`lax.cond`'s predicate on the host, which kept the host from running ahead of the device). Forced
+here on the CPU: the same outputs as the conditionals' engine, and nothing compiles after start-up."""
+
+import numpy as np
+import pytest
+
+from jaxpaged import LLM, SamplingParams
+from jaxpaged.runner import model_runner
+from tests.engine.test_no_compiles_after_startup import compilations
+from tests.tiny_models import tiny_checkpoint
+
+PARAMS = [
+    SamplingParams(temperature=0.0, max_tokens=6),
+    SamplingParams(temperature=0.8, seed=1, max_tokens=7, logprobs=3),
+    SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=2),
+    SamplingParams(presence_penalty=0.5, repetition_penalty=1.2, temperature=0.0, max_tokens=8),
+    SamplingParams(temperature=0.0, logit_bias={7: 5.0}, min_tokens=3, max_tokens=6, logprobs=1),
+    SamplingParams(n=2, temperature=0.9, seed=4, max_tokens=5),
+    SamplingParams(temperature=1.0, top_k=5, top_p=0.9, seed=2, max_tokens=6, prompt_logprobs=1),
+]
+
+
+def run(monkeypatch, host_branches: bool):
+    if host_branches:
+        monkeypatch.setattr(model_runner, "HOST_BRANCH_PLATFORMS", ("cpu", "gpu"))
+    llm = LLM(tiny_checkpoint("llama"), dtype="float32", block_size=8, max_model_len=64, max_num_seqs=4,
+              max_num_batched_tokens=32, use_tqdm=False)
+    runner = llm.llm_engine.runner
+    assert runner.host_branches == host_branches
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": rng.integers(3, 320, n).tolist()} for n in (3, 20, 9, 40, 5, 12, 27)]
+    picked = []
+    if host_branches:
+        sample = runner.sample
+
+        def recording(pending):
+            picked.append(pending.greedy)
+            return sample(pending)
+        monkeypatch.setattr(runner, "sample", recording)
+    with compilations() as compiled:
+        outs = llm.generate(prompts, PARAMS, use_tqdm=False)
+        outs += llm.generate(prompts[:5], SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)
+    assert compiled == [], f"compiled after start-up: {compiled}"
+    return outs, picked, runner
+
+
+def flatten(outs):
+    tokens, logprobs = [], []
+    for o in outs:
+        prompt = [lp for step in (o.prompt_logprobs or []) if step for lp in sorted(
+            (t, x.logprob) for t, x in step.items())]
+        logprobs.append(prompt)
+        for c in o.outputs:
+            tokens.append(list(c.token_ids))
+            logprobs.append([(t, x.logprob) for step in (c.logprobs or []) for t, x in sorted(step.items())])
+    return tokens, logprobs
+
+
+def test_host_picked_branches_give_the_conditionals_outputs_and_compile_nothing_after_start_up(monkeypatch):
+    expected, _, _ = run(monkeypatch, host_branches=False)
+    got, picked, runner = run(monkeypatch, host_branches=True)
+    assert {True, False} <= set(picked), "both samplers ran"
+    assert runner._prompt_fns, "prompt logprobs ran as their own executable"
+    (want_tokens, want_lps), (got_tokens, got_lps) = flatten(expected), flatten(got)
+    assert got_tokens == want_tokens
+    assert len(got_lps) == len(want_lps)
+    for a, b in zip(got_lps, want_lps):
+        assert [t for t, _ in a] == [t for t, _ in b]
+        np.testing.assert_allclose([x for _, x in a], [x for _, x in b], rtol=0, atol=1e-5)
