@@ -61,6 +61,7 @@ def main() -> None:
         ("triton, defaults", dict(attention_backend="triton")),
         ("reference, max_model_len 2048", dict(attention_backend="reference", max_model_len=2048)),
         ("reference, defaults", dict(attention_backend="reference")),
+        ("pallas, unrolled layers", dict(attention_backend="pallas", scan_layers=False)),
     ]
     only = os.environ.get("PROFILE_CONFIGS")
     if only:
@@ -121,9 +122,9 @@ def profile_config(path, vocab, name, extra, seqs, dry_run):
         orig_step = engine.step
         cur = {}
 
-        def run_forward(shape, buffer, prev_tokens):
+        def run_forward(shape, *args):
             t0 = time.perf_counter()
-            result = orig_forward(shape, buffer, prev_tokens)
+            result = orig_forward(shape, *args)
             jax.block_until_ready(result)
             jax.block_until_ready(runner.kv_pool)
             cur["forward"] = cur.get("forward", 0.0) + time.perf_counter() - t0

@@ -25,14 +25,15 @@ takes it from the previous step's sampled tokens, inside the step.
 The compiled step is a closed set: one forward per shape bucket (`warmup_shapes`) and one
 sampler per sample-row count (and kind of bucket), compiled at start-up; every sampling feature
 changes input values, never the executable. On a GPU (`host_branches`, see step.py) each sampler
-comes twice (plain greedy, general: the host picks) and each prompt bucket has a prompt-logprobs
-executable.
+comes in three kinds (step.SAMPLER_KINDS: the host picks) and each bucket's token count has a
+prompt-logprobs executable.
 """
 
 import concurrent.futures
 import dataclasses
 import logging
 import os
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -50,8 +51,8 @@ from jaxpaged.runner.multihost import (OP_MOVE, OP_SAMPLE, OP_STEP, OP_STOP, OP_
                                        is_multihost, pairs_payload)
 from jaxpaged.runner.persistent_batch import (SlotState, SlotTable, StepLayout, apply_updates, pack_updates,
                                               warm_up_updates)
-from jaxpaged.runner.step import (PromptStatics, SampleStatics, StepStatics, forward_fn, prompt_logprobs_fn,
-                                  sample_fn)
+from jaxpaged.runner.step import (SAMPLER_KINDS, PromptStatics, SampleStatics, StepStatics, forward_fn,
+                                  prompt_logprobs_fn, sample_fn)
 from jaxpaged.runner.step_results import StepResult, unpack_accepted, unpack_prompt_logprobs, unpack_sampled
 from jaxpaged.runner.sampler import GREEDY_EPS, uses_output_tokens
 from jaxpaged.runner.structured_outputs import bitmask_words, step_bitmask
@@ -73,8 +74,10 @@ SEQ_FLOOR = 4         # the smallest sequence bucket (of a decode-only step)
 ONE_ROW_BUCKET_PLATFORMS = ("cpu",)
 # Where the host picks a step's branches (step.py): XLA:GPU reads a conditional's predicate on the host,
 # after everything queued before it, so a `lax.cond` in the step kept the host from running ahead of
-# the device. This costs a compiled executable per prompt bucket (prompt logprobs) and a second
-# sampler per sample-row count; on a CPU the conditional is cheap and those stay unneeded.
+# the device. This costs a compiled executable per prompt bucket (prompt logprobs) and three samplers
+# per sample-row count (SAMPLER_KINDS; a prompt bucket's sampler then computes its padding rows' logits
+# too, whose skip was a loop of run-time length, and so shares the decode bucket's); on a CPU the
+# conditionals are cheap and those stay unneeded.
 HOST_BRANCH_PLATFORMS = ("gpu",)
 
 
@@ -88,7 +91,7 @@ class _Pending:
     spec_rows: list[tuple[str, int, int]]             # (request_id, first sample row, drafts verified)
     lp_rows: list[tuple[str, int, int, int]]          # (request_id, first flat token, count, start position)
     num_logprobs: int
-    greedy: bool | None = None                        # the sampler the host picked (None: the step's cond picks)
+    sampler_kind: str | None = None                   # the sampler the host picked (None: the step's cond picks)
     packed: jax.Array | None = None                   # f32[S * (3 + 2K)]: one row per sample row (once sampled)
     tokens: jax.Array | None = None                   # i32[MAX_ROWS]: sampled tokens, for the next step
 
@@ -139,8 +142,9 @@ class ModelRunner:
         self._all_allowed = {}              # sample rows -> a device bitmask of all ones (no transfer per step)
         self.max_moved_blocks = next_bucket(self.max_blocks_per_seq, 4)   # per swap or copy call
         self._compiled = {}                 # BatchShape -> the forward compiled for it
-        self._samplers = {}                 # (sample rows, skip_padding, greedy) -> the sampler compiled for them
+        self._samplers = {}                 # (sample rows, skip_padding, kind) -> the sampler compiled for them
         self._prompt_fns = {}               # host_branches: step tokens -> its prompt-logprobs executable
+        self._prompt_fns_lock = threading.Lock()   # start-up compiles buckets in threads; two share a token count
         self._warmed_up = False             # warmup() ran: a later compile is a missing bucket
         # the persistent batch: one slot per sequence a step can hold
         self.slot_table = SlotTable(max_num_seqs, cfg.vocab_size)
@@ -304,18 +308,19 @@ class ModelRunner:
             v["prev_index"][:len(from_prev)], v["prev_source"][:len(from_prev)] = zip(*from_prev)
         pack_updates(in_step, layout.num_updates, v["updates"])
         prev_tokens = prev.tokens if prev is not None else self._no_prev_tokens
-        greedy = None
+        kind = None
         if self.host_branches:
-            sampling = [chunk.request for chunk in plan.chunks if chunk.samples]
-            greedy = all(_plain_greedy(r) for r in sampling + [c for chunk in plan.chunks for c in chunk.forks])
+            kind = sampler_kind([chunk.request for chunk in plan.chunks if chunk.samples]
+                                + [child for chunk in plan.chunks for child in chunk.forks])
         if self.channel is not None:
             # an unconstrained step's sampler follows at once with the all-ones mask: no OP_SAMPLE
             self.channel.send(OP_STEP, (shape.num_tokens, shape.num_seqs, shape.num_logits, shape.q_tile,
                                         int(prev is not None), int(not constrained),
-                                        -1 if greedy is None else int(greedy), int(bool(lp_rows))), buffer)
+                                        -1 if kind is None else SAMPLER_KINDS.index(kind), int(bool(lp_rows))),
+                              buffer)
         sample_rows, prompt_packed = self.run_forward(shape, buffer, prev_tokens, bool(lp_rows))
         pending = _Pending(shape, sample_rows, constrained, prompt_packed if lp_rows else None, rows, spec_rows,
-                           lp_rows, self.max_logprobs, greedy)
+                           lp_rows, self.max_logprobs, kind)
         if not constrained:
             self.sample(pending)
         return pending
@@ -346,7 +351,7 @@ class ModelRunner:
         bitmask = step_bitmask(pending.constrained, pending.shape.num_logits, self.bitmask_words)
         if self.channel is not None and pending.constrained:   # a held-back sampler: its mask goes along
             self.channel.send(OP_SAMPLE, (), bitmask)
-        _, sampler = self._executables(pending.shape, pending.greedy)
+        _, sampler = self._executables(pending.shape, pending.sampler_kind)
         self.slot_state, pending.packed, pending.tokens = sampler(
             self.state, self.slot_state, pending.sample_rows, self._bitmask_arg(pending.shape, bitmask))
         pending.sample_rows = None
@@ -362,26 +367,34 @@ class ModelRunner:
             self._all_allowed[shape.num_logits] = allowed
         return allowed
 
-    def _executables(self, shape: BatchShape, greedy: bool | None = None):
+    def _executables(self, shape: BatchShape, kind: str | None = None):
         """The forward and sampler compiled for `shape` (compiling them first if start-up did not);
-        `greedy`: the sampler the host picked (host_branches; None there: the general one), None: the
+        `kind`: the sampler the host picked (host_branches; None there: the general one), None: the
         one that picks itself."""
-        if self.host_branches and greedy is None:
-            greedy = False
-        forward, sampler = self._compiled.get(shape), self._samplers.get(_sampler_key(shape, greedy))
+        key = self._sampler_key(shape, kind)
+        forward, sampler = self._compiled.get(shape), self._samplers.get(key)
         if forward is None or sampler is None:   # expected only without compile_on_startup
             log = logger.warning if self._warmed_up else logger.debug
             log("compiling a step variant not compiled at start-up: %s", shape)
             forward, _ = self.compile_step(shape)
-            sampler = self._samplers[_sampler_key(shape, greedy)]
+            sampler = self._samplers[key]
         return forward, sampler
 
+    def _sampler_key(self, shape: BatchShape, kind: str | None = None) -> tuple[int, bool, str | None]:
+        """What a sampler is compiled for: the sample-row count, whether padding rows are skipped (a
+        prompt step's bucket is mostly padding; a decode bucket is at most half; not with host_branches),
+        and its kind (host_branches: SAMPLER_KINDS, None meaning "general"; else None: it picks)."""
+        if self.host_branches:
+            return shape.num_logits, False, kind or "general"
+        return shape.num_logits, shape.q_tile != 1, None
+
     def prompt_logprobs_executable(self, shape: BatchShape):
-        """host_branches: the compiled prompt-logprobs program of a prompt bucket (None otherwise)."""
-        return self._prompt_fns.get(shape.num_tokens) if shape.q_tile != 1 else None
+        """host_branches: the compiled prompt-logprobs program of the bucket's step (None otherwise)."""
+        return self._prompt_fns.get(shape.num_tokens)
 
     def _prompt_logprobs(self, shape: BatchShape, hidden: jax.Array, buffer: np.ndarray) -> jax.Array:
-        """host_branches: the prompt logprobs of a step that asks for some, from its hidden states."""
+        """host_branches: the prompt logprobs of a step that asks for some, from its hidden states
+        (the program compiled for the step's token count, whatever its bucket)."""
         prompt_fn = self._prompt_fns.get(shape.num_tokens)
         if prompt_fn is None:
             logger.warning("compiling a step variant not compiled at start-up: %s", shape)
@@ -391,8 +404,9 @@ class ModelRunner:
         return prompt_fn(self.state, hidden, self.plan.put(buffer[offset:offset + size]))
 
     def compile_step(self, shape: BatchShape):
-        """Compile (and keep) the forward for `shape` and, unless kept already, its sampler;
-        returns both jax.stages.Compiled."""
+        """Compile (and keep) the forward for `shape` and, unless kept already, its sampler (its three
+        samplers and its prompt-logprobs program with host_branches); returns the forward and the
+        sampler with the most temporaries, as jax.stages.Compiled."""
         forward = self._compiled.get(shape)
         if forward is None:
             layout = StepLayout.of(shape)
@@ -409,22 +423,28 @@ class ModelRunner:
 
         def like(a):
             return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated)
-        for greedy in (False, True) if self.host_branches else (None,):
-            key = _sampler_key(shape, greedy)
+        for kind in SAMPLER_KINDS if self.host_branches else (None,):
+            key = self._sampler_key(shape, kind)
             if key not in self._samplers:
                 statics = SampleStatics(self.graphdef, key[1], self.max_logprobs, self.max_num_seqs, self.plan,
-                                        greedy)
+                                        key[2])
                 bitmask = like(jax.ShapeDtypeStruct((shape.num_logits, self.bitmask_words), jnp.int32))
                 self._samplers[key] = sample_fn.lower(statics, self.state, self.slot_state,
                                                       jax.tree.map(like, forward.out_info[2]),
                                                       bitmask).compile(self.compiler_options)
-        if self.host_branches and shape.q_tile != 1 and shape.num_tokens not in self._prompt_fns:
-            statics = PromptStatics(self.graphdef, self.max_logprobs, self.plan)
-            targets = like(jax.ShapeDtypeStruct((shape.num_tokens,), jnp.int32))
-            self._prompt_fns[shape.num_tokens] = prompt_logprobs_fn.lower(
-                statics, self.state, like(forward.out_info[3]), targets).compile(self.compiler_options)
-        # the general sampler: the larger (engine/memory.py sizes the step's reserve with it)
-        return forward, self._samplers[_sampler_key(shape, False if self.host_branches else None)]
+        # every bucket's token count: a step of one-token chunks (a decode shape) can hold a prompt's
+        # last chunk too, when the token budget left it one token
+        if self.host_branches:
+            with self._prompt_fns_lock:
+                if shape.num_tokens not in self._prompt_fns:
+                    statics = PromptStatics(self.graphdef, self.max_logprobs, self.plan)
+                    targets = like(jax.ShapeDtypeStruct((shape.num_tokens,), jnp.int32))
+                    self._prompt_fns[shape.num_tokens] = prompt_logprobs_fn.lower(
+                        statics, self.state, like(forward.out_info[3]), targets).compile(self.compiler_options)
+        # the sampler with the most temporaries: engine/memory.py sizes the step's reserve with it
+        samplers = [self._samplers[self._sampler_key(shape, kind)]
+                    for kind in (SAMPLER_KINDS if self.host_branches else (None,))]
+        return forward, max(samplers, key=_temp_bytes)
 
     # ---- sleep mode -------------------------------------------------------------------------
     def sleep(self, level: int) -> None:
@@ -500,7 +520,7 @@ class ModelRunner:
         # XLA compiles outside the GIL: a few threads use the host's cores (each variant alone is
         # mostly single-threaded). Shapes sharing a sampler: the first compiles it, the rest after it.
         todo = [shape for shape in shapes if shape not in self._compiled]
-        firsts = list({_sampler_key(shape): shape for shape in reversed(todo)}.values())
+        firsts = list({self._sampler_key(shape): shape for shape in reversed(todo)}.values())
         for shape in shapes:   # the all-allowed bitmasks, made here (not in the compile threads)
             self._bitmask_arg(shape, None)
         for batch in (firsts, [shape for shape in todo if shape not in firsts]):
@@ -527,19 +547,30 @@ def max_decode_queries(max_num_seqs: int, max_num_batched_tokens: int, num_specu
     return min(max_num_batched_tokens + max_num_seqs, max_num_seqs * (num_speculative_tokens + 1))
 
 
-def _sampler_key(shape: BatchShape, greedy: bool | None = None) -> tuple[int, bool, bool | None]:
-    """What a sampler is compiled for: the sample-row count, whether padding rows are skipped
-    (a prompt step's bucket is mostly padding; a decode bucket is at most half), and the branch the
-    host picked (host_branches; None: the sampler picks)."""
-    return shape.num_logits, shape.q_tile != 1, greedy
+def sampler_kind(requests) -> str:
+    """The sampler a step's sampling requests need (host_branches; see step.SAMPLER_KINDS). Each
+    test errs towards the more general kind, which is right for every row too: "greedy" only if
+    every row is what sampler.is_plain_greedy calls plain (greedy in f32, no bias, penalties,
+    logprobs, grammar or pending min_tokens), "untruncated" only if no random row has top-k or top-p."""
+    def greedy(p):
+        return np.float32(p.temperature) < np.float32(GREEDY_EPS)
+
+    def plain(request):
+        p = request.sampling_params
+        return (greedy(p) and not p.logit_bias and not uses_output_tokens(p) and not p.logprobs
+                and request.matcher is None and p.min_tokens <= request.num_sampled_tokens)
+
+    if all(plain(r) for r in requests):
+        return "greedy"
+    if any(not greedy(r.sampling_params) and (max(r.sampling_params.top_k, 0) > 0
+                                              or np.float32(r.sampling_params.top_p) < 1.0) for r in requests):
+        return "general"
+    return "untruncated"
 
 
-def _plain_greedy(request) -> bool:
-    """The host's side of sampler.is_plain_greedy, erring towards False (the general sampler is
-    right for every row): greedy, no bias, penalties or logprobs, no grammar, no min_tokens pending."""
-    p = request.sampling_params
-    return (p.temperature < GREEDY_EPS and not p.logit_bias and not uses_output_tokens(p) and not p.logprobs
-            and request.matcher is None and p.min_tokens <= request.num_sampled_tokens)
+def _temp_bytes(compiled) -> int:
+    analysis = compiled.memory_analysis()
+    return analysis.temp_size_in_bytes if analysis is not None else 0
 
 
 def _to_host(x: jax.Array) -> np.ndarray:

@@ -26,11 +26,13 @@ import numpy as np
 
 from jaxpaged.runner.batch_builder import BatchShape
 from jaxpaged.runner.persistent_batch import apply_updates
+from jaxpaged.runner.step import SAMPLER_KINDS
 
 logger = logging.getLogger(__name__)
 
 # OP_STEP: a forward (and, flagged, its unconstrained sampler); args: the BatchShape, whether the previous
-# step's tokens go in, whether the sampler follows, the sampler the host picked (-1: none), whether the
+# step's tokens go in, whether the sampler follows, the sampler kind the host picked (an index into
+# step.SAMPLER_KINDS; -1: none), whether the
 # step has prompt logprobs. OP_SAMPLE: a held-back sampler and its mask
 OP_STOP, OP_MOVE, OP_UPDATES, OP_STEP, OP_SAMPLE = range(5)
 HEADER_SIZE = 10
@@ -157,7 +159,7 @@ def follow(runner) -> int:
         elif op == OP_STEP:
             shape = BatchShape(*args[:4])
             prev_tokens = last_tokens if args[4] else runner._no_prev_tokens
-            _, sampler = runner._executables(shape, None if args[6] < 0 else bool(args[6]))
+            _, sampler = runner._executables(shape, None if args[6] < 0 else SAMPLER_KINDS[args[6]])
             sample_rows, _ = runner.run_forward(shape, payload, prev_tokens, bool(args[7]))
             if args[5]:   # unconstrained: the sampler at once, everything allowed
                 runner.slot_state, _, last_tokens = sampler(runner.state, runner.slot_state, sample_rows,

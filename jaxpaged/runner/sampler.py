@@ -114,21 +114,26 @@ def _apply_bitmask(logits, bitmask):
     return jnp.where(allowed, logits, -jnp.inf)
 
 
-def _apply_bias_and_penalties(logits, md):
+def _where_any(rows, fn, x, branch_free: bool):
+    """fn(x) if any of `rows` (bool[S]) is set, else x. fn changes only those rows, so branch-free
+    (XLA:GPU reads a conditional's predicate on the host: see runner/step.py) it simply runs."""
+    return fn(x) if branch_free else jax.lax.cond(jnp.any(rows), fn, lambda y: y, x)
+
+
+def _apply_bias_and_penalties(logits, md, branch_free: bool = False):
     if md.bitmask is not None:
-        logits = jax.lax.cond(jnp.any(constrained_rows(md)), lambda x: _apply_bitmask(x, md.bitmask),
-                              lambda x: x, logits)
+        logits = _where_any(constrained_rows(md), lambda x: _apply_bitmask(x, md.bitmask), logits, branch_free)
     if md.logit_bias is not None:
-        logits = jax.lax.cond(jnp.any(md.has_logit_bias),
-                              lambda x: x + jnp.where(md.has_logit_bias[:, None], _rows_of(md, md.logit_bias), 0.0),
-                              lambda x: x, logits)
+        logits = _where_any(md.has_logit_bias,
+                            lambda x: x + jnp.where(md.has_logit_bias[:, None], _rows_of(md, md.logit_bias), 0.0),
+                            logits, branch_free)
     if md.min_tokens_ban is not None:
-        logits = jax.lax.cond(jnp.any(md.ban_active),
-                              lambda x: jnp.where(md.ban_active[:, None] & _rows_of(md, md.min_tokens_ban), -jnp.inf, x),
-                              lambda x: x, logits)
+        logits = _where_any(md.ban_active,
+                            lambda x: jnp.where(md.ban_active[:, None] & _rows_of(md, md.min_tokens_ban), -jnp.inf, x),
+                            logits, branch_free)
     if md.output_counts is None:
         return logits
-    return jax.lax.cond(jnp.any(penalised_rows(md)), lambda x: _apply_penalties(x, md), lambda x: x, logits)
+    return _where_any(penalised_rows(md), lambda x: _apply_penalties(x, md), logits, branch_free)
 
 
 def _apply_penalties(logits, md):
@@ -200,20 +205,23 @@ def _row_gumbel(seed, step, vocab):
     return jax.random.gumbel(key, (vocab,), jnp.float32)
 
 
-def _random_sample(logits, md):
+def _random_sample(logits, md, truncation: bool = True):
+    """Gumbel-max draws of every row (greedy rows' are discarded by the caller). truncation False:
+    no row has top-k or top-p (the caller knows), and their skip's conditional is left out."""
     is_greedy = md.temperature < GREEDY_EPS
     temperature = jnp.where(is_greedy, 1.0, md.temperature)
     logits = logits / temperature[:, None]
     # min_p in logit space: p_i < min_p * p_max  <=>  l_i < l_max + log(min_p).
     floor = jnp.max(logits, axis=-1) + jnp.log(md.min_p)
     logits = jnp.where(logits < floor[:, None], -jnp.inf, logits)
-    truncated = ~is_greedy & ((md.top_k > 0) | (md.top_p < 1.0))
-    logits = jax.lax.cond(
-        jnp.any(truncated),
-        lambda x: _apply_top_k_top_p(x, md.top_k, md.top_p, truncated),
-        lambda x: x,
-        logits,
-    )
+    if truncation:
+        truncated = ~is_greedy & ((md.top_k > 0) | (md.top_p < 1.0))
+        logits = jax.lax.cond(
+            jnp.any(truncated),
+            lambda x: _apply_top_k_top_p(x, md.top_k, md.top_p, truncated),
+            lambda x: x,
+            logits,
+        )
     # Gumbel-max: the noise of a row depends only on its (seed, step), never on the batch.
     noise = jax.vmap(_row_gumbel, in_axes=(0, 0, None))(md.seeds, md.steps, logits.shape[-1])
     return jnp.argmax(logits + noise, axis=-1).astype(jnp.int32)
@@ -249,7 +257,7 @@ def greedy_from_transposed(logits_t: jax.Array, num_logprobs: int = 0,
     return SamplerOutput(tokens, col_max - lse, jnp.ones_like(tokens), empty, empty.astype(jnp.float32), accepted)
 
 
-def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
+def sample(logits: jax.Array, md: SamplingMetadata, branch_free: bool = False) -> SamplerOutput:
     """Turn f32[S, V] logits into one token per row; pure, meant to run inside a jit.
 
     Speculative decoding (`md.draft_tokens`): a row verifies its draft token d by drawing its own
@@ -258,17 +266,23 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
     rule: d is accepted with probability p(d) = min(1, p(d) / q(d)), and a token drawn in its place
     is distributed as max(p - q, 0) renormalised (p without d). So the distribution is kept and a
     seeded request gets the very tokens it gets without speculation, whichever positions are
-    verified. A sequence keeps its rows' tokens up to its first rejection (runner/step.py)."""
+    verified. A sequence keeps its rows' tokens up to its first rejection (runner/step.py).
+
+    branch_free: no conditional at all (for a GPU, where the host knows that no row has top-k or
+    top-p): every row-masked part runs, and the top-K logprobs are taken for every row."""
     logits = logits.astype(jnp.float32)
-    processed = _apply_bias_and_penalties(logits, md)
+    processed = _apply_bias_and_penalties(logits, md, branch_free)
     tokens = jnp.argmax(processed, axis=-1).astype(jnp.int32)
     if not md.all_greedy:
         is_random = md.temperature >= GREEDY_EPS
-        random_tokens = jax.lax.cond(jnp.any(is_random), lambda: _random_sample(processed, md), lambda: tokens)
+        if branch_free:
+            random_tokens = _random_sample(processed, md, truncation=False)
+        else:
+            random_tokens = jax.lax.cond(jnp.any(is_random), lambda: _random_sample(processed, md), lambda: tokens)
         tokens = jnp.where(is_random, random_tokens, tokens)
     accepted = None if md.draft_tokens is None else tokens == md.draft_tokens
     lp, ranks, topk_ids, topk_lp = token_logprobs(logits, tokens, md.num_logprobs,
-                                                  jnp.any(md.requested_logprobs > 0))
+                                                  None if branch_free else jnp.any(md.requested_logprobs > 0))
     return SamplerOutput(tokens, lp, ranks, topk_ids, topk_lp, accepted)
 
 

@@ -12,7 +12,9 @@ predicate on the host, which waits for the device to finish everything queued be
 could not run ahead of the device (an H200 trace: each forward's dispatch blocked the host for the
 whole forward). There (`host_branches`) the host, which knows the batch, picks instead: the forward
 returns its hidden states and a third executable computes prompt logprobs only for steps that
-ask (`prompt_logprobs_fn`); the sampler is compiled plain-greedy and general (`SampleStatics.greedy`).
+ask (`prompt_logprobs_fn`); the sampler is compiled in SAMPLER_KINDS and the host picks per step:
+"greedy" (every row plain greedy: no conditional), "untruncated" (no row with top-k or top-p: the
+rest runs branch-free, row-masked), "general" (the conditionals, as on a CPU).
 
 Inputs and outputs are described in model_runner.py; this module holds the traced code only.
 """
@@ -93,6 +95,9 @@ class SampleRows:
     first: jax.Array         # i32[S]: the first row of the row's sequence (its own index unless speculating)
 
 
+SAMPLER_KINDS = ("general", "untruncated", "greedy")
+
+
 @dataclasses.dataclass(frozen=True)
 class SampleStatics:
     """What a compiled sampler is specialised on: besides these, only the sample-row count S."""
@@ -102,7 +107,7 @@ class SampleStatics:
     num_logprobs: int
     max_rows: int            # the next step's in-flight tokens: i32[max_rows]
     plan: ShardPlan
-    greedy: bool | None = None   # None: lax.cond picks the plain-greedy path; True / False: the host did
+    kind: str | None = None  # one of SAMPLER_KINDS, picked by the host; None: lax.cond picks the greedy path
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2, 3))
@@ -168,13 +173,15 @@ def sample_fn(statics: SampleStatics, state, slots: SlotState, rows: SampleRows,
         return greedy_from_transposed(_row_logits(model.compute_logits_transposed, h, num_rows, 1), K,
                                       smd.draft_tokens)
 
-    def general(h):
-        return sample(_row_logits(model.compute_logits, h, num_rows, 0), smd)
+    def general(h, branch_free=False):
+        return sample(_row_logits(model.compute_logits, h, num_rows, 0), smd, branch_free)
 
-    if statics.greedy is None:
+    if statics.kind is None:
         out = jax.lax.cond(is_plain_greedy(smd), plain_greedy, general, rows.hidden)
+    elif statics.kind == "greedy":
+        out = plain_greedy(rows.hidden)
     else:
-        out = (plain_greedy if statics.greedy else general)(rows.hidden)
+        out = general(rows.hidden, branch_free=statics.kind == "untruncated")
     emitted = emitted_rows(rows.drafts, out.accepted, rows.first)
     slots = count_sampled(slots, jnp.where(emitted, rows.count_slots, slots.params.shape[0]), out.token_ids)
     packed = _pack(out.token_ids, out.logprobs, out.ranks, out.topk_ids, out.topk_logprobs,

@@ -1,8 +1,9 @@
 """On a GPU the host picks the step's branches (model_runner.HOST_BRANCH_PLATFORMS): the forward returns
 its hidden states and prompt logprobs run as a third executable only for steps that ask, and the
-sampler is compiled plain-greedy and general, chosen per step by the host (XLA:GPU reads a
-`lax.cond`'s predicate on the host, which kept the host from running ahead of the device). Forced
-here on the CPU: the same outputs as the conditionals' engine, and nothing compiles after start-up."""
+sampler is compiled in three kinds (plain greedy; branch-free without top-k/top-p; general), chosen
+per step by the host (XLA:GPU reads a `lax.cond`'s predicate on the host, which kept the host from
+running ahead of the device). Forced here on the CPU: the same outputs as the conditionals' engine,
+and nothing compiles after start-up."""
 
 import numpy as np
 import pytest
@@ -26,23 +27,36 @@ PARAMS = [
 def run(monkeypatch, host_branches: bool):
     if host_branches:
         monkeypatch.setattr(model_runner, "HOST_BRANCH_PLATFORMS", ("cpu", "gpu"))
-    llm = LLM(tiny_checkpoint("llama"), dtype="float32", block_size=8, max_model_len=64, max_num_seqs=4,
-              max_num_batched_tokens=32, use_tqdm=False)
+    # a budget of 6 tokens: a prompt given one token of it lands in a decode-shaped step of 8 sequences
+    # (below), a token count no prompt bucket has
+    llm = LLM(tiny_checkpoint("llama"), dtype="float32", block_size=8, max_model_len=64, max_num_seqs=8,
+              max_num_batched_tokens=6, use_tqdm=False)
     runner = llm.llm_engine.runner
     assert runner.host_branches == host_branches
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(3, 320, n).tolist()} for n in (3, 20, 9, 40, 5, 12, 27)]
+    shapes, choose = [], model_runner.choose_shape
+    monkeypatch.setattr(model_runner, "choose_shape", lambda *a, **k: shapes.append(choose(*a, **k)) or shapes[-1])
     picked = []
     if host_branches:
         sample = runner.sample
 
         def recording(pending):
-            picked.append(pending.greedy)
+            picked.append(pending.sampler_kind)
             return sample(pending)
         monkeypatch.setattr(runner, "sample", recording)
     with compilations() as compiled:
-        outs = llm.generate(prompts, PARAMS, use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": [3 + i]} for i in range(5)] + [prompts[3]],
+                            [SamplingParams(temperature=0.0, max_tokens=3)] * 5
+                            + [SamplingParams(max_tokens=2, prompt_logprobs=2)], use_tqdm=False)
+        assert shapes[0].q_tile == 1 and shapes[0].num_tokens == 8, shapes[0]
+        assert len(outs[-1].prompt_logprobs) == 40
+        outs += llm.generate(prompts, PARAMS, use_tqdm=False)
         outs += llm.generate(prompts[:5], SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)
+        outs += llm.generate(prompts[:4], [SamplingParams(temperature=0.7, seed=9 + i, presence_penalty=0.3 * i,
+                                                          logit_bias={5: 2.0} if i == 2 else None, min_p=0.05,
+                                                          logprobs=2, max_tokens=5) for i in range(4)],
+                             use_tqdm=False)
     assert compiled == [], f"compiled after start-up: {compiled}"
     return outs, picked, runner
 
@@ -62,7 +76,7 @@ def flatten(outs):
 def test_host_picked_branches_give_the_conditionals_outputs_and_compile_nothing_after_start_up(monkeypatch):
     expected, _, _ = run(monkeypatch, host_branches=False)
     got, picked, runner = run(monkeypatch, host_branches=True)
-    assert {True, False} <= set(picked), "both samplers ran"
+    assert set(picked) == {"greedy", "untruncated", "general"}, "every sampler kind ran"
     assert runner._prompt_fns, "prompt logprobs ran as their own executable"
     (want_tokens, want_lps), (got_tokens, got_lps) = flatten(expected), flatten(got)
     assert got_tokens == want_tokens
@@ -70,3 +84,4 @@ def test_host_picked_branches_give_the_conditionals_outputs_and_compile_nothing_
     for a, b in zip(got_lps, want_lps):
         assert [t for t, _ in a] == [t for t, _ in b]
         np.testing.assert_allclose([x for _, x in a], [x for _, x in b], rtol=0, atol=1e-5)
+
