@@ -182,7 +182,7 @@ def profile_config(path, vocab, name, extra, seqs, dry_run):
         print(f"[{name}] {row}", flush=True)
         out.append(row)
     llm.shutdown()
-    del llm, engine, runner
+    llm = engine = runner = None   # the next configuration gets the memory
     import gc
     gc.collect()
     return out

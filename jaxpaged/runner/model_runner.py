@@ -22,39 +22,31 @@ Async scheduling: a step may be dispatched before the previous one is fetched. A
 whose last token is still on the device (a placeholder, see Request.num_placeholders)
 takes it from the previous step's sampled tokens, inside the step.
 
-The compiled step is a closed set: one forward per shape bucket (`warmup_shapes`) and one
-sampler per sample-row count (and kind of bucket), compiled at start-up; every sampling feature
-changes input values, never the executable. On a GPU (`host_branches`, see step.py) each sampler
-comes in three kinds (step.SAMPLER_KINDS: the host picks) and each bucket's token count has a
-prompt-logprobs executable.
+The compiled step is a closed set, compiled at start-up (compiled_step.py, which ModelRunner
+inherits); every sampling feature changes input values, never the executable.
 """
 
-import concurrent.futures
 import dataclasses
 import logging
-import os
-import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 from jax.sharding import SingleDeviceSharding
 
 from jaxpaged.core.kv_cache_manager import cdiv
 from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.parallel import POOL_SPEC
-from jaxpaged.runner.batch_builder import PREFILL_Q_TILE, BatchShape, SeqChunk, choose_shape, next_bucket
-from jaxpaged.runner.block_ops import HostSwapSpace, committed, copy_blocks, warm_up_block_moves
+from jaxpaged.runner.batch_builder import BatchShape, SeqChunk, choose_shape, next_bucket
+from jaxpaged.runner.block_ops import HostSwapSpace, committed, copy_blocks
+from jaxpaged.runner.compiled_step import (HOST_BRANCH_PLATFORMS, ONE_ROW_BUCKET_PLATFORMS, SEQ_FLOOR,
+                                           TOKEN_FLOOR, SAMPLER_KINDS, CompiledStep, max_decode_queries,
+                                           sampler_kind)
 from jaxpaged.runner.multihost import (OP_MOVE, OP_SAMPLE, OP_STEP, OP_STOP, OP_UPDATES, StepChannel, follow,
                                        is_multihost, pairs_payload)
-from jaxpaged.runner.persistent_batch import (SlotState, SlotTable, StepLayout, apply_updates, pack_updates,
-                                              warm_up_updates)
-from jaxpaged.runner.step import (SAMPLER_KINDS, PromptStatics, SampleStatics, StepStatics, forward_fn,
-                                  prompt_logprobs_fn, sample_fn)
+from jaxpaged.runner.persistent_batch import SlotState, SlotTable, StepLayout, apply_updates, pack_updates
 from jaxpaged.runner.step_results import StepResult, unpack_accepted, unpack_prompt_logprobs, unpack_sampled
-from jaxpaged.runner.sampler import GREEDY_EPS, uses_output_tokens
 from jaxpaged.runner.structured_outputs import bitmask_words, step_bitmask
 from jaxpaged.sampling_params import MAX_LOGPROBS
 from pallas_kernels import kv_pool_shape
@@ -63,22 +55,6 @@ from pallas_kernels.layout import is_fp8
 logger = logging.getLogger(__name__)
 
 KV_CHUNK_BLOCKS = 8   # attention walks the context 8 blocks at a time
-TOKEN_FLOOR = 16      # the smallest token bucket of a step with a prompt chunk
-SEQ_FLOOR = 4         # the smallest sequence bucket (of a decode-only step)
-# On a CPU a step decoding one sequence has a bucket of its own (one more forward and sampler to
-# compile). XLA:CPU's matmul (YNNPACK) takes a one-row input through a matrix-vector path that
-# streams each weight once (~25 GB/s on the 2-core dev machine), and 2 rows or more through its
-# matrix-matrix path, which first copies each weight into its packed layout, on every call (~7 GB/s
-# of weight at 2-8 rows): one sequence alone decodes 1.6-1.9x faster. On a GPU one row or four read the
-# same weights in the same time: no extra variant there.
-ONE_ROW_BUCKET_PLATFORMS = ("cpu",)
-# Where the host picks a step's branches (step.py): XLA:GPU reads a conditional's predicate on the host,
-# after everything queued before it, so a `lax.cond` in the step kept the host from running ahead of
-# the device. This costs a compiled executable per prompt bucket (prompt logprobs) and three samplers
-# per sample-row count (SAMPLER_KINDS; a prompt bucket's sampler then computes its padding rows' logits
-# too, whose skip was a loop of run-time length, and so shares the decode bucket's); on a CPU the
-# conditionals are cheap and those stay unneeded.
-HOST_BRANCH_PLATFORMS = ("gpu",)
 
 
 @dataclasses.dataclass
@@ -100,7 +76,7 @@ class _Pending:
         return self.sample_rows is None
 
 
-class ModelRunner:
+class ModelRunner(CompiledStep):
     def __init__(self, model, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, kv_dtype=None, num_host_blocks: int = 0,
                  max_logprobs: int = MAX_LOGPROBS, calculate_kv_scales: bool = False,
@@ -141,11 +117,7 @@ class ModelRunner:
         self.bitmask_words = bitmask_words(cfg.vocab_size)   # structured outputs: i32 words per mask row
         self._all_allowed = {}              # sample rows -> a device bitmask of all ones (no transfer per step)
         self.max_moved_blocks = next_bucket(self.max_blocks_per_seq, 4)   # per swap or copy call
-        self._compiled = {}                 # BatchShape -> the forward compiled for it
-        self._samplers = {}                 # (sample rows, skip_padding, kind) -> the sampler compiled for them
-        self._prompt_fns = {}               # host_branches: step tokens -> its prompt-logprobs executable
-        self._prompt_fns_lock = threading.Lock()   # start-up compiles buckets in threads; two share a token count
-        self._warmed_up = False             # warmup() ran: a later compile is a missing bucket
+        self._init_programs()               # the compiled step (compiled_step.py)
         # the persistent batch: one slot per sequence a step can hold
         self.slot_table = SlotTable(max_num_seqs, cfg.vocab_size)
         with jax.default_device(self.plan.local_device):   # built on this engine's first device here, then replicated
@@ -367,85 +339,6 @@ class ModelRunner:
             self._all_allowed[shape.num_logits] = allowed
         return allowed
 
-    def _executables(self, shape: BatchShape, kind: str | None = None):
-        """The forward and sampler compiled for `shape` (compiling them first if start-up did not);
-        `kind`: the sampler the host picked (host_branches; None there: the general one), None: the
-        one that picks itself."""
-        key = self._sampler_key(shape, kind)
-        forward, sampler = self._compiled.get(shape), self._samplers.get(key)
-        if forward is None or sampler is None:   # expected only without compile_on_startup
-            log = logger.warning if self._warmed_up else logger.debug
-            log("compiling a step variant not compiled at start-up: %s", shape)
-            forward, _ = self.compile_step(shape)
-            sampler = self._samplers[key]
-        return forward, sampler
-
-    def _sampler_key(self, shape: BatchShape, kind: str | None = None) -> tuple[int, bool, str | None]:
-        """What a sampler is compiled for: the sample-row count, whether padding rows are skipped (a
-        prompt step's bucket is mostly padding; a decode bucket is at most half; not with host_branches),
-        and its kind (host_branches: SAMPLER_KINDS, None meaning "general"; else None: it picks)."""
-        if self.host_branches:
-            return shape.num_logits, False, kind or "general"
-        return shape.num_logits, shape.q_tile != 1, None
-
-    def prompt_logprobs_executable(self, shape: BatchShape):
-        """host_branches: the compiled prompt-logprobs program of the bucket's step (None otherwise)."""
-        return self._prompt_fns.get(shape.num_tokens)
-
-    def _prompt_logprobs(self, shape: BatchShape, hidden: jax.Array, buffer: np.ndarray) -> jax.Array:
-        """host_branches: the prompt logprobs of a step that asks for some, from its hidden states
-        (the program compiled for the step's token count, whatever its bucket)."""
-        prompt_fn = self._prompt_fns.get(shape.num_tokens)
-        if prompt_fn is None:
-            logger.warning("compiling a step variant not compiled at start-up: %s", shape)
-            self.compile_step(shape)
-            prompt_fn = self._prompt_fns[shape.num_tokens]
-        offset, size = StepLayout.of(shape).fields["prompt_targets"]
-        return prompt_fn(self.state, hidden, self.plan.put(buffer[offset:offset + size]))
-
-    def compile_step(self, shape: BatchShape):
-        """Compile (and keep) the forward for `shape` and, unless kept already, its sampler (its three
-        samplers and its prompt-logprobs program with host_branches); returns the forward and the
-        sampler with the most temporaries, as jax.stages.Compiled."""
-        forward = self._compiled.get(shape)
-        if forward is None:
-            layout = StepLayout.of(shape)
-            statics = StepStatics(self.graphdef, layout, shape.q_tile, self.block_size, self.max_logprobs,
-                                  self.plan, inline_prompt_logprobs=not self.host_branches)
-            buffer = layout.empty(self.slot_table.pad_slot)[0]   # its shape only: nothing moves while compiling
-            args = (self.state, self.kv_pool_spec, self.slot_state,
-                    jax.ShapeDtypeStruct(buffer.shape, buffer.dtype, sharding=self.plan.array_sharding(P())),
-                    self._no_prev_tokens)
-            forward = self._compiled[shape] = forward_fn.lower(statics, *args).compile(self.compiler_options)
-        # the forward's outputs come replicated, like the bitmask (one device: no sharding is
-        # declared, which would commit the executables' outputs and miss jit caches downstream)
-        replicated = self.plan.array_sharding(P())
-
-        def like(a):
-            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated)
-        for kind in SAMPLER_KINDS if self.host_branches else (None,):
-            key = self._sampler_key(shape, kind)
-            if key not in self._samplers:
-                statics = SampleStatics(self.graphdef, key[1], self.max_logprobs, self.max_num_seqs, self.plan,
-                                        key[2])
-                bitmask = like(jax.ShapeDtypeStruct((shape.num_logits, self.bitmask_words), jnp.int32))
-                self._samplers[key] = sample_fn.lower(statics, self.state, self.slot_state,
-                                                      jax.tree.map(like, forward.out_info[2]),
-                                                      bitmask).compile(self.compiler_options)
-        # every bucket's token count: a step of one-token chunks (a decode shape) can hold a prompt's
-        # last chunk too, when the token budget left it one token
-        if self.host_branches:
-            with self._prompt_fns_lock:
-                if shape.num_tokens not in self._prompt_fns:
-                    statics = PromptStatics(self.graphdef, self.max_logprobs, self.plan)
-                    targets = like(jax.ShapeDtypeStruct((shape.num_tokens,), jnp.int32))
-                    self._prompt_fns[shape.num_tokens] = prompt_logprobs_fn.lower(
-                        statics, self.state, like(forward.out_info[3]), targets).compile(self.compiler_options)
-        # the sampler with the most temporaries: engine/memory.py sizes the step's reserve with it
-        samplers = [self._samplers[self._sampler_key(shape, kind)]
-                    for kind in (SAMPLER_KINDS if self.host_branches else (None,))]
-        return forward, max(samplers, key=_temp_bytes)
-
     # ---- sleep mode -------------------------------------------------------------------------
     def sleep(self, level: int) -> None:
         """Give the device memory back: the KV pool is dropped; the weights move to pinned host
@@ -503,86 +396,9 @@ class ModelRunner:
         accepted = unpack_accepted(packed, pending.spec_rows, pending.shape.num_logits, K)
         return StepResult(sampled, prompt, accepted, {rid: d for rid, _, d in pending.spec_rows})
 
-    # ---- start-up compilation ---------------------------------------------------------------
-    def warmup_shapes(self) -> list[BatchShape]:
-        """Every bucket a step can take: decode-only steps for each sequence bucket, and steps
-        with a prompt chunk for each token bucket (choose_shape gives their sequence bucket)."""
-        decode = ([1] if self.one_row_bucket else []) + _buckets(SEQ_FLOOR, self.max_decode_seqs)
-        shapes = [BatchShape(s, s, s, 1) for s in decode]
-        for t in _buckets(TOKEN_FLOOR, self.max_num_batched_tokens):
-            s = min(t, self.max_num_seqs)
-            shapes.append(BatchShape(t, s, t if self.speculative else s, PREFILL_Q_TILE))
-        return shapes
-
-    def warmup(self, shapes: list[BatchShape], progress=None) -> None:
-        """Compile the forward and the sampler for every shape in `shapes` (nothing runs), and the
-        block moves for every bucket (each runs once, moving nothing)."""
-        # XLA compiles outside the GIL: a few threads use the host's cores (each variant alone is
-        # mostly single-threaded). Shapes sharing a sampler: the first compiles it, the rest after it.
-        todo = [shape for shape in shapes if shape not in self._compiled]
-        firsts = list({self._sampler_key(shape): shape for shape in reversed(todo)}.values())
-        for shape in shapes:   # the all-allowed bitmasks, made here (not in the compile threads)
-            self._bitmask_arg(shape, None)
-        for batch in (firsts, [shape for shape in todo if shape not in firsts]):
-            with concurrent.futures.ThreadPoolExecutor(max(1, min(len(batch), os.cpu_count() or 1))) as pool:
-                for _ in pool.map(self.compile_step, batch):
-                    if progress is not None:
-                        progress.update(1)
-        if progress is not None:
-            progress.update(len(shapes) - len(todo))
-        self._warmed_up = True
-        self.kv_pool = warm_up_block_moves(self.kv_pool, _buckets(4, self.max_moved_blocks),
-                                           self.swap_space)
-        self.slot_state = warm_up_updates(self.slot_state, self.plan)
-        if self.channel is not None:   # several hosts: the step inputs' broadcasts, up to the largest step's
-            self.channel.warm_up(max(max(StepLayout.of(s).size, s.num_logits * self.bitmask_words)
-                                     for s in shapes))
-
-
-def max_decode_queries(max_num_seqs: int, max_num_batched_tokens: int, num_speculative_tokens: int) -> int:
-    """The largest decode step: a query per sequence, and with speculation one per draft too (their
-    tokens within the budget, plus a row for each n > 1 fork sampling beside its parent)."""
-    if not num_speculative_tokens:
-        return max_num_seqs
-    return min(max_num_batched_tokens + max_num_seqs, max_num_seqs * (num_speculative_tokens + 1))
-
-
-def sampler_kind(requests) -> str:
-    """The sampler a step's sampling requests need (host_branches; see step.SAMPLER_KINDS). Each
-    test errs towards the more general kind, which is right for every row too: "greedy" only if
-    every row is what sampler.is_plain_greedy calls plain (greedy in f32, no bias, penalties,
-    logprobs, grammar or pending min_tokens), "untruncated" only if no random row has top-k or top-p."""
-    def greedy(p):
-        return np.float32(p.temperature) < np.float32(GREEDY_EPS)
-
-    def plain(request):
-        p = request.sampling_params
-        return (greedy(p) and not p.logit_bias and not uses_output_tokens(p) and not p.logprobs
-                and request.matcher is None and p.min_tokens <= request.num_sampled_tokens)
-
-    if all(plain(r) for r in requests):
-        return "greedy"
-    if any(not greedy(r.sampling_params) and (max(r.sampling_params.top_k, 0) > 0
-                                              or np.float32(r.sampling_params.top_p) < 1.0) for r in requests):
-        return "general"
-    return "untruncated"
-
-
-def _temp_bytes(compiled) -> int:
-    analysis = compiled.memory_analysis()
-    return analysis.temp_size_in_bytes if analysis is not None else 0
-
 
 def _to_host(x: jax.Array) -> np.ndarray:
     """A replicated step output on the host (across hosts: this host's copy)."""
     if x.is_fully_addressable:
         return np.asarray(jax.device_get(x))
     return np.asarray(x.addressable_data(0))
-
-
-def _buckets(floor: int, cap: int, growth: int = 2) -> list[int]:
-    """next_bucket's values from `floor` up to `cap`: floor, growth floor, ..., cap."""
-    out = [min(floor, cap)]
-    while out[-1] < cap:
-        out.append(min(out[-1] * growth, cap))
-    return out

@@ -6,7 +6,6 @@ running ahead of the device). Forced here on the CPU: the same outputs as the co
 and nothing compiles after start-up."""
 
 import numpy as np
-import pytest
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.runner import model_runner
