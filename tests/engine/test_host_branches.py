@@ -84,3 +84,17 @@ def test_host_picked_branches_give_the_conditionals_outputs_and_compile_nothing_
         assert [t for t, _ in a] == [t for t, _ in b]
         np.testing.assert_allclose([x for _, x in a], [x for _, x in b], rtol=0, atol=1e-5)
 
+
+
+def test_every_request_mix_and_speculation_compile_nothing_after_start_up_with_host_branches(monkeypatch):
+    """The start-up checks of test_no_compiles_after_startup.py with the host picking branches: beam
+    search, structured outputs (a held-back sampler), swap and recompute, n > 1, and a draft model's
+    runner beside the target's."""
+    from tests.engine import test_no_compiles_after_startup as startup
+
+    monkeypatch.setattr(model_runner, "HOST_BRANCH_PLATFORMS", ("cpu", "gpu"))
+    kinds, pick = [], model_runner.sampler_kind
+    monkeypatch.setattr(model_runner, "sampler_kind", lambda requests: kinds.append(pick(requests)) or kinds[-1])
+    startup.test_no_request_mix_compiles_after_startup(monkeypatch)
+    startup.test_speculative_steps_compile_nothing_after_startup()
+    assert set(kinds) == {"greedy", "untruncated", "general"}
