@@ -43,7 +43,7 @@ SEQ_FLOOR = 4         # the smallest sequence bucket (of a decode-only step)
 ONE_ROW_BUCKET_PLATFORMS = ("cpu",)
 # Where the host picks a step's branches (step.py): XLA:GPU reads a conditional's predicate on the host,
 # after everything queued before it, so a `lax.cond` in the step kept the host from running ahead of
-# the device. This costs a compiled executable per prompt bucket (prompt logprobs) and three samplers
+# the device. This costs a prompt-logprobs program per bucket's token count and three samplers
 # per sample-row count (SAMPLER_KINDS; a prompt bucket's sampler then computes its padding rows' logits
 # too, whose skip was a loop of run-time length, and so shares the decode bucket's); on a CPU the
 # conditionals are cheap and those stay unneeded.
