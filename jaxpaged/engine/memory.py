@@ -170,20 +170,22 @@ def step_memory(runner, shape) -> StepMemory:
     (compiles; runs nothing). Their temporaries count together: the sampler is queued right
     behind the forward, and the next step's forward behind it (async scheduling); whether the
     GPU allocator lets a queued program reuse the one before's temporaries is not measured."""
-    forward, sampler = (c.memory_analysis() for c in runner.compile_step(shape))
-    if forward is None or sampler is None:
+    forward, samplers, prompt = runner.programs(shape)
+    analyses = [c.memory_analysis() for c in (forward, *samplers, *([prompt] if prompt is not None else []))]
+    if any(a is None for a in analyses):
         raise ValueError("this backend gives no memory analysis of the compiled step: pass "
                          "kv_cache_memory_bytes or num_gpu_blocks_override")
+    forward, samplers, prompt = analyses[0], analyses[1:1 + len(samplers)], analyses[1 + len(samplers):]
+    # a step runs one of its samplers (host_branches: one of three kinds), and prompt logprobs, when
+    # a separate program (host_branches), after the forward
+    sampler = max(samplers, key=lambda a: a.temp_size_in_bytes)
     weights = sum(x.nbytes for x in jax.tree.leaves(runner.state) if hasattr(x, "nbytes"))
     state = runner.slot_state.nbytes
     # the sampler's inputs besides the weights and the persistent batch are the forward's outputs
     pool = runner.kv_pool_spec.size * runner.kv_pool_spec.dtype.itemsize
     inputs = forward.argument_size_in_bytes - weights - pool - state
     outputs = sum(a.output_size_in_bytes - a.alias_size_in_bytes for a in (forward, sampler))
-    temp = forward.temp_size_in_bytes + sampler.temp_size_in_bytes
-    prompt = runner.prompt_logprobs_executable(shape)   # host_branches: prompt logprobs run after the forward
-    if prompt is not None:
-        temp += prompt.memory_analysis().temp_size_in_bytes
+    temp = forward.temp_size_in_bytes + sampler.temp_size_in_bytes + sum(a.temp_size_in_bytes for a in prompt)
     return StepMemory(temp, max(inputs, 0), max(outputs, 0), state)
 
 

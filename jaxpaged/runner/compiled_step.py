@@ -81,9 +81,16 @@ class CompiledStep:
             return shape.num_logits, False, kind or "general"
         return shape.num_logits, shape.q_tile != 1, None
 
-    def prompt_logprobs_executable(self, shape: BatchShape):
-        """host_branches: the compiled prompt-logprobs program of the bucket's step (None otherwise)."""
-        return self._prompt_fns.get(shape.num_tokens)
+    @property
+    def _sampler_kinds(self) -> tuple:
+        return SAMPLER_KINDS if self.host_branches else (None,)
+
+    def programs(self, shape: BatchShape) -> tuple:
+        """(forward, [its samplers], prompt-logprobs program or None) compiled for `shape` (compiling
+        them first if needed): what a step of that bucket may run (engine/memory.py sizes it)."""
+        forward, _ = self.compile_step(shape)
+        samplers = [self._samplers[self._sampler_key(shape, kind)] for kind in self._sampler_kinds]
+        return forward, samplers, self._prompt_fns.get(shape.num_tokens)
 
     def _prompt_logprobs(self, shape: BatchShape, hidden: jax.Array, buffer: np.ndarray) -> jax.Array:
         """host_branches: the prompt logprobs of a step that asks for some, from its hidden states
@@ -99,7 +106,7 @@ class CompiledStep:
     def compile_step(self, shape: BatchShape):
         """Compile (and keep) the forward for `shape` and, unless kept already, its sampler (its three
         samplers and its prompt-logprobs program with host_branches); returns the forward and the
-        sampler with the most temporaries, as jax.stages.Compiled."""
+        (general) sampler, as jax.stages.Compiled."""
         forward = self._compiled.get(shape)
         if forward is None:
             layout = StepLayout.of(shape)
@@ -116,7 +123,7 @@ class CompiledStep:
 
         def like(a):
             return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated)
-        for kind in SAMPLER_KINDS if self.host_branches else (None,):
+        for kind in self._sampler_kinds:
             key = self._sampler_key(shape, kind)
             if key not in self._samplers:
                 statics = SampleStatics(self.graphdef, key[1], self.max_logprobs, self.max_num_seqs, self.plan,
@@ -134,10 +141,7 @@ class CompiledStep:
                     targets = like(jax.ShapeDtypeStruct((shape.num_tokens,), jnp.int32))
                     self._prompt_fns[shape.num_tokens] = prompt_logprobs_fn.lower(
                         statics, self.state, like(forward.out_info[3]), targets).compile(self.compiler_options)
-        # the sampler with the most temporaries: engine/memory.py sizes the step's reserve with it
-        samplers = [self._samplers[self._sampler_key(shape, kind)]
-                    for kind in (SAMPLER_KINDS if self.host_branches else (None,))]
-        return forward, max(samplers, key=_temp_bytes)
+        return forward, self._samplers[self._sampler_key(shape)]
 
     def warmup_shapes(self) -> list[BatchShape]:
         """Every bucket a step can take: decode-only steps for each sequence bucket, and steps
@@ -187,8 +191,8 @@ def sampler_kind(requests) -> str:
     test errs towards the more general kind, which is right for every row too: "greedy" only if
     every row is what sampler.is_plain_greedy calls plain (greedy in f32, no bias, penalties,
     logprobs, grammar or pending min_tokens), "untruncated" only if no random row has top-k or top-p."""
-    def greedy(p):
-        return np.float32(p.temperature) < np.float32(GREEDY_EPS)
+    def greedy(p):   # as the device compares: in f32 (0.0, the usual greedy, decides at once)
+        return p.temperature == 0.0 or np.float32(p.temperature) < np.float32(GREEDY_EPS)
 
     def plain(request):
         p = request.sampling_params
@@ -197,15 +201,12 @@ def sampler_kind(requests) -> str:
 
     if all(plain(r) for r in requests):
         return "greedy"
-    if any(not greedy(r.sampling_params) and (max(r.sampling_params.top_k, 0) > 0
-                                              or np.float32(r.sampling_params.top_p) < 1.0) for r in requests):
+    def truncates(p):   # top_p in f32 too: 1.0, the default, decides at once
+        return not greedy(p) and (p.top_k > 0 or (p.top_p < 1.0 and np.float32(p.top_p) < 1.0))
+
+    if any(truncates(r.sampling_params) for r in requests):
         return "general"
     return "untruncated"
-
-
-def _temp_bytes(compiled) -> int:
-    analysis = compiled.memory_analysis()
-    return analysis.temp_size_in_bytes if analysis is not None else 0
 
 
 def _buckets(floor: int, cap: int, growth: int = 2) -> list[int]:

@@ -23,7 +23,8 @@ whose last token is still on the device (a placeholder, see Request.num_placehol
 takes it from the previous step's sampled tokens, inside the step.
 
 The compiled step is a closed set, compiled at start-up (compiled_step.py, which ModelRunner
-inherits); every sampling feature changes input values, never the executable.
+inherits, as it inherits the KV pool and sleep mode from device_memory.py); every sampling feature
+changes input values, never the executable.
 """
 
 import dataclasses
@@ -40,9 +41,9 @@ from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.parallel import POOL_SPEC
 from jaxpaged.runner.batch_builder import BatchShape, SeqChunk, choose_shape, next_bucket
 from jaxpaged.runner.block_ops import HostSwapSpace, committed, copy_blocks
-from jaxpaged.runner.compiled_step import (HOST_BRANCH_PLATFORMS, ONE_ROW_BUCKET_PLATFORMS, SEQ_FLOOR,
-                                           TOKEN_FLOOR, SAMPLER_KINDS, CompiledStep, max_decode_queries,
-                                           sampler_kind)
+from jaxpaged.runner.compiled_step import (HOST_BRANCH_PLATFORMS, ONE_ROW_BUCKET_PLATFORMS, SAMPLER_KINDS,
+                                           SEQ_FLOOR, TOKEN_FLOOR, CompiledStep, max_decode_queries, sampler_kind)
+from jaxpaged.runner.device_memory import DeviceMemory
 from jaxpaged.runner.multihost import (OP_MOVE, OP_SAMPLE, OP_STEP, OP_STOP, OP_UPDATES, StepChannel, follow,
                                        is_multihost, pairs_payload)
 from jaxpaged.runner.persistent_batch import SlotState, SlotTable, StepLayout, apply_updates, pack_updates
@@ -76,7 +77,7 @@ class _Pending:
         return self.sample_rows is None
 
 
-class ModelRunner(CompiledStep):
+class ModelRunner(CompiledStep, DeviceMemory):
     def __init__(self, model, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, kv_dtype=None, num_host_blocks: int = 0,
                  max_logprobs: int = MAX_LOGPROBS, calculate_kv_scales: bool = False,
@@ -129,19 +130,6 @@ class ModelRunner(CompiledStep):
         # several hosts: rank 0 sends each device operation to the others (multihost.py)
         self.channel = StepChannel() if is_multihost() else None
         self.steps_run = 0                  # device steps launched (a follower counts the ones it ran)
-
-    # ---- the KV pool -------------------------------------------------------------------------
-    @property
-    def kv_pool(self) -> jax.Array:
-        """The paged KV pool, zeros when first used (see kv_pool_spec); None while asleep."""
-        if self._kv_pool is None and not self.is_sleeping:
-            spec = self.kv_pool_spec
-            self._kv_pool = self.plan.zeros(spec.shape, spec.dtype, POOL_SPEC)
-        return self._kv_pool
-
-    @kv_pool.setter
-    def kv_pool(self, value: jax.Array | None) -> None:
-        self._kv_pool = value
 
     # ---- sizes -----------------------------------------------------------------------------
     @staticmethod
@@ -338,41 +326,6 @@ class ModelRunner(CompiledStep):
                 allowed = self.plan.replicate(jnp.full((shape.num_logits, self.bitmask_words), -1, jnp.int32))
             self._all_allowed[shape.num_logits] = allowed
         return allowed
-
-    # ---- sleep mode -------------------------------------------------------------------------
-    def sleep(self, level: int) -> None:
-        """Give the device memory back: the KV pool is dropped; the weights move to pinned host
-        memory (level 1) or are dropped too (level 2: the caller writes new ones after wake_up)."""
-        if self._kv_pool is not None:
-            self._kv_pool.delete()
-        self._kv_pool = None
-        self._asleep = level
-        for _, variable in nnx.to_flat_state(self.state):
-            def off(x):
-                if level == 1:
-                    host = jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
-                    host.block_until_ready()
-                else:
-                    host = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-                x.delete()
-                return host
-            variable.set_value(jax.tree.map(off, variable.get_value()))
-
-    def wake_up(self) -> None:
-        """Undo sleep(): weights back on the device (zeros after level 2), an empty KV pool (taken at
-        its first use); every array gets back the sharding the steps were compiled for."""
-        for _, variable in nnx.to_flat_state(self.state):
-            def on(x):
-                device = x.sharding.with_memory_kind("device")
-                if isinstance(x, jax.ShapeDtypeStruct):
-                    return jax.jit(lambda: jnp.zeros(x.shape, x.dtype), out_shardings=device)()
-                return jax.device_put(x, device)
-            variable.set_value(jax.tree.map(on, variable.get_value()))
-        self._asleep = None
-
-    @property
-    def is_sleeping(self) -> bool:
-        return getattr(self, "_asleep", None) is not None
 
     # ---- several hosts ----------------------------------------------------------------------
     def follow(self) -> int:

@@ -32,8 +32,8 @@ logger = logging.getLogger(__name__)
 
 # OP_STEP: a forward (and, flagged, its unconstrained sampler); args: the BatchShape, whether the previous
 # step's tokens go in, whether the sampler follows, the sampler kind the host picked (an index into
-# step.SAMPLER_KINDS; -1: none), whether the
-# step has prompt logprobs. OP_SAMPLE: a held-back sampler and its mask
+# step.SAMPLER_KINDS; -1: none), whether the step has prompt logprobs.
+# OP_SAMPLE: a held-back sampler and its mask
 OP_STOP, OP_MOVE, OP_UPDATES, OP_STEP, OP_SAMPLE = range(5)
 HEADER_SIZE = 10
 PAYLOAD_FLOOR = 256   # payloads are padded to a power of two at least this long (few broadcast shapes)

@@ -43,9 +43,13 @@ def _as_int(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a).view(np.int32)
 
 
-def _token(main: np.ndarray, r: int, K: int) -> SampledToken:
-    return SampledToken(int(_as_int(main[r, 0:1])[0]), float(main[r, 1]), int(_as_int(main[r, 2:3])[0]),
-                        _as_int(main[r, 3:3 + K]).tolist(), main[r, 3 + K:3 + 2 * K].tolist())
+def _tokens(rows: np.ndarray, K: int) -> list[SampledToken]:
+    """The SampledToken of each of `rows` (f32[n, 4 + 2K]), column by column (a decode step of 256
+    rows: one conversion per column, not per row)."""
+    tokens, ranks, top_ids = (_as_int(rows[:, c]).tolist() for c in (slice(0, 1), slice(2, 3), slice(3, 3 + K)))
+    logprobs, top_logprobs = rows[:, 1].tolist(), rows[:, 3 + K:3 + 2 * K].tolist()
+    return [SampledToken(t[0], lp, rank[0], ids, lps)
+            for t, lp, rank, ids, lps in zip(tokens, logprobs, ranks, top_ids, top_logprobs)]
 
 
 def _rows(flat: np.ndarray, num_rows: int, K: int) -> np.ndarray:
@@ -53,16 +57,11 @@ def _rows(flat: np.ndarray, num_rows: int, K: int) -> np.ndarray:
 
 
 def unpack_sampled(flat: np.ndarray, rows: list[tuple[str, int]], num_rows: int, K: int) -> dict[str, SampledToken]:
-    """request id -> its sampled token, for `rows` (request id, sample row) of f32[num_rows * (4 + 2K)].
-    Column by column (a decode step of 256 rows: one conversion per column, not per row)."""
+    """request id -> its sampled token, for `rows` (request id, sample row) of f32[num_rows * (4 + 2K)]."""
     if not rows:
         return {}
     request_ids, indices = zip(*rows)
-    main = _rows(flat, num_rows, K)[list(indices)]
-    tokens, ranks, top_ids = (_as_int(main[:, c]).tolist() for c in (slice(0, 1), slice(2, 3), slice(3, 3 + K)))
-    logprobs, top_logprobs = main[:, 1].tolist(), main[:, 3 + K:3 + 2 * K].tolist()
-    return {rid: SampledToken(t[0], lp, rank[0], ids, lps)
-            for rid, t, lp, rank, ids, lps in zip(request_ids, tokens, logprobs, ranks, top_ids, top_logprobs)}
+    return dict(zip(request_ids, _tokens(_rows(flat, num_rows, K)[list(indices)], K)))
 
 
 def unpack_accepted(flat: np.ndarray, spec_rows: list[tuple[str, int, int]], num_rows: int,
@@ -75,7 +74,7 @@ def unpack_accepted(flat: np.ndarray, spec_rows: list[tuple[str, int, int]], num
     for request_id, first, num_drafts in spec_rows:
         accepted = _as_int(main[first:first + num_drafts, -1])
         kept = int(np.argmin(accepted)) if not accepted.all() else num_drafts
-        out[request_id] = [_token(main, first + 1 + j, K) for j in range(kept)]
+        out[request_id] = _tokens(main[first + 1:first + 1 + kept], K)
     return out
 
 
