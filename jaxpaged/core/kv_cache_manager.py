@@ -139,16 +139,17 @@ class KVCacheManager:
         new_computed_blocks = new_computed_blocks or []
         needed = self.num_blocks_needed(request, num_new_tokens, len(new_computed_blocks))
         # hits with ref_cnt 0 sit in the free queue: reviving them consumes free blocks too
-        revived = sum(1 for b in new_computed_blocks if self.pool.ref_cnt[b] == 0)
+        revived = sum(1 for b in new_computed_blocks if self.pool.ref_cnt[b] == 0) if new_computed_blocks else 0
         shared_tail = self._shared_write_block(request) if num_new_tokens else None
         if needed + revived + (shared_tail is not None) > self.pool.num_free_blocks():
             return None
         if shared_tail is not None:
             self._copy_on_write(request, shared_tail)
-        self.pool.touch(new_computed_blocks)
-        new_blocks = self.pool.allocate(needed)
         blocks = self.req_blocks.setdefault(request.request_id, [])
-        blocks.extend(new_computed_blocks)
+        if new_computed_blocks:
+            self.pool.touch(new_computed_blocks)
+            blocks.extend(new_computed_blocks)
+        new_blocks = self.pool.allocate(needed) if needed else []
         blocks.extend(new_blocks)
         self._cache_full_blocks(request, request.num_computed_tokens
                                 + len(new_computed_blocks) * self.block_size + num_new_tokens)
@@ -217,11 +218,12 @@ class KVCacheManager:
         Safe before the step runs: within a step every layer writes its K/V before any
         attention reads the pool, so a same-step hit reads finished entries.
         """
-        if not self.enable_caching:
+        rid = request.request_id
+        start = self.num_registered.get(rid, 0)
+        if not self.enable_caching or num_tokens // self.block_size <= start:   # no block filled (most decodes)
             return
         self._update_hashes(request)
-        rid = request.request_id
-        blocks, start = self.req_blocks[rid], self.num_registered.get(rid, 0)
+        blocks = self.req_blocks[rid]
         end = min(num_tokens // self.block_size, len(request.block_hashes), len(blocks))
         for i in range(start, end):
             self.pool.cache(blocks[i], request.block_hashes[i])
