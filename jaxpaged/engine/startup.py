@@ -212,7 +212,7 @@ def build_draft_proposer(args: EngineArgs, draft: LoadedModel, num_blocks: int, 
     from jaxpaged.engine.spec_decode import DraftModelProposer
     runner = ModelRunner(draft.model, num_blocks, args.block_size, max_model_len, args.max_num_seqs,
                          args.batched_tokens(max_model_len), max_logprobs=0,
-                         compiler_options=xla_compiler_options(args.optimization_level))
+                         compiler_options=xla_compiler_options(args.optimization_level), greedy_only=True)
     if args.compile_on_startup:
         from tqdm.auto import tqdm
         shapes = runner.warmup_shapes()

@@ -5,9 +5,10 @@ description, the persistent batch and the shard plan.
     forward   one per shape bucket (`warmup_shapes`): decode-only steps for each sequence bucket,
               steps with a prompt chunk for each token bucket
     sampler   one per sample-row count (and kind of bucket); with `host_branches` (a GPU) in the
-              three kinds of step.SAMPLER_KINDS, the host picking per step (`sampler_kind`)
-    prompt    with `host_branches` only: prompt logprobs from the forward's hidden states, one per
-              bucket's token count
+              three kinds of step.SAMPLER_KINDS, the host picking per step (`sampler_kind`); a
+              `greedy_only` runner (a draft model's) compiles the "greedy" kind alone
+    prompt    with `host_branches` only (not greedy_only): prompt logprobs from the forward's hidden
+              states, one per bucket's token count
 
 `warmup` compiles every one at start-up (and runs the block moves' and slot updates' buckets
 once), so nothing compiles while serving; a program missing later is compiled with a warning.
@@ -62,8 +63,8 @@ class CompiledStep:
 
     def _executables(self, shape: BatchShape, kind: str | None = None):
         """The forward and sampler compiled for `shape` (compiling them first if start-up did not);
-        `kind`: the sampler the host picked (host_branches; None there: the general one), None: the
-        one that picks itself."""
+        `kind`: the sampler the host picked (host_branches; None there: the first of _sampler_kinds),
+        None: the one that picks itself."""
         key = self._sampler_key(shape, kind)
         forward, sampler = self._compiled.get(shape), self._samplers.get(key)
         if forward is None or sampler is None:   # expected only without compile_on_startup
@@ -76,14 +77,18 @@ class CompiledStep:
     def _sampler_key(self, shape: BatchShape, kind: str | None = None) -> tuple[int, bool, str | None]:
         """What a sampler is compiled for: the sample-row count, whether padding rows are skipped (a
         prompt step's bucket is mostly padding; a decode bucket is at most half; not with host_branches),
-        and its kind (host_branches: SAMPLER_KINDS, None meaning "general"; else None: it picks)."""
+        and its kind (host_branches: one of _sampler_kinds, None meaning the first; else None: it picks)."""
         if self.host_branches:
-            return shape.num_logits, False, kind or "general"
+            return shape.num_logits, False, kind or self._sampler_kinds[0]
         return shape.num_logits, shape.q_tile != 1, None
 
     @property
     def _sampler_kinds(self) -> tuple:
-        return SAMPLER_KINDS if self.host_branches else (None,)
+        """The sampler kinds compiled per sample-row count: with host_branches all of SAMPLER_KINDS
+        ("general" first), or "greedy" alone for a greedy_only runner; else the one that picks itself."""
+        if not self.host_branches:
+            return (None,)
+        return ("greedy",) if self.greedy_only else SAMPLER_KINDS
 
     def programs(self, shape: BatchShape) -> tuple:
         """(forward, [its samplers], prompt-logprobs program or None) compiled for `shape` (compiling
@@ -104,9 +109,9 @@ class CompiledStep:
         return prompt_fn(self.state, hidden, self.plan.put(buffer[offset:offset + size]))
 
     def compile_step(self, shape: BatchShape):
-        """Compile (and keep) the forward for `shape` and, unless kept already, its sampler (its three
-        samplers and its prompt-logprobs program with host_branches); returns the forward and the
-        (general) sampler, as jax.stages.Compiled."""
+        """Compile (and keep) the forward for `shape` and, unless kept already, its sampler (with
+        host_branches: a sampler of each of _sampler_kinds, and its prompt-logprobs program unless
+        greedy_only); returns the forward and the (first) sampler, as jax.stages.Compiled."""
         forward = self._compiled.get(shape)
         if forward is None:
             layout = StepLayout.of(shape)
@@ -134,7 +139,7 @@ class CompiledStep:
                                                       bitmask).compile(self.compiler_options)
         # every bucket's token count: a step of one-token chunks (a decode shape) can hold a prompt's
         # last chunk too, when the token budget left it one token
-        if self.host_branches:
+        if self.host_branches and not self.greedy_only:
             with self._prompt_fns_lock:
                 if shape.num_tokens not in self._prompt_fns:
                     statics = PromptStatics(self.graphdef, self.max_logprobs, self.plan)

@@ -81,8 +81,12 @@ class ModelRunner(CompiledStep, DeviceMemory):
     def __init__(self, model, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, kv_dtype=None, num_host_blocks: int = 0,
                  max_logprobs: int = MAX_LOGPROBS, calculate_kv_scales: bool = False,
-                 num_speculative_tokens: int = 0, compiler_options: dict | None = None):
+                 num_speculative_tokens: int = 0, compiler_options: dict | None = None,
+                 greedy_only: bool = False):
         self.model_config = model.config
+        # every request it runs samples plain greedy, without prompt logprobs (a draft model's runner):
+        # with host_branches, one sampler kind and no prompt-logprobs programs to compile
+        self.greedy_only = greedy_only
         self.compiler_options = compiler_options or None   # XLA options of the step's programs (optimization_level)
         self.graphdef, self.state = nnx.split(model)
         self.block_size = block_size
@@ -272,6 +276,9 @@ class ModelRunner(CompiledStep, DeviceMemory):
         if self.host_branches:
             kind = sampler_kind([chunk.request for chunk in plan.chunks if chunk.samples]
                                 + [child for chunk in plan.chunks for child in chunk.forks])
+            if kind not in self._sampler_kinds:
+                raise RuntimeError(f"this runner compiles only the {self._sampler_kinds} samplers (greedy_only); "
+                                 f"its step needs the {kind!r} one")
         if self.channel is not None:
             # an unconstrained step's sampler follows at once with the all-ones mask: no OP_SAMPLE
             self.channel.send(OP_STEP, (shape.num_tokens, shape.num_seqs, shape.num_logits, shape.q_tile,

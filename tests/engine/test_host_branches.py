@@ -89,12 +89,17 @@ def test_host_picked_branches_give_the_conditionals_outputs_and_compile_nothing_
 def test_every_request_mix_and_speculation_compile_nothing_after_start_up_with_host_branches(monkeypatch):
     """The start-up checks of test_no_compiles_after_startup.py with the host picking branches: beam
     search, structured outputs (a held-back sampler), swap and recompute, n > 1, and a draft model's
-    runner beside the target's."""
+    runner beside the target's, which compiles the greedy sampler alone and no prompt-logprobs programs
+    (its requests are always plain greedy)."""
     from tests.engine import test_no_compiles_after_startup as startup
 
     monkeypatch.setattr(model_runner, "HOST_BRANCH_PLATFORMS", ("cpu", "gpu"))
     kinds, pick = [], model_runner.sampler_kind
     monkeypatch.setattr(model_runner, "sampler_kind", lambda requests: kinds.append(pick(requests)) or kinds[-1])
     startup.test_no_request_mix_compiles_after_startup(monkeypatch)
-    startup.test_speculative_steps_compile_nothing_after_startup()
+    llm = startup.speculative_run()
     assert set(kinds) == {"greedy", "untruncated", "general"}
+    target, draft = llm.llm_engine.runner, llm.llm_engine.speculator.drafter.runner
+    assert {key[2] for key in target._samplers} == {"greedy", "untruncated", "general"} and target._prompt_fns
+    assert {key[2] for key in draft._samplers} == {"greedy"} and not draft._prompt_fns
+    assert {key[0] for key in draft._samplers} == {shape.num_logits for shape in draft.warmup_shapes()}

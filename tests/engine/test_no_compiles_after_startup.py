@@ -78,6 +78,11 @@ def test_no_request_mix_compiles_after_startup(monkeypatch):
 def test_speculative_steps_compile_nothing_after_startup():
     """Verifying steps of every size (drafts of 0 to k tokens, alone or beside prompt chunks, greedy
     and sampled rows) run executables built at start-up, for the target and the draft model."""
+    speculative_run()
+
+
+def speculative_run():
+    """The run of test_speculative_steps_compile_nothing_after_startup; returns its LLM."""
     path = tiny_checkpoint("llama")
     llm = LLM(path, dtype="float32", block_size=8, num_gpu_blocks_override=64, max_model_len=128, max_num_seqs=8,
               max_num_batched_tokens=64, use_tqdm=False,
@@ -90,3 +95,4 @@ def test_speculative_steps_compile_nothing_after_startup():
         llm.generate(prompts, params, use_tqdm=False)
     assert llm.get_metrics()["jaxpaged:spec_decode_num_accepted_tokens_total"] > 0
     assert compiled == [], f"compiled after start-up: {compiled}"
+    return llm
