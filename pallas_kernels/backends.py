@@ -3,8 +3,11 @@
     reference  plain jnp (pallas_kernels/reference.py): ground truth, and the CPU path
     pallas     Pallas GPU kernel (Triton lowering); on CPU it runs in interpret mode (slow: tests)
     triton     a Triton kernel through jax-triton; needs a CUDA GPU
+    cpu        on a CPU: decode-only steps through a native kernel built on first use
+               (pallas_kernels/cpu_attention.py), other steps the reference
     auto       on a CUDA GPU the fastest of pallas / triton measured at start-up on the model's
-               head shapes (`measure_fastest`); reference elsewhere
+               head shapes (`measure_fastest`); on a CPU `cpu` where its kernel builds (else
+               the reference, logged); reference elsewhere
 
 An unavailable backend is an error, never a silent fallback.
 """
@@ -19,7 +22,7 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "reference", "pallas", "triton")
+BACKENDS = ("auto", "reference", "pallas", "triton", "cpu")
 
 
 def resolve_backend(name: str, platform: str | None = None, head_shape: tuple[int, int, int] | None = None,
@@ -29,6 +32,9 @@ def resolve_backend(name: str, platform: str | None = None, head_shape: tuple[in
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     platform = platform or jax.devices()[0].platform
     if name == "auto":
+        if platform == "cpu":
+            from pallas_kernels import cpu_attention
+            return "cpu" if cpu_attention.available() else "reference"
         if platform != "gpu":
             return "reference"
         candidates = ["pallas"]
@@ -48,6 +54,13 @@ def resolve_backend(name: str, platform: str | None = None, head_shape: tuple[in
             import jax_triton  # noqa: F401
         except ImportError as exc:
             raise ValueError("attention_backend='triton' needs jax-triton: pip install 'jaxpaged[cuda12]'") from exc
+    if name == "cpu":
+        if platform != "cpu":
+            raise ValueError(f"attention_backend='cpu' runs on a CPU, not {platform}; use 'auto'")
+        from pallas_kernels import cpu_attention
+        if not cpu_attention.available():
+            raise ValueError("attention_backend='cpu' needs its native kernel, which did not build here (the "
+                             "warning above says why; a C++ compiler as $CXX or c++); use 'reference'")
     return name
 
 
@@ -63,6 +76,9 @@ def get_attention(name: str, platform: str | None = None):
     if name == "triton":
         from pallas_kernels.triton_attention import ragged_paged_attention_triton
         return ragged_paged_attention_triton
+    if name == "cpu":
+        from pallas_kernels.cpu_attention import ragged_paged_attention_cpu
+        return ragged_paged_attention_cpu
     raise ValueError(f"unknown attention backend {name!r}")
 
 

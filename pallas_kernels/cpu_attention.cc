@@ -1,0 +1,254 @@
+// Ragged paged attention for XLA:CPU, called through XLA's FFI (see cpu_attention.py).
+//
+// The jnp reference gathers every page a step reads into a copy and then multiplies the copy: on a CPU
+// that is memory traffic twice over. This reads each sequence's pages where they lie in the pool, one
+// (token, kv head) at a time: the `group` query heads sharing the kv head are scored against a page's
+// keys, merged into their running softmax (max, sum, weighted values) and the page's values added, with
+// the next page prefetched. A token of a prompt chunk is a decode over the keys up to its own position.
+// The (token, kv head) items are shared between the caller and the threads of XLA's intra-op pool.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// The largest shapes the fixed-size scratch takes; cpu_attention.py sends others to the reference.
+constexpr int64_t kMaxGroup = 16;
+constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kMaxBlock = 64;
+
+// e^x for x <= 0 (a score minus its running max), vectorizable: 2^n e^r with |r| <= ln2 / 2 and a degree-6
+// polynomial for e^r (relative error ~1e-7, as expf); 0 below -87, where expf is subnormal.
+#pragma omp declare simd
+inline float ExpNonPositive(float x) {
+  const float clamped = std::max(x, -87.0f);
+  const float n = (clamped * 1.44269504088896341f + 12582912.0f) - 12582912.0f;   // rounded (1.5 * 2^23)
+  const float r = (clamped - n * 0.693359375f) + n * 2.12194440e-4f;             // ln2 in two parts
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e = (p * r * r + r) + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &e, sizeof bits);
+  bits += static_cast<int32_t>(n) * (1 << 23);
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return x < -87.0f ? 0.0f : out;
+}
+
+struct Shape {
+  int64_t group, head_dim, block_size, page_stride;   // page_stride: floats between blocks of one plane
+};
+
+// One sequence's query rows for one kv head (`group` heads, contiguous in q and out) against its pages.
+// kHeadDim / kBlock: compile-time sizes for the common shapes, 0 for any other (then shape's).
+template <int64_t kHeadDim, int64_t kBlock>
+void AttendOne(const Shape& shape, const float* q, const float* k_plane, const float* v_plane,
+               const int32_t* table, int64_t kv_len, int64_t window, float soft_cap, float sm_scale, float* out) {
+  const int64_t head_dim = kHeadDim ? kHeadDim : shape.head_dim;
+  const int64_t block_size = kBlock ? kBlock : shape.block_size;
+  const int64_t group = shape.group;
+  alignas(64) float qs[kMaxGroup * kMaxHeadDim];
+  alignas(64) float acc[kMaxGroup * kMaxHeadDim];
+  alignas(64) float s[kMaxGroup][kMaxBlock];
+  float m[kMaxGroup], l[kMaxGroup];
+  for (int64_t j = 0; j < group; ++j) {
+    m[j] = -INFINITY;
+    l[j] = 0.0f;
+    for (int64_t d = 0; d < head_dim; ++d) {
+      qs[j * head_dim + d] = q[j * head_dim + d] * sm_scale;
+      acc[j * head_dim + d] = 0.0f;
+    }
+  }
+  const int64_t q_pos = kv_len - 1;
+  const int64_t first_key = window > 0 ? std::max<int64_t>(kv_len - window, 0) : 0;
+  const int64_t num_pages = (kv_len + block_size - 1) / block_size;
+  for (int64_t page = first_key / block_size; page < num_pages; ++page) {
+    const float* k = k_plane + table[page] * shape.page_stride;
+    const float* v = v_plane + table[page] * shape.page_stride;
+    if (page + 1 < num_pages) {
+      const char* next_k = reinterpret_cast<const char*>(k_plane + table[page + 1] * shape.page_stride);
+      const char* next_v = reinterpret_cast<const char*>(v_plane + table[page + 1] * shape.page_stride);
+      for (int64_t byte = 0; byte < block_size * head_dim * 4; byte += 64) {
+        __builtin_prefetch(next_k + byte);
+        __builtin_prefetch(next_v + byte);
+      }
+    }
+    const int64_t lo = std::max<int64_t>(first_key - page * block_size, 0);
+    const int64_t hi = std::min<int64_t>(q_pos - page * block_size + 1, block_size);
+    float page_max[kMaxGroup];
+    for (int64_t j = 0; j < group; ++j) page_max[j] = -INFINITY;
+    for (int64_t t = lo; t < hi; ++t) {
+      const float* key = k + t * head_dim;
+      for (int64_t j = 0; j < group; ++j) {
+        const float* qj = qs + j * head_dim;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < head_dim; ++d) dot += qj[d] * key[d];
+        if (soft_cap > 0.0f) dot = soft_cap * std::tanh(dot / soft_cap);
+        s[j][t] = dot;
+        page_max[j] = std::max(page_max[j], dot);
+      }
+    }
+    for (int64_t j = 0; j < group; ++j) {
+      const float m_new = std::max(m[j], page_max[j]);
+      const float alpha = ExpNonPositive(m[j] - m_new);
+      float* sj = s[j];
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t t = lo; t < hi; ++t) {
+        sj[t] = ExpNonPositive(sj[t] - m_new);
+        sum += sj[t];
+      }
+      float* a = acc + j * head_dim;
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) a[d] *= alpha;
+      l[j] = l[j] * alpha + sum;
+      m[j] = m_new;
+    }
+    for (int64_t t = lo; t < hi; ++t) {
+      const float* value = v + t * head_dim;
+      for (int64_t j = 0; j < group; ++j) {
+        const float p = s[j][t];
+        float* a = acc + j * head_dim;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) a[d] += p * value[d];
+      }
+    }
+  }
+  for (int64_t j = 0; j < group; ++j) {
+    const float inv = l[j] > 0.0f ? 1.0f / l[j] : 1.0f;   // no key (a padding sequence): zeros
+    for (int64_t d = 0; d < head_dim; ++d) out[j * head_dim + d] = acc[j * head_dim + d] * inv;
+  }
+}
+
+using AttendFn = void (*)(const Shape&, const float*, const float*, const float*, const int32_t*, int64_t,
+                          int64_t, float, float, float*);
+
+AttendFn Specialized(int64_t head_dim, int64_t block_size) {
+  if (block_size == 16) {
+    if (head_dim == 64) return AttendOne<64, 16>;
+    if (head_dim == 128) return AttendOne<128, 16>;
+    return AttendOne<0, 16>;
+  }
+  return AttendOne<0, 0>;
+}
+
+// Items 0..total-1 shared by the caller and up to `pool.num_threads() - 1` pool tasks. The caller never
+// waits for a task that has not started: a task counts itself running before it takes an item, and one
+// that starts after the items are gone takes none (it touches only `work`, which it keeps alive).
+struct Work {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> running{0};
+  std::mutex mu;
+  std::condition_variable idle;
+};
+
+template <typename F>
+void ParallelFor(ffi::ThreadPool& pool, int64_t total, F& item) {
+  auto work = std::make_shared<Work>();
+  auto drain = [work, total, &item]() {
+    for (int64_t i = work->next.fetch_add(1); i < total; i = work->next.fetch_add(1)) item(i);
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;
+  for (int64_t h = 0; h < helpers; ++h) {
+    pool.Schedule([work, drain]() {
+      work->running.fetch_add(1);
+      drain();
+      if (work->running.fetch_sub(1) == 1) {
+        std::lock_guard<std::mutex> lock(work->mu);
+        work->idle.notify_all();
+      }
+    });
+  }
+  drain();
+  std::unique_lock<std::mutex> lock(work->mu);
+  work->idle.wait(lock, [&] { return work->running.load() == 0; });
+}
+
+ffi::Error RaggedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kv_pool,
+                           ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> kv_lens,
+                           ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
+                           ffi::Buffer<ffi::S32> window, ffi::Buffer<ffi::F32> soft_cap, float sm_scale,
+                           ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions();        // [tokens, heads, head_dim]
+  const auto pd = kv_pool.dimensions();  // [layers, 2, blocks, kv_heads, block_size, head_dim]
+  if (qd.size() != 3 || pd.size() != 6 || block_tables.dimensions().size() != 2) {
+    return ffi::Error::InvalidArgument("paged attention: q must be 3-D, the pool 6-D, tables 2-D");
+  }
+  const int64_t num_tokens = qd[0], num_heads = qd[1], head_dim = qd[2];
+  const int64_t num_blocks = pd[2], kv_heads = pd[3], block_size = pd[4];
+  const int64_t num_seqs = block_tables.dimensions()[0], max_blocks = block_tables.dimensions()[1];
+  if (pd[5] != head_dim || num_heads % kv_heads != 0 || num_heads / kv_heads > kMaxGroup ||
+      head_dim > kMaxHeadDim || block_size > kMaxBlock) {
+    return ffi::Error::InvalidArgument("paged attention: unsupported head or block shape");
+  }
+  const Shape shape{num_heads / kv_heads, head_dim, block_size, kv_heads * block_size * head_dim};
+  const int64_t plane = num_blocks * shape.page_stride;
+  const float* k_base = kv_pool.typed_data() + static_cast<int64_t>(layer.typed_data()[0]) * 2 * plane;
+  const int32_t* lens = kv_lens.typed_data();
+  const int32_t* cu = cu_q_lens.typed_data();
+  const int32_t* tables = block_tables.typed_data();
+  const int64_t win = window.typed_data()[0];
+  const float cap = soft_cap.typed_data()[0];
+  const float* qp = q.typed_data();
+  float* o = out->typed_data();
+  const AttendFn attend = Specialized(head_dim, block_size);
+  const int64_t row = num_heads * head_dim;
+
+  // Each live token's sequence and the keys it sees (query i of a sequence's q_len new tokens sits at
+  // kv_len - q_len + i: causal attention is decode attention over the first kv_len - q_len + i + 1 keys).
+  // Padding tokens (past the last sequence's) and padding sequences' get zeros.
+  const int64_t live = std::clamp<int64_t>(cu[num_seqs], 0, num_tokens);
+  std::vector<int32_t> seq_of(live), keys_of(live);
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t begin = std::clamp<int64_t>(cu[seq], 0, live), end = std::clamp<int64_t>(cu[seq + 1], begin, live);
+    for (int64_t t = begin; t < end; ++t) {
+      seq_of[t] = static_cast<int32_t>(seq);
+      keys_of[t] = static_cast<int32_t>(lens[seq] - (cu[seq + 1] - cu[seq]) + (t - cu[seq]) + 1);
+    }
+  }
+  std::fill(o + live * row, o + num_tokens * row, 0.0f);
+  auto item = [&](int64_t i) {
+    const int64_t t = i / kv_heads, h = i % kv_heads;
+    const int64_t head = h * shape.group * head_dim;
+    const int64_t seq = seq_of[t];
+    if (keys_of[t] <= 0) {
+      std::fill(o + t * row + head, o + t * row + head + shape.group * head_dim, 0.0f);
+      return;
+    }
+    attend(shape, qp + t * row + head, k_base + h * block_size * head_dim, k_base + plane + h * block_size * head_dim,
+           tables + seq * max_blocks, keys_of[t], win, cap, sm_scale, o + t * row + head);
+  };
+  ParallelFor(pool, live * kv_heads, item);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedRaggedPagedAttention, RaggedAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // kv_pool
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // kv_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // cu_q_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // sliding window (0: none)
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // soft cap (0: none)
+                                  .Attr<float>("sm_scale")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
