@@ -83,8 +83,8 @@ void AttendOne(const Shape& shape, const float* q, const float* k_plane, const f
       const char* next_k = reinterpret_cast<const char*>(k_plane + table[page + 1] * shape.page_stride);
       const char* next_v = reinterpret_cast<const char*>(v_plane + table[page + 1] * shape.page_stride);
       for (int64_t byte = 0; byte < block_size * head_dim * 4; byte += 64) {
-        __builtin_prefetch(next_k + byte);
-        __builtin_prefetch(next_v + byte);
+        __builtin_prefetch(next_k + byte, 0, 1);   // into L2: more misses in flight
+        __builtin_prefetch(next_v + byte, 0, 1);
       }
     }
     const int64_t lo = std::max<int64_t>(first_key - page * block_size, 0);

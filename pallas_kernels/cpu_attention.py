@@ -79,6 +79,7 @@ def load() -> str | None:
     path = library_path()
     try:
         if not os.path.exists(path):
+            logger.info("compiling the native CPU attention kernel into %s (once per machine)", path)
             build(path)
         library = ctypes.cdll.LoadLibrary(path)
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.JaxpagedRaggedPagedAttention), platform="cpu")
