@@ -3,8 +3,8 @@
     reference  plain jnp (pallas_kernels/reference.py): ground truth, and the CPU path
     pallas     Pallas GPU kernel (Triton lowering); on CPU it runs in interpret mode (slow: tests)
     triton     a Triton kernel through jax-triton; needs a CUDA GPU
-    cpu        on a CPU: decode-only steps through a native kernel built on first use
-               (pallas_kernels/cpu_attention.py), other steps the reference
+    cpu        on a CPU: a native kernel built on first use (pallas_kernels/cpu_attention.py;
+               bf16 / fp8 pools and shapes past its scratch run the reference)
     auto       on a CUDA GPU the fastest of pallas / triton measured at start-up on the model's
                head shapes (`measure_fastest`); on a CPU `cpu` where its kernel builds (else
                the reference, logged); reference elsewhere

@@ -1,15 +1,17 @@
-"""The `cpu` attention backend: decode-only steps through a native kernel, everything else the reference.
+"""The `cpu` attention backend: ragged paged attention through a native kernel on a CPU.
 
-On a CPU the jnp reference's decode walk gathers each chunk of pages into a copy and multiplies the
-copy (XLA:CPU cannot fuse a gather into a dot), so attention costs the KV traffic twice over plus
-small batched dots. `cpu_attention.cc` reads the pages where they lie instead: an XLA FFI custom call,
-compiled on first use with the machine's C++ compiler (`$CXX`, else `c++`; ~3 s) into
-`$JAXPAGED_CACHE/cpu_kernels` (default ~/.cache/jaxpaged), keyed by its source, the flags, jax's
-version and this CPU. It takes f32 queries and pools with up to 16 query heads per kv head, head_dim
-<= 256 and block_size <= 64 (decode-only batches); other steps (prompt chunks, bf16 or fp8 pools) run
-the reference. Where no compiler builds it, `auto` stays on the reference (logged once) and
-`attention_backend="cpu"` is a ValueError.
-"""
+On a CPU the jnp reference gathers each chunk of pages into a copy and multiplies the copy (XLA:CPU
+cannot fuse a gather into a dot), so attention costs the KV traffic twice over plus small batched
+dots, and a mixed step pays a 16-token query tile for every decoding sequence. `cpu_attention.cc`
+reads the pages where they lie instead, token by token (a prompt chunk's token is a decode over the
+keys up to its position): an XLA FFI custom call, compiled on first use with the machine's C++
+compiler (`$CXX`, else `c++`; ~3 s) into `$JAXPAGED_CACHE/cpu_kernels` (default ~/.cache/jaxpaged),
+keyed by its source, the flags, jax's version and this CPU. It takes f32 queries and pools with up to
+16 query heads per kv head, head_dim <= 256 and block_size <= 64; other steps (bf16 or fp8 pools,
+larger shapes) run the reference. Where no compiler builds it, `auto` stays on the reference (logged
+once) and `attention_backend="cpu"` is a ValueError. Against the reference (`python -m
+jaxpaged.bench.cpu_attention`): 2-5x faster on decode, mixed and short-prompt steps, 0.7x on one
+1024-token prompt (its tokens each walk their own pages)."""
 
 import ctypes
 import functools
@@ -93,7 +95,7 @@ def available() -> bool:
     return load() is not None
 
 
-def supports(q: jax.Array, kv_pool: jax.Array, md: AttentionMetadata) -> bool:
+def supports(q: jax.Array, kv_pool: jax.Array) -> bool:
     """Whether the native kernel takes this step (else the reference does)."""
     _, _, _, kv_heads, block_size, head_dim = kv_pool.shape
     num_heads = q.shape[1]
@@ -106,7 +108,7 @@ def ragged_paged_attention_cpu(q: jax.Array, kv_pool: jax.Array, layer: jax.Arra
                                sliding_window: jax.Array | int = 0, soft_cap: float | jax.Array = 0.0, *,
                                sm_scale: float, **reference_options) -> jax.Array:
     """Same signature and results as `ragged_paged_attention_reference` (to f32 rounding)."""
-    if not supports(q, kv_pool, md):
+    if not supports(q, kv_pool):
         return ragged_paged_attention_reference(q, kv_pool, layer, md, sliding_window, soft_cap, sm_scale=sm_scale,
                                                 **reference_options)
     validate_inputs(q, kv_pool, md)
