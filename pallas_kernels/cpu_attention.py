@@ -5,7 +5,7 @@ cannot fuse a gather into a dot), so attention costs the KV traffic twice over p
 dots, and a mixed step pays a 16-token query tile for every decoding sequence. `cpu_attention.cc`
 reads the pages where they lie instead, token by token (a prompt chunk's token is a decode over the
 keys up to its position): an XLA FFI custom call, compiled on first use with the machine's C++
-compiler (`$CXX`, else `c++`; ~3 s) into `$JAXPAGED_CACHE/cpu_kernels` (default ~/.cache/jaxpaged),
+compiler (`$CXX`, else `c++`; ~3 s; `-march=native`, or without it where the compiler refuses it) into `$JAXPAGED_CACHE/cpu_kernels` (default ~/.cache/jaxpaged),
 keyed by its source, the flags, jax's version and this CPU. It takes f32 queries and pools with up to
 16 query heads per kv head, head_dim <= 256 and block_size <= 64; other steps (bf16 or fp8 pools,
 larger shapes) run the reference. Where no compiler builds it, `auto` stays on the reference (logged
@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_attention.cc")
 TARGET = "jaxpaged_ragged_paged_attention"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
+# Where a compiler refuses -march=native (some clang builds for arm64), the library is built without it.
+PORTABLE_FLAGS = tuple(flag for flag in FLAGS if flag != "-march=native")
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 64   # the kernel's scratch sizes (cpu_attention.cc)
 
 
@@ -65,9 +67,13 @@ def build(path: str) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
     os.close(fd)
     try:
-        result = subprocess.run([compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", SOURCE, "-o", tmp],
-                                capture_output=True, text=True)
-        if result.returncode != 0:
+        for flags in (FLAGS, PORTABLE_FLAGS):
+            result = subprocess.run([compiler, *flags, f"-I{jax.ffi.include_dir()}", SOURCE, "-o", tmp],
+                                    capture_output=True, text=True)
+            if result.returncode == 0:
+                break
+            logger.info("%s %s failed on %s:\n%s", compiler, " ".join(flags), SOURCE, result.stderr[-2000:])
+        else:
             raise RuntimeError(f"{compiler} failed on {SOURCE}:\n{result.stderr[-2000:]}")
         os.replace(tmp, path)
     finally:

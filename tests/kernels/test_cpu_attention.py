@@ -99,6 +99,26 @@ def test_without_a_compiler_auto_is_the_reference_and_cpu_an_error(monkeypatch, 
     assert cpu_attention.available()
 
 
+def test_a_compiler_that_refuses_march_native_still_builds_it(monkeypatch, tmp_path):
+    """Some clang builds for arm64 refuse -march=native: the library is built without it, and runs."""
+    import shutil
+    import stat
+
+    wrapper = tmp_path / "picky-c++"
+    wrapper.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = -march=native ] && { echo "no -march=native" >&2; '
+                       f'exit 1; }}; done\nexec {shutil.which("c++")} "$@"\n')
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("JAXPAGED_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(wrapper))
+    path = cpu_attention.library_path()
+    cpu_attention.build(path)
+    import ctypes
+    assert ctypes.cdll.LoadLibrary(path).JaxpagedRaggedPagedAttention
+    monkeypatch.setenv("CXX", "false")   # fails on every flag set: the error names the compiler
+    with pytest.raises(RuntimeError, match="false failed on"):
+        cpu_attention.build(str(tmp_path / "other.so"))
+
+
 def test_a_build_lands_whole_in_the_cache(monkeypatch, tmp_path):
     """The library is compiled under a temporary name and renamed: another process never loads half a file."""
     monkeypatch.setenv("JAXPAGED_CACHE", str(tmp_path))
