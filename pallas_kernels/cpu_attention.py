@@ -5,8 +5,10 @@ cannot fuse a gather into a dot), so attention costs the KV traffic twice over p
 dots, and a mixed step pays a 16-token query tile for every decoding sequence. `cpu_attention.cc`
 reads the pages where they lie instead, token by token (a prompt chunk's token is a decode over the
 keys up to its position): an XLA FFI custom call, compiled on first use with the machine's C++
-compiler (`$CXX`, else `c++`; ~3 s; `-march=native`, or without it where the compiler refuses it) into `$JAXPAGED_CACHE/cpu_kernels` (default ~/.cache/jaxpaged),
-keyed by its source, the flags, jax's version and this CPU. It takes f32 queries and pools with up to
+compiler (`$CXX`, else `c++`; ~3 s; `-march=native`, or without it where the compiler refuses it)
+into `$JAXPAGED_CACHE/cpu_kernels` (default ~/.cache/jaxpaged, as the GGUF tokenizer cache: the root
+is spelled out here because pallas_kernels imports nothing from jaxpaged), keyed by its source, the
+flags, jax's version and this CPU. It takes f32 queries and pools with up to
 16 query heads per kv head, head_dim <= 256 and block_size <= 64; other steps (bf16 or fp8 pools,
 larger shapes) run the reference. Where no compiler builds it, `auto` stays on the reference (logged
 once) and `attention_backend="cpu"` is a ValueError. Against the reference (`python -m
