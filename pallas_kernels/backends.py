@@ -4,7 +4,8 @@
     pallas     Pallas GPU kernel (Triton lowering); on CPU it runs in interpret mode (slow: tests)
     triton     a Triton kernel through jax-triton; needs a CUDA GPU
     cpu        on a CPU: a native kernel built on first use (pallas_kernels/cpu_attention.py;
-               bf16 / fp8 pools and shapes past its scratch run the reference)
+               bf16 / fp8 pools and shapes past its scratch run the reference); the model's f32
+               layer matmuls then run the native matmul too (cpu_matmul.py, one device)
     auto       on a CUDA GPU the fastest of pallas / triton measured at start-up on the model's
                head shapes (`measure_fastest`); on a CPU `cpu` where its kernel builds (else
                the reference, logged); reference elsewhere
@@ -33,8 +34,8 @@ def resolve_backend(name: str, platform: str | None = None, head_shape: tuple[in
     platform = platform or jax.devices()[0].platform
     if name == "auto":
         if platform == "cpu":
-            from pallas_kernels import cpu_attention
-            return "cpu" if cpu_attention.available() else "reference"
+            from pallas_kernels import cpu_native
+            return "cpu" if cpu_native.available() else "reference"
         if platform != "gpu":
             return "reference"
         candidates = ["pallas"]
@@ -57,8 +58,8 @@ def resolve_backend(name: str, platform: str | None = None, head_shape: tuple[in
     if name == "cpu":
         if platform != "cpu":
             raise ValueError(f"attention_backend='cpu' runs on a CPU, not {platform}; use 'auto'")
-        from pallas_kernels import cpu_attention
-        if not cpu_attention.available():
+        from pallas_kernels import cpu_native
+        if not cpu_native.available():
             raise ValueError("attention_backend='cpu' needs its native kernel, which did not build here (the "
                              "warning above says why; a C++ compiler as $CXX or c++); use 'reference'")
     return name

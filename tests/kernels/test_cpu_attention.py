@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import cpu_attention
+from pallas_kernels import cpu_attention, cpu_native
 from pallas_kernels.backends import get_attention, resolve_backend
 from pallas_kernels.reference import ragged_paged_attention_reference
 from tests.kernels.cases import random_case
@@ -85,7 +85,7 @@ def test_auto_picks_the_native_kernel_on_a_cpu():
 def test_without_a_compiler_auto_is_the_reference_and_cpu_an_error(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("JAXPAGED_CACHE", str(tmp_path))   # nothing built here yet
     monkeypatch.setenv("CXX", "no-such-compiler")
-    cpu_attention.load.cache_clear()
+    cpu_native.load.cache_clear()
     try:
         with caplog.at_level("WARNING"):
             assert resolve_backend("auto", platform="cpu") == "reference"
@@ -94,9 +94,9 @@ def test_without_a_compiler_auto_is_the_reference_and_cpu_an_error(monkeypatch, 
             resolve_backend("cpu", platform="cpu")
         assert not list(tmp_path.rglob("*.so"))
     finally:
-        cpu_attention.load.cache_clear()   # the next caller loads the real library again
+        cpu_native.load.cache_clear()   # the next caller loads the real library again
         monkeypatch.undo()
-    assert cpu_attention.available()
+    assert cpu_native.available()
 
 
 def test_a_compiler_that_refuses_march_native_still_builds_it(monkeypatch, tmp_path):
@@ -110,19 +110,20 @@ def test_a_compiler_that_refuses_march_native_still_builds_it(monkeypatch, tmp_p
     wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("JAXPAGED_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("CXX", str(wrapper))
-    path = cpu_attention.library_path()
-    cpu_attention.build(path)
+    path = cpu_native.library_path()
+    cpu_native.build(path)
     import ctypes
-    assert ctypes.cdll.LoadLibrary(path).JaxpagedRaggedPagedAttention
+    library = ctypes.cdll.LoadLibrary(path)
+    assert library.JaxpagedRaggedPagedAttention and library.JaxpagedMatmul
     monkeypatch.setenv("CXX", "false")   # fails on every flag set: the error names the compiler
     with pytest.raises(RuntimeError, match="false failed on"):
-        cpu_attention.build(str(tmp_path / "other.so"))
+        cpu_native.build(str(tmp_path / "other.so"))
 
 
 def test_a_build_lands_whole_in_the_cache(monkeypatch, tmp_path):
     """The library is compiled under a temporary name and renamed: another process never loads half a file."""
     monkeypatch.setenv("JAXPAGED_CACHE", str(tmp_path))
-    path = cpu_attention.library_path()
+    path = cpu_native.library_path()
     assert path.startswith(str(tmp_path / "cpu_kernels"))
-    cpu_attention.build(path)
+    cpu_native.build(path)
     assert [p.name for p in (tmp_path / "cpu_kernels").iterdir()] == [path.rsplit("/", 1)[1]]

@@ -1,0 +1,128 @@
+// A dense f32 matmul for XLA:CPU, called through XLA's FFI (see cpu_matmul.py): y = x @ w, or
+// x @ w[layer] for a stacked [layers, K, N] weight.
+//
+// Inside the scanned layer loop XLA slices each layer's weights out of their stack into a copy before
+// its dot (XLA:CPU does not fuse a dynamic slice into a matmul): every decode step wrote the model's
+// weights once more. This reads the layer's weights where they lie. A work item is a 64-column panel of
+// w, shared by the caller and the intra-op pool: its rows of 64 floats are streamed once (the next
+// rows prefetched) into 8-row register tiles of y, and read again from L2 for each further 8 rows of x.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "xla/ffi/api/ffi.h"
+#include "cpu_parallel.h"
+
+namespace ffi = xla::ffi;
+using jaxpaged::ParallelFor;
+
+namespace {
+
+using Vec = float __attribute__((vector_size(64), aligned(4)));   // 16 floats; any alignment
+constexpr int64_t kLanes = 16;
+constexpr int64_t kPanel = 4 * kLanes;   // columns per work item
+constexpr int kRows = 8;                 // rows of x per register tile
+constexpr int64_t kPrefetchRows = 8;     // rows of w ahead, while a panel is first streamed
+
+inline Vec Load(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void Store(float* p, const Vec& v) { std::memcpy(p, &v, sizeof v); }
+
+// y[0:R, 0:16*V] = x[0:R, 0:K] @ w[0:K, 0:16*V] (row strides ldx, ldw, ldy), accumulated in registers.
+template <int R, int V>
+void Tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* y, int64_t ldy,
+          bool prefetch) {
+  Vec acc[R][V];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < V; ++v) acc[r][v] = Vec{};
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    const float* wk = w + k * ldw;
+    if (prefetch && k + kPrefetchRows < K) {
+      for (int v = 0; v < V; ++v) __builtin_prefetch(wk + kPrefetchRows * ldw + v * kLanes, 0, 3);
+    }
+    Vec b[V];
+    for (int v = 0; v < V; ++v) b[v] = Load(wk + v * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const float a = x[r * ldx + k];
+      for (int v = 0; v < V; ++v) acc[r][v] += a * b[v];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < V; ++v) Store(y + r * ldy + v * kLanes, acc[r][v]);
+  }
+}
+
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t, bool);
+
+template <int V>
+constexpr TileFn kTiles[kRows + 1] = {nullptr, Tile<1, V>, Tile<2, V>, Tile<3, V>, Tile<4, V>,
+                                      Tile<5, V>, Tile<6, V>, Tile<7, V>, Tile<8, V>};
+
+// All rows of x against columns [n0, n0 + 16 * V) of w.
+template <int V>
+void Columns(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0) {
+  for (int64_t r0 = 0; r0 < M; r0 += kRows) {
+    const int64_t rows = std::min<int64_t>(kRows, M - r0);
+    kTiles<V>[rows](x + r0 * K, K, w + n0, N, K, y + r0 * N + n0, N, r0 == 0);
+  }
+}
+
+// The last N % 16 columns.
+void Leftover(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0) {
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t c = n0; c < N; ++c) {
+      float sum = 0.0f;
+      for (int64_t k = 0; k < K; ++k) sum += x[r * K + k] * w[k * N + c];
+      y[r * N + c] = sum;
+    }
+  }
+}
+
+ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                  ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || (wd.size() != 2 && wd.size() != 3) || wd[wd.size() - 2] != xd[1]) {
+    return ffi::Error::InvalidArgument("matmul: x must be [M, K] and w [K, N] or [layers, K, N]");
+  }
+  const int64_t M = xd[0], K = xd[1], N = wd[wd.size() - 1];
+  const int64_t layers = wd.size() == 3 ? wd[0] : 1;
+  const int64_t index = wd.size() == 3 ? layer.typed_data()[0] : 0;
+  if (index < 0 || index >= layers) {
+    return ffi::Error::InvalidArgument("matmul: layer index out of range");
+  }
+  const float* xp = x.typed_data();
+  const float* wp = w.typed_data() + index * K * N;
+  float* yp = y->typed_data();
+  const int64_t panels = N / kPanel, vectors = (N % kPanel) / kLanes;
+  // Items: the full panels, then one for the leftover vectors and columns (if any).
+  const int64_t items = panels + (N % kPanel != 0);
+  auto item = [&](int64_t i) {
+    if (i < panels) {
+      Columns<4>(xp, wp, yp, M, K, N, i * kPanel);
+      return;
+    }
+    const int64_t n0 = panels * kPanel;
+    if (vectors == 3) Columns<3>(xp, wp, yp, M, K, N, n0);
+    if (vectors == 2) Columns<2>(xp, wp, yp, M, K, N, n0);
+    if (vectors == 1) Columns<1>(xp, wp, yp, M, K, N, n0);
+    Leftover(xp, wp, yp, M, K, N, n0 + vectors * kLanes);
+  };
+  ParallelFor(pool, items, item);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedMatmul, Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // w [K, N] or [layers, K, N]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer (ignored for a 2-D w)
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
