@@ -6,6 +6,9 @@
 // weights once more. This reads the layer's weights where they lie. A work item is a 64-column panel of
 // w, shared by the caller and the intra-op pool: its rows of 64 floats are streamed once (the next
 // rows prefetched) into 8-row register tiles of y, and read again from L2 for each further 8 rows of x.
+// While it computes, a thread prefetches the panel it takes next into L2, a share of its rows in each
+// 8-row tile: the DRAM reads overlap the multiplications (memory-bound at few rows, compute-bound at
+// many; without it a panel's first tile waited on DRAM and the others on the FMA units).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -14,7 +17,7 @@
 #include "cpu_parallel.h"
 
 namespace ffi = xla::ffi;
-using jaxpaged::ParallelFor;
+using jaxpaged::ParallelForAhead;
 
 namespace {
 
@@ -33,9 +36,11 @@ inline Vec Load(const float* p) {
 inline void Store(float* p, const Vec& v) { std::memcpy(p, &v, sizeof v); }
 
 // y[0:R, 0:16*V] = x[0:R, 0:K] @ w[0:K, 0:16*V] (row strides ldx, ldw, ldy), accumulated in registers.
+// `prefetch`: w's rows kPrefetchRows ahead; `ahead` (or null): a 64-float row at `ahead` into L2 every
+// `every` rows of K, the next one ldw further each time.
 template <int R, int V>
 void Tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* y, int64_t ldy,
-          bool prefetch) {
+          bool prefetch, const float* ahead, int64_t every) {
   Vec acc[R][V];
   for (int r = 0; r < R; ++r) {
     for (int v = 0; v < V; ++v) acc[r][v] = Vec{};
@@ -44,6 +49,10 @@ void Tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, f
     const float* wk = w + k * ldw;
     if (prefetch && k + kPrefetchRows < K) {
       for (int v = 0; v < V; ++v) __builtin_prefetch(wk + kPrefetchRows * ldw + v * kLanes, 0, 3);
+    }
+    if (ahead != nullptr && k % every == 0) {
+      const float* row = ahead + (k / every) * ldw;
+      for (int64_t v = 0; v < kPanel; v += kLanes) __builtin_prefetch(row + v, 0, 2);
     }
     Vec b[V];
     for (int v = 0; v < V; ++v) b[v] = Load(wk + v * kLanes);
@@ -57,18 +66,26 @@ void Tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, f
   }
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t, bool);
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t, bool, const float*,
+                        int64_t);
 
 template <int V>
 constexpr TileFn kTiles[kRows + 1] = {nullptr, Tile<1, V>, Tile<2, V>, Tile<3, V>, Tile<4, V>,
                                       Tile<5, V>, Tile<6, V>, Tile<7, V>, Tile<8, V>};
 
-// All rows of x against columns [n0, n0 + 16 * V) of w.
+// All rows of x against columns [n0, n0 + 16 * V) of w; the panel at next_n0 (-1: none) prefetched,
+// each 8-row tile taking its share of that panel's K rows.
 template <int V>
-void Columns(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0) {
-  for (int64_t r0 = 0; r0 < M; r0 += kRows) {
+void Columns(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0,
+             int64_t next_n0) {
+  const int64_t tiles = (M + kRows - 1) / kRows;
+  const int64_t share = (K + tiles - 1) / tiles;
+  for (int64_t r0 = 0, t = 0; r0 < M; r0 += kRows, ++t) {
     const int64_t rows = std::min<int64_t>(kRows, M - r0);
-    kTiles<V>[rows](x + r0 * K, K, w + n0, N, K, y + r0 * N + n0, N, r0 == 0);
+    const int64_t first = t * share, count = std::min(share, K - first);
+    const float* ahead = next_n0 >= 0 && count > 0 ? w + first * N + next_n0 : nullptr;
+    const int64_t every = ahead != nullptr ? std::max<int64_t>(1, K / count) : 1;
+    kTiles<V>[rows](x + r0 * K, K, w + n0, N, K, y + r0 * N + n0, N, r0 == 0, ahead, every);
   }
 }
 
@@ -102,18 +119,18 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   const int64_t panels = N / kPanel, vectors = (N % kPanel) / kLanes;
   // Items: the full panels, then one for the leftover vectors and columns (if any).
   const int64_t items = panels + (N % kPanel != 0);
-  auto item = [&](int64_t i) {
+  auto item = [&](int64_t i, int64_t next) {
     if (i < panels) {
-      Columns<4>(xp, wp, yp, M, K, N, i * kPanel);
+      Columns<4>(xp, wp, yp, M, K, N, i * kPanel, next >= 0 && next < panels ? next * kPanel : -1);
       return;
     }
     const int64_t n0 = panels * kPanel;
-    if (vectors == 3) Columns<3>(xp, wp, yp, M, K, N, n0);
-    if (vectors == 2) Columns<2>(xp, wp, yp, M, K, N, n0);
-    if (vectors == 1) Columns<1>(xp, wp, yp, M, K, N, n0);
+    if (vectors == 3) Columns<3>(xp, wp, yp, M, K, N, n0, -1);
+    if (vectors == 2) Columns<2>(xp, wp, yp, M, K, N, n0, -1);
+    if (vectors == 1) Columns<1>(xp, wp, yp, M, K, N, n0, -1);
     Leftover(xp, wp, yp, M, K, N, n0 + vectors * kLanes);
   };
-  ParallelFor(pool, items, item);
+  ParallelForAhead(pool, items, item);
   return ffi::Error::Success();
 }
 

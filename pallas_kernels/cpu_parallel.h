@@ -46,6 +46,34 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int64_t total, F& item) {
   work->idle.wait(lock, [&] { return work->running.load() == 0; });
 }
 
+// As ParallelFor, but item(i, next) also learns the item its thread takes after i (-1: none), so a
+// kernel can prefetch that item's data while it computes this one.
+template <typename F>
+void ParallelForAhead(xla::ffi::ThreadPool& pool, int64_t total, F& item) {
+  auto work = std::make_shared<Work>();
+  auto drain = [work, total, &item]() {
+    for (int64_t i = work->next.fetch_add(1); i < total;) {
+      const int64_t next = work->next.fetch_add(1);
+      item(i, next < total ? next : -1);
+      i = next;
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;
+  for (int64_t h = 0; h < helpers; ++h) {
+    pool.Schedule([work, drain]() {
+      work->running.fetch_add(1);
+      drain();
+      if (work->running.fetch_sub(1) == 1) {
+        std::lock_guard<std::mutex> lock(work->mu);
+        work->idle.notify_all();
+      }
+    });
+  }
+  drain();
+  std::unique_lock<std::mutex> lock(work->mu);
+  work->idle.wait(lock, [&] { return work->running.load() == 0; });
+}
+
 }  // namespace jaxpaged
 
 #endif  // JAXPAGED_CPU_PARALLEL_H_
