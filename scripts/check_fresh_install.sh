@@ -7,6 +7,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=.venv-runtime
 LOG=$(mktemp -t jaxpaged-serve.XXXXXX.log)
+# A newcomer's empty cache: the native CPU kernels are compiled from the installed sources, the
+# built-in model's tokenizer converted again
+export JAXPAGED_CACHE
+JAXPAGED_CACHE=$(mktemp -d -t jaxpaged-cache.XXXXXX)
 QUESTION="What is the capital of France?"
 
 rm -rf "$VENV"
@@ -36,6 +40,11 @@ until curl -sf http://127.0.0.1:8000/health >/dev/null; do
   sleep 2
 done
 echo "server ready after $(( $(date +%s) - START )) s"
+# Where a C++ compiler is, the install must carry what the native CPU kernels build from (cpu_native.py)
+if command -v "${CXX:-c++}" >/dev/null && grep -q "native CPU kernels are unavailable" "$LOG"; then
+  echo "FAIL: a C++ compiler is here, but the native CPU kernels did not build; the server's log:" >&2
+  cat "$LOG" >&2; exit 1
+fi
 
 # The README's curl example.
 REPLY=$(curl -sf http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \
@@ -49,4 +58,5 @@ trap - EXIT
 OUT=$("$VENV/bin/jaxpaged" generate --prompt "$QUESTION")
 echo "$OUT"
 [[ "$OUT" == *Paris* ]] || { echo "FAIL: jaxpaged generate does not mention Paris" >&2; exit 1; }
+rm -rf "$JAXPAGED_CACHE"
 echo "fresh install: OK in $(( $(date +%s) - START )) s"
