@@ -113,6 +113,7 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   if (index < 0 || index >= layers) {
     return ffi::Error::InvalidArgument("matmul: layer index out of range");
   }
+  if (M == 0 || N == 0) return ffi::Error::Success();   // nothing to write (and no row tiles to share K among)
   const float* xp = x.typed_data();
   const float* wp = w.typed_data() + index * K * N;
   float* yp = y->typed_data();

@@ -35,6 +35,12 @@ def test_matches_float64_for_plain_and_stacked_weights(m, k, n):
         _close(traced(x, stack, layer), x, stack[layer])
 
 
+@pytest.mark.parametrize("m,k,n", [(0, 8, 16), (3, 0, 16), (3, 8, 0)])
+def test_empty_shapes(m, k, n):
+    x, w = jnp.ones((m, k), jnp.float32), jnp.ones((2, k, n), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(cpu_matmul.matmul_cpu)(x, w, 1)), np.zeros((m, n)))
+
+
 def test_bad_inputs_are_errors_naming_what_it_takes():
     x = jnp.ones((4, 8), jnp.float32)
     with pytest.raises(ValueError, match=r"takes f32 x \[M, K\].*bfloat16\[8, 16\]"):
