@@ -36,11 +36,11 @@ inline Vec Load(const float* p) {
 inline void Store(float* p, const Vec& v) { std::memcpy(p, &v, sizeof v); }
 
 // y[0:R, 0:16*V] = x[0:R, 0:K] @ w[0:K, 0:16*V] (row strides ldx, ldw, ldy), accumulated in registers.
-// `prefetch`: w's rows kPrefetchRows ahead; `ahead` (or null): a 64-float row at `ahead` into L2 every
-// `every` rows of K, the next one ldw further each time.
+// `prefetch`: w's rows kPrefetchRows ahead; `ahead` (or null): `ahead_rows` rows of 64 floats, ldw apart,
+// into L2, one every `every` rows of K.
 template <int R, int V>
 void Tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* y, int64_t ldy,
-          bool prefetch, const float* ahead, int64_t every) {
+          bool prefetch, const float* ahead, int64_t ahead_rows, int64_t every) {
   Vec acc[R][V];
   for (int r = 0; r < R; ++r) {
     for (int v = 0; v < V; ++v) acc[r][v] = Vec{};
@@ -50,7 +50,7 @@ void Tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, f
     if (prefetch && k + kPrefetchRows < K) {
       for (int v = 0; v < V; ++v) __builtin_prefetch(wk + kPrefetchRows * ldw + v * kLanes, 0, 3);
     }
-    if (ahead != nullptr && k % every == 0) {
+    if (ahead != nullptr && k % every == 0 && k / every < ahead_rows) {
       const float* row = ahead + (k / every) * ldw;
       for (int64_t v = 0; v < kPanel; v += kLanes) __builtin_prefetch(row + v, 0, 2);
     }
@@ -67,7 +67,7 @@ void Tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, f
 }
 
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t, bool, const float*,
-                        int64_t);
+                        int64_t, int64_t);
 
 template <int V>
 constexpr TileFn kTiles[kRows + 1] = {nullptr, Tile<1, V>, Tile<2, V>, Tile<3, V>, Tile<4, V>,
@@ -85,7 +85,7 @@ void Columns(const float* x, const float* w, float* y, int64_t M, int64_t K, int
     const int64_t first = t * share, count = std::min(share, K - first);
     const float* ahead = next_n0 >= 0 && count > 0 ? w + first * N + next_n0 : nullptr;
     const int64_t every = ahead != nullptr ? std::max<int64_t>(1, K / count) : 1;
-    kTiles<V>[rows](x + r0 * K, K, w + n0, N, K, y + r0 * N + n0, N, r0 == 0, ahead, every);
+    kTiles<V>[rows](x + r0 * K, K, w + n0, N, K, y + r0 * N + n0, N, r0 == 0, ahead, count, every);
   }
 }
 
