@@ -24,54 +24,44 @@ struct Work {
   std::condition_variable idle;
 };
 
-template <typename F>
-void ParallelFor(xla::ffi::ThreadPool& pool, int64_t total, F& item) {
+// Runs drain(work) on the caller and on up to `helpers` pool tasks; returns when every task that
+// started has finished. drain takes items from work->next until they run out.
+template <typename D>
+void Share(xla::ffi::ThreadPool& pool, int64_t helpers, D drain) {
   auto work = std::make_shared<Work>();
-  auto drain = [work, total, &item]() {
-    for (int64_t i = work->next.fetch_add(1); i < total; i = work->next.fetch_add(1)) item(i);
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;
   for (int64_t h = 0; h < helpers; ++h) {
     pool.Schedule([work, drain]() {
       work->running.fetch_add(1);
-      drain();
+      drain(*work);
       if (work->running.fetch_sub(1) == 1) {
         std::lock_guard<std::mutex> lock(work->mu);
         work->idle.notify_all();
       }
     });
   }
-  drain();
+  drain(*work);
   std::unique_lock<std::mutex> lock(work->mu);
   work->idle.wait(lock, [&] { return work->running.load() == 0; });
+}
+
+template <typename F>
+void ParallelFor(xla::ffi::ThreadPool& pool, int64_t total, F& item) {
+  Share(pool, std::min<int64_t>(pool.num_threads(), total) - 1, [total, &item](Work& work) {
+    for (int64_t i = work.next.fetch_add(1); i < total; i = work.next.fetch_add(1)) item(i);
+  });
 }
 
 // As ParallelFor, but item(i, next) also learns the item its thread takes after i (-1: none), so a
 // kernel can prefetch that item's data while it computes this one.
 template <typename F>
 void ParallelForAhead(xla::ffi::ThreadPool& pool, int64_t total, F& item) {
-  auto work = std::make_shared<Work>();
-  auto drain = [work, total, &item]() {
-    for (int64_t i = work->next.fetch_add(1); i < total;) {
-      const int64_t next = work->next.fetch_add(1);
+  Share(pool, std::min<int64_t>(pool.num_threads(), total) - 1, [total, &item](Work& work) {
+    for (int64_t i = work.next.fetch_add(1); i < total;) {
+      const int64_t next = work.next.fetch_add(1);
       item(i, next < total ? next : -1);
       i = next;
     }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;
-  for (int64_t h = 0; h < helpers; ++h) {
-    pool.Schedule([work, drain]() {
-      work->running.fetch_add(1);
-      drain();
-      if (work->running.fetch_sub(1) == 1) {
-        std::lock_guard<std::mutex> lock(work->mu);
-        work->idle.notify_all();
-      }
-    });
-  }
-  drain();
-  std::unique_lock<std::mutex> lock(work->mu);
-  work->idle.wait(lock, [&] { return work->running.load() == 0; });
+  });
 }
 
 }  // namespace jaxpaged
