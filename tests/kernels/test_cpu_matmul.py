@@ -22,9 +22,10 @@ def _close(got, x, w):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
-# N: whole 64-column panels, then 3 / 2 / 1 leftover vectors of 16 and leftover columns;
+# N: whole 64-column panels, then 2 / 1 / 3 / 0 leftover vectors of 16 and leftover columns;
 # M: one row, part of an 8-row tile, a whole tile, tiles plus a part.
-@pytest.mark.parametrize("m,k,n", [(1, 5, 1), (7, 37, 100), (8, 64, 64), (9, 48, 176), (33, 96, 135), (20, 576, 960)])
+@pytest.mark.parametrize("m,k,n", [(1, 5, 1), (7, 37, 100), (8, 64, 64), (5, 24, 81), (9, 48, 176), (33, 96, 135),
+                                   (20, 576, 960)])
 def test_matches_float64_for_plain_and_stacked_weights(m, k, n):
     rng = np.random.default_rng(m * 1000 + n)
     x = rng.standard_normal((m, k), np.float32)
