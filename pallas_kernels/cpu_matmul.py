@@ -7,12 +7,21 @@ where they lie; its register tiles also beat XLA's dot at the few rows of a deco
 slice and XLA's dot, the four matmuls of 30 SmolLM2 layers (`python -m jaxpaged.bench.cpu_matmul`):
 see the README's table."""
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels import cpu_native
 
 TARGET = "jaxpaged_matmul"
+
+
+class LayerOfStack(NamedTuple):
+    """One layer's weight inside a scan, not sliced out: the [num_layers, K, N] stack and the index
+    (what `matmul_cpu(x, stack, layer)` takes)."""
+    stack: jax.Array
+    layer: jax.Array
 
 
 def supports(x: jax.Array, w: jax.Array) -> bool:

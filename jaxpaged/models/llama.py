@@ -36,7 +36,6 @@ compiled step whatever the mix of adapters, and a base-model token adds exact ze
 """
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -52,17 +51,11 @@ from jaxpaged.parallel import MODEL_AXIS, ShardPlan
 from pallas_kernels import write_kv
 from pallas_kernels.layout import calibrated_kv_scale, is_fp8, scaled_attention
 from pallas_kernels.backends import get_attention
-from pallas_kernels.cpu_matmul import matmul_cpu
+from pallas_kernels.cpu_matmul import LayerOfStack, matmul_cpu
 from pallas_kernels.cpu_matmul import supports as native_matmul_supports
 
 # The layer weights the scan hands to the native matmul whole, with the layer's index (see LayerOfStack).
 NATIVE_MATMULS = ("wqkv", "wo", "w_gate_up", "w_down")
-
-
-class LayerOfStack(NamedTuple):
-    """One layer's weight inside the scan, not sliced out: the [num_layers, K, N] stack and the index."""
-    stack: jax.Array
-    layer: jax.Array
 
 
 def layer_weight_shapes(cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, ...]]:
