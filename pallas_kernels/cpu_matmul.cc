@@ -101,22 +101,26 @@ void Leftover(const float* x, const float* w, float* y, int64_t M, int64_t K, in
 }
 
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                  ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+                  ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   if (xd.size() != 2 || (wd.size() != 2 && wd.size() != 3) || wd[wd.size() - 2] != xd[1]) {
     return ffi::Error::InvalidArgument("matmul: x must be [M, K] and w [K, N] or [layers, K, N]");
   }
-  const int64_t M = xd[0], K = xd[1], N = wd[wd.size() - 1];
+  const int64_t rows = xd[0], K = xd[1], N = wd[wd.size() - 1];
   const int64_t layers = wd.size() == 3 ? wd[0] : 1;
   const int64_t index = wd.size() == 3 ? layer.typed_data()[0] : 0;
   if (index < 0 || index >= layers) {
     return ffi::Error::InvalidArgument("matmul: layer index out of range");
   }
+  float* yp = y->typed_data();
+  // Only x's first `live` rows are multiplied (a step's padding tokens follow its real ones); the rest
+  // of y is zeros.
+  const int64_t M = std::clamp<int64_t>(live.typed_data()[0], 0, rows);
+  std::fill(yp + M * N, yp + rows * N, 0.0f);
   if (M == 0 || N == 0) return ffi::Error::Success();   // nothing to write (and no row tiles to share K among)
   const float* xp = x.typed_data();
   const float* wp = w.typed_data() + index * K * N;
-  float* yp = y->typed_data();
   const int64_t panels = N / kPanel, vectors = (N % kPanel) / kLanes;
   // Items: the full panels, then one for the leftover vectors and columns (if any).
   const int64_t items = panels + (N % kPanel != 0);
@@ -143,4 +147,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedMatmul, Matmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // w [K, N] or [layers, K, N]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer (ignored for a 2-D w)
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // live: x's leading rows multiplied
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]

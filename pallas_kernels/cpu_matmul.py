@@ -30,13 +30,17 @@ def supports(x: jax.Array, w: jax.Array) -> bool:
             and x.shape[1] == w.shape[-2])
 
 
-def matmul_cpu(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0) -> jax.Array:
+def matmul_cpu(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, live: jax.Array | int | None = None
+               ) -> jax.Array:
     """x @ w for w [K, N], or x @ w[layer] for w [layers, K, N] (to f32 rounding: the sums run in
-    another order than XLA's). `layer` must be in range (an error at run time, not a clamp)."""
+    another order than XLA's). `layer` must be in range (an error at run time, not a clamp).
+    `live` (traced, default all): only x's first `live` rows are multiplied, y's other rows are zeros
+    (a step's padding tokens, which follow its real ones, cost nothing); clamped to [0, M]."""
     if not supports(x, w):
         raise ValueError(f"matmul_cpu takes f32 x [M, K] and w [K, N] or [layers, K, N], got "
                          f"{x.dtype}{list(x.shape)} and {w.dtype}{list(w.shape)}")
     if cpu_native.load() is None:
         raise RuntimeError("matmul_cpu needs the native CPU kernels, which did not build (see the log)")
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[-1]), x.dtype))
-    return call(x, w, jnp.asarray(layer, jnp.int32))
+    live = x.shape[0] if live is None else live
+    return call(x, w, jnp.asarray(layer, jnp.int32), jnp.asarray(live, jnp.int32))

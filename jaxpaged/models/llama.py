@@ -236,13 +236,14 @@ class LlamaFamilyForCausalLM(nnx.Module):
             logits = jnp.einsum("dv,td->vt", head, hidden)
         return _soft_capped(logits.astype(jnp.float32), cfg.final_softcap)
 
-    def matmul(self, x: jax.Array, w, name: str) -> jax.Array:
+    def matmul(self, x: jax.Array, w, name: str, live: jax.Array | None = None) -> jax.Array:
         """x @ the weight `name` (plain, quantized, or a scanned `LayerOfStack`; a quantized decode step
-        through the kernel, per shard; an f32 one through the native matmul where `native_matmul`)."""
+        through the kernel, per shard; an f32 one through the native matmul where `native_matmul`, which
+        multiplies only x's first `live` rows: a step's tokens, not its padding)."""
         if isinstance(w, LayerOfStack):
-            return matmul_cpu(x, w.stack, w.layer)
+            return matmul_cpu(x, w.stack, w.layer, live)
         if self.native_matmul and not isinstance(w, QuantizedWeight) and native_matmul_supports(x, w):
-            return matmul_cpu(x, w)
+            return matmul_cpu(x, w, live=live)
         kernel = matmul_kernel(self.quantized_matmul)
         if kernel is not None and isinstance(w, QuantizedWeight):
             kernel = self.shard_plan.matmul(kernel, self.shard_plan.weight_spec(name, False))
@@ -265,8 +266,10 @@ class LlamaFamilyForCausalLM(nnx.Module):
         if lora is not None:
             slots = lora["q_a"].shape[1]
             onehot = (batch.lora_index[:, None] == jnp.arange(slots, dtype=jnp.int32)[None, :]).astype(self.dtype)
+        # the batch's tokens come first, its padding after (ForwardBatch): the native matmul skips the padding
+        matmul = functools.partial(self.matmul, live=md.cu_q_lens[-1]) if self.native_matmul else self.matmul
         layer_fn = functools.partial(_decoder_layer, cfg, self.shard_plan, get_attention(self.attention_backend),
-                                     self.matmul, self.moe_impl, batch, rope, local_rope, onehot)
+                                     matmul, self.moe_impl, batch, rope, local_rope, onehot)
         if self.scan_layers:
             weights = {k: v.get_value() for k, v in self.layers.items()}
             # the native matmul's weights stay whole (closed over, not scanned: no per-layer slice)

@@ -42,6 +42,19 @@ def test_empty_shapes(m, k, n):
     np.testing.assert_array_equal(np.asarray(jax.jit(cpu_matmul.matmul_cpu)(x, w, 1)), np.zeros((m, n)))
 
 
+def test_only_the_live_rows_are_multiplied_and_the_rest_are_zeros():
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((19, 40), np.float32)
+    stack = rng.standard_normal((2, 40, 72), np.float32)
+    traced = jax.jit(cpu_matmul.matmul_cpu)
+    for live in (0, 1, 8, 11, 19, 25, -3):   # clamped to [0, 19]
+        got = np.asarray(traced(x, stack, 1, live))
+        rows = min(max(live, 0), 19)
+        if rows:
+            _close(got[:rows], x[:rows], stack[1])
+        np.testing.assert_array_equal(got[rows:], 0.0)
+
+
 def test_bad_inputs_are_errors_naming_what_it_takes():
     x = jnp.ones((4, 8), jnp.float32)
     with pytest.raises(ValueError, match=r"takes f32 x \[M, K\].*bfloat16\[8, 16\]"):
@@ -87,3 +100,25 @@ def test_the_models_layer_matmuls_run_it_in_place_and_give_xlas_logits(scan_laye
     _, ref, ref_hlo = _prompt_logits("qwen2", "reference", scan_layers)
     assert "jaxpaged_matmul" not in ref_hlo
     np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+
+
+def test_a_steps_padding_tokens_are_not_multiplied():
+    """The step's tokens come first and its padding after (ForwardBatch): the model hands the native
+    matmul the token count, so a padding row leaves every layer as it came in (its embedding), while
+    the XLA model computes it like any token. The tokens' hidden states are the same either way."""
+    hidden = {}
+    for backend in ("cpu", "reference"):
+        model = load_model(tiny_checkpoint("llama"), dtype="float32", attention_backend=backend)
+        cfg = model.config
+        pool = jnp.zeros(kv_pool_shape(cfg.num_layers, 16, 8, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
+        chunk = SeqChunk(np.random.default_rng(3).integers(3, cfg.vocab_size, 21).tolist(), 0, [3, 9, 4])
+        batch = build_forward_batch([chunk], 8, 4, choose_shape([chunk]))
+        graphdef, state = nnx.split(model.model)
+        run = jax.jit(lambda state, pool, batch: nnx.merge(graphdef, state).hidden_states(pool, batch)[1])
+        hidden[backend] = np.asarray(run(state, pool, batch))
+        embedding = np.asarray(model.model.embed.get_value())[np.asarray(batch.input_ids)]
+    assert hidden["cpu"].shape[0] > 21, "the bucket must pad the 21 tokens"
+    np.testing.assert_array_equal(hidden["cpu"][21:], embedding[21:])
+    assert not np.allclose(hidden["reference"][21:], embedding[21:])
+    np.testing.assert_allclose(hidden["cpu"][:21], hidden["reference"][:21], rtol=0,
+                               atol=1e-5 * np.abs(hidden["reference"][:21]).max())
