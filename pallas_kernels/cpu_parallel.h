@@ -24,11 +24,12 @@ struct Work {
   std::condition_variable idle;
 };
 
-// Runs drain(work) on the caller and on up to `helpers` pool tasks; returns when every task that
-// started has finished. drain takes items from work->next until they run out.
+// Runs drain(work) on the caller and on up to min(pool threads, total) - 1 pool tasks; returns when
+// every task that started has finished. drain takes items from work.next until `total` is reached.
 template <typename D>
-void Share(xla::ffi::ThreadPool& pool, int64_t helpers, D drain) {
+void Share(xla::ffi::ThreadPool& pool, int64_t total, D drain) {
   auto work = std::make_shared<Work>();
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;
   for (int64_t h = 0; h < helpers; ++h) {
     pool.Schedule([work, drain]() {
       work->running.fetch_add(1);
@@ -46,7 +47,7 @@ void Share(xla::ffi::ThreadPool& pool, int64_t helpers, D drain) {
 
 template <typename F>
 void ParallelFor(xla::ffi::ThreadPool& pool, int64_t total, F& item) {
-  Share(pool, std::min<int64_t>(pool.num_threads(), total) - 1, [total, &item](Work& work) {
+  Share(pool, total, [total, &item](Work& work) {
     for (int64_t i = work.next.fetch_add(1); i < total; i = work.next.fetch_add(1)) item(i);
   });
 }
@@ -55,7 +56,7 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int64_t total, F& item) {
 // kernel can prefetch that item's data while it computes this one.
 template <typename F>
 void ParallelForAhead(xla::ffi::ThreadPool& pool, int64_t total, F& item) {
-  Share(pool, std::min<int64_t>(pool.num_threads(), total) - 1, [total, &item](Work& work) {
+  Share(pool, total, [total, &item](Work& work) {
     for (int64_t i = work.next.fetch_add(1); i < total;) {
       const int64_t next = work.next.fetch_add(1);
       item(i, next < total ? next : -1);

@@ -70,16 +70,23 @@ def _forward(model):
     return jax.jit(lambda state, pool, batch: nnx.merge(graphdef, state)(pool, batch)), state
 
 
+PROMPT_LEN = 21   # one prompt step, padded to its token bucket
+
+
+def _prompt_step(cfg, seed: int):
+    """An empty KV pool and a ForwardBatch of one PROMPT_LEN-token prompt asking logits at every token."""
+    pool = jnp.zeros(kv_pool_shape(cfg.num_layers, 16, 8, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
+    prompt = np.random.default_rng(seed).integers(3, cfg.vocab_size, PROMPT_LEN).tolist()
+    chunk = SeqChunk(prompt, 0, [3, 9, 4], logits_positions=list(range(PROMPT_LEN)))
+    return pool, build_forward_batch([chunk], 8, 4, choose_shape([chunk]))
+
+
 def _prompt_logits(arch: str, backend: str, scan_layers: bool):
     model = load_model(tiny_checkpoint(arch), dtype="float32", attention_backend=backend, scan_layers=scan_layers)
-    cfg = model.config
-    pool = jnp.zeros(kv_pool_shape(cfg.num_layers, 16, 8, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
-    prompt = np.random.default_rng(2).integers(3, cfg.vocab_size, 21).tolist()
-    chunk = SeqChunk(prompt, 0, [3, 9, 4], logits_positions=list(range(len(prompt))))
-    batch = build_forward_batch([chunk], 8, 4, choose_shape([chunk]))
+    pool, batch = _prompt_step(model.config, 2)
     forward, state = _forward(model)
     hlo = forward.lower(state, pool, batch).compile().as_text()
-    return model, np.asarray(forward(state, pool, batch)[1])[:len(prompt)], hlo
+    return model, np.asarray(forward(state, pool, batch)[1])[:PROMPT_LEN], hlo
 
 
 @pytest.mark.parametrize("scan_layers", [True, False], ids=["scan", "unrolled"])
@@ -106,19 +113,16 @@ def test_a_steps_padding_tokens_are_not_multiplied():
     """The step's tokens come first and its padding after (ForwardBatch): the model hands the native
     matmul the token count, so a padding row leaves every layer as it came in (its embedding), while
     the XLA model computes it like any token. The tokens' hidden states are the same either way."""
-    hidden = {}
+    hidden, n = {}, PROMPT_LEN
     for backend in ("cpu", "reference"):
         model = load_model(tiny_checkpoint("llama"), dtype="float32", attention_backend=backend)
-        cfg = model.config
-        pool = jnp.zeros(kv_pool_shape(cfg.num_layers, 16, 8, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
-        chunk = SeqChunk(np.random.default_rng(3).integers(3, cfg.vocab_size, 21).tolist(), 0, [3, 9, 4])
-        batch = build_forward_batch([chunk], 8, 4, choose_shape([chunk]))
+        pool, batch = _prompt_step(model.config, 3)
         graphdef, state = nnx.split(model.model)
         run = jax.jit(lambda state, pool, batch: nnx.merge(graphdef, state).hidden_states(pool, batch)[1])
         hidden[backend] = np.asarray(run(state, pool, batch))
         embedding = np.asarray(model.model.embed.get_value())[np.asarray(batch.input_ids)]
-    assert hidden["cpu"].shape[0] > 21, "the bucket must pad the 21 tokens"
-    np.testing.assert_array_equal(hidden["cpu"][21:], embedding[21:])
-    assert not np.allclose(hidden["reference"][21:], embedding[21:])
-    np.testing.assert_allclose(hidden["cpu"][:21], hidden["reference"][:21], rtol=0,
-                               atol=1e-5 * np.abs(hidden["reference"][:21]).max())
+    assert hidden["cpu"].shape[0] > n, "the bucket must pad the prompt's tokens"
+    np.testing.assert_array_equal(hidden["cpu"][n:], embedding[n:])
+    assert not np.allclose(hidden["reference"][n:], embedding[n:])
+    np.testing.assert_allclose(hidden["cpu"][:n], hidden["reference"][:n], rtol=0,
+                               atol=1e-5 * np.abs(hidden["reference"][:n]).max())
