@@ -280,3 +280,18 @@ def test_greedy_on_transposed_logits_equals_the_general_sampler():
     np.testing.assert_array_equal(np.asarray(fast.token_ids), np.asarray(ref.token_ids))
     np.testing.assert_allclose(np.asarray(fast.logprobs), np.asarray(ref.logprobs), atol=1e-5)
     np.testing.assert_array_equal(np.asarray(fast.ranks), np.asarray(ref.ranks))
+
+
+def test_first_argmax_is_argmax_with_ties_and_masked_rows():
+    """The sampler's argmax (max, then the smallest index at it): the first of tied maxima, as
+    jnp.argmax, on either axis; a fully masked row (all -inf) gives 0, as jnp.argmax."""
+    from jaxpaged.runner.sampler import first_argmax
+
+    x = np.asarray(jax.random.randint(jax.random.key(5), (6, 40), 0, 4), np.float32)   # many ties
+    x[2] = -np.inf
+    x[3, [7, 30]] = 9.0
+    for axis, data in ((-1, x), (0, x.T)):
+        index, top = jax.jit(first_argmax, static_argnums=1)(data, axis)
+        np.testing.assert_array_equal(np.asarray(index), np.argmax(data, axis=axis))
+        np.testing.assert_array_equal(np.asarray(top), np.max(data, axis=axis))
+    assert int(first_argmax(x, -1)[0][3]) == 7
