@@ -54,18 +54,17 @@ class BatchShape:
 def choose_shape(chunks: list[SeqChunk], token_floor: int = 8, seq_floor: int = 4,
                  max_tokens: int | None = None, max_seqs: int | None = None,
                  num_sample_rows: int = 0, row_per_token: bool = False,
-                 max_decode_seqs: int | None = None, one_row_bucket: bool = False) -> BatchShape:
+                 max_decode_seqs: int | None = None) -> BatchShape:
     """Bucketed shape for `chunks`; `num_sample_rows` > len(chunks) when n > 1 forks sample extra rows.
     `row_per_token` (speculative decoding): a step with a chunk of several tokens has a sample row
     for each of its tokens (each draft token is verified by its own row); a decode-only step may
-    then hold up to `max_decode_seqs` one-token queries (default: max_seqs). `one_row_bucket`: a
-    decode-only step of one sample row has a bucket of 1 below the floor (the runner's, on a CPU)."""
+    then hold up to `max_decode_seqs` one-token queries (default: max_seqs)."""
     total = sum(len(c.token_ids) for c in chunks)
     decode_only = all(len(c.token_ids) == 1 for c in chunks)
     # n > 1: forks sample beside their parent; the scheduler counts their seats in max_num_seqs
     rows = max(len(chunks), num_sample_rows)
     if decode_only:
-        num_seqs = 1 if one_row_bucket and rows == 1 else next_bucket(rows, seq_floor, max_decode_seqs or max_seqs)
+        num_seqs = next_bucket(rows, seq_floor, max_decode_seqs or max_seqs)
         return BatchShape(num_seqs, num_seqs, num_seqs, 1)
     # A step with a prompt chunk has one sequence bucket per token bucket, as many rows as it
     # could hold sequences: one compiled variant per token bucket. Padding rows cost no logits

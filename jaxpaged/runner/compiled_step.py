@@ -28,20 +28,13 @@ from jaxpaged.runner.batch_builder import PREFILL_Q_TILE, BatchShape
 from jaxpaged.runner.block_ops import warm_up_block_moves
 from jaxpaged.runner.persistent_batch import StepLayout, warm_up_updates
 from jaxpaged.runner.sampler import GREEDY_EPS, uses_output_tokens
-from jaxpaged.runner.step import (SAMPLER_KINDS, PromptStatics, SampleStatics, StepStatics, forward_fn,
-                                  prompt_logprobs_fn, sample_fn)
+from jaxpaged.runner.step import (LOGIT_ROW_CHUNK, SAMPLER_KINDS, PromptStatics, SampleStatics, StepStatics,
+                                  forward_fn, prompt_logprobs_fn, sample_fn)
 
 logger = logging.getLogger(__name__)
 
 TOKEN_FLOOR = 16      # the smallest token bucket of a step with a prompt chunk
 SEQ_FLOOR = 4         # the smallest sequence bucket (of a decode-only step)
-# On a CPU a step decoding one sequence has a bucket of its own (one more forward and sampler to
-# compile). XLA:CPU's matmul (YNNPACK) takes a one-row input through a matrix-vector path that
-# streams each weight once (~25 GB/s on the 2-core dev machine), and 2 rows or more through its
-# matrix-matrix path, which first copies each weight into its packed layout, on every call (~7 GB/s
-# of weight at 2-8 rows): one sequence alone decodes 1.6-1.9x faster. On a GPU one row or four read the
-# same weights in the same time: no extra variant there.
-ONE_ROW_BUCKET_PLATFORMS = ("cpu",)
 # Where the host picks a step's branches (step.py): XLA:GPU reads a conditional's predicate on the host,
 # after everything queued before it, so a `lax.cond` in the step kept the host from running ahead of
 # the device. This costs a prompt-logprobs program per bucket's token count and three samplers
@@ -80,7 +73,8 @@ class CompiledStep:
         and its kind (host_branches: one of _sampler_kinds, None meaning the first; else None: it picks)."""
         if self.host_branches:
             return shape.num_logits, False, kind or self._sampler_kinds[0]
-        return shape.num_logits, shape.q_tile != 1, None
+        # up to one chunk of rows, skipping computes them all too: the decode bucket's sampler serves
+        return shape.num_logits, shape.q_tile != 1 and shape.num_logits > LOGIT_ROW_CHUNK, None
 
     @property
     def _sampler_kinds(self) -> tuple:
@@ -151,8 +145,7 @@ class CompiledStep:
     def warmup_shapes(self) -> list[BatchShape]:
         """Every bucket a step can take: decode-only steps for each sequence bucket, and steps
         with a prompt chunk for each token bucket (choose_shape gives their sequence bucket)."""
-        decode = ([1] if self.one_row_bucket else []) + _buckets(SEQ_FLOOR, self.max_decode_seqs)
-        shapes = [BatchShape(s, s, s, 1) for s in decode]
+        shapes = [BatchShape(s, s, s, 1) for s in _buckets(SEQ_FLOOR, self.max_decode_seqs)]
         for t in _buckets(TOKEN_FLOOR, self.max_num_batched_tokens):
             s = min(t, self.max_num_seqs)
             shapes.append(BatchShape(t, s, t if self.speculative else s, PREFILL_Q_TILE))

@@ -41,8 +41,8 @@ from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.parallel import POOL_SPEC
 from jaxpaged.runner.batch_builder import BatchShape, SeqChunk, choose_shape, next_bucket
 from jaxpaged.runner.block_ops import HostSwapSpace, committed, copy_blocks
-from jaxpaged.runner.compiled_step import (HOST_BRANCH_PLATFORMS, ONE_ROW_BUCKET_PLATFORMS, SAMPLER_KINDS,
-                                           SEQ_FLOOR, TOKEN_FLOOR, CompiledStep, max_decode_queries, sampler_kind)
+from jaxpaged.runner.compiled_step import (HOST_BRANCH_PLATFORMS, SAMPLER_KINDS, SEQ_FLOOR, TOKEN_FLOOR, CompiledStep,
+                                           max_decode_queries, sampler_kind)
 from jaxpaged.runner.device_memory import DeviceMemory
 from jaxpaged.runner.multihost import (OP_MOVE, OP_SAMPLE, OP_STEP, OP_STOP, OP_UPDATES, StepChannel, follow,
                                        is_multihost, pairs_payload)
@@ -99,7 +99,6 @@ class ModelRunner(CompiledStep, DeviceMemory):
         self.speculative = num_speculative_tokens > 0
         self.max_decode_seqs = max_decode_queries(max_num_seqs, max_num_batched_tokens, num_speculative_tokens)
         self.plan = model.shard_plan   # its devices (tensor parallelism: the pool is sharded by KV heads)
-        self.one_row_bucket = self.plan.local_device.platform in ONE_ROW_BUCKET_PLATFORMS
         self.host_branches = self.plan.local_device.platform in HOST_BRANCH_PLATFORMS
         blocks = cdiv(max_model_len, block_size)
         self.max_blocks_per_seq = cdiv(blocks, KV_CHUNK_BLOCKS) * KV_CHUNK_BLOCKS
@@ -245,8 +244,7 @@ class ModelRunner(CompiledStep, DeviceMemory):
                 count_slots.append(slot)
         shape = choose_shape(chunks, token_floor=TOKEN_FLOOR, seq_floor=SEQ_FLOOR, max_tokens=self.max_num_batched_tokens,
                              max_seqs=self.max_num_seqs, num_sample_rows=len(sample_tokens),
-                             row_per_token=self.speculative, max_decode_seqs=self.max_decode_seqs,
-                             one_row_bucket=self.one_row_bucket)
+                             row_per_token=self.speculative, max_decode_seqs=self.max_decode_seqs)
         layout = StepLayout.of(shape)
         before, in_step = slots.take_updates(layout.num_updates)
         if before:   # requests with penalties, bias or min_tokens joined, or more updates than fit

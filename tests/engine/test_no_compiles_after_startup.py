@@ -70,9 +70,7 @@ def test_no_request_mix_compiles_after_startup(monkeypatch):
     metrics = llm.get_metrics()
     assert metrics["jaxpaged:num_preemptions_total"] > 0 and metrics["jaxpaged:swapped_out_blocks_total"] > 0
     assert compiled == [], f"compiled after start-up: {compiled}"
-    # a sequence decoding alone (the last of each batch here) runs the one-row bucket on a CPU (only there)
-    assert BatchShape(4, 4, 4, 1) in shapes
-    assert (BatchShape(1, 1, 1, 1) in shapes) == (jax.default_backend() == "cpu")
+    assert BatchShape(4, 4, 4, 1) in shapes   # a sequence decoding alone runs the smallest decode bucket
 
 
 def test_speculative_steps_compile_nothing_after_startup():

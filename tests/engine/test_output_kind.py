@@ -115,8 +115,7 @@ def test_llm_generate_returns_final_outputs_and_leaves_the_callers_params_alone(
     before = (params.clone(), params.was_set("top_p"), params.was_set("output_kind"))
     out = llm.generate([PROMPT, "Paged"], params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in out] == [5, 5] and all(o.finished for o in out)
-    # the same batch without output_kind: the same outputs to the bit (alone, a CPU decodes PROMPT in its one-row
-    # bucket, whose matrix-vector matmul rounds its logprobs differently in the last bits)
+    # the same batch without output_kind: the same outputs to the bit
     plain = llm.generate([PROMPT, "Paged"], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
     assert [o.outputs for o in out] == [o.outputs for o in plain]
     assert (params, params.was_set("top_p"), params.was_set("output_kind")) == before

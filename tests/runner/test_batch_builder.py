@@ -26,22 +26,18 @@ def test_warm_up_batches_take_the_flag_from_their_shape():
     assert not build_forward_batch([], 8, 8, BatchShape(16, 4, 4, 16)).attn.decode_only
 
 
-@pytest.mark.parametrize("one_row_bucket", [False, True])
 @pytest.mark.parametrize("k", [0, 4])
 @pytest.mark.parametrize("max_seqs, max_tokens", [(256, 2048), (16, 512), (10, 100), (8, 64)])
-def test_every_step_shape_is_one_compiled_at_startup(max_seqs, max_tokens, k, one_row_bucket):
+def test_every_step_shape_is_one_compiled_at_startup(max_seqs, max_tokens, k):
     """k > 0 (speculative decoding): decodes carry up to k drafts, laid out as one-token queries
-    when no prompt chunk runs beside them, else as chunks with a sample row per token. On a CPU
-    a step decoding one sequence has a bucket of its own (one_row_bucket)."""
+    when no prompt chunk runs beside them, else as chunks with a sample row per token."""
     import types
 
     from jaxpaged.runner.model_runner import SEQ_FLOOR, TOKEN_FLOOR, ModelRunner, max_decode_queries
 
     decode_cap = max_decode_queries(max_seqs, max_tokens, k)
     compiled = set(ModelRunner.warmup_shapes(types.SimpleNamespace(max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens,
-                                                                   speculative=k > 0, max_decode_seqs=decode_cap,
-                                                                   one_row_bucket=one_row_bucket)))
-    assert (BatchShape(1, 1, 1, 1) in compiled) == one_row_bucket
+                                                                   speculative=k > 0, max_decode_seqs=decode_cap)))
     rng = np.random.default_rng(max_seqs)
     for _ in range(3000):
         num_seqs = int(rng.integers(1, max_seqs + 1))
@@ -58,5 +54,5 @@ def test_every_step_shape_is_one_compiled_at_startup(max_seqs, max_tokens, k, on
         forks = int(rng.integers(0, max_seqs - num_seqs + 1))   # seats the scheduler kept for n > 1
         sample_rows = sum(d + 1 for d in drafts) + forks
         shape = choose_shape(chunks, TOKEN_FLOOR, SEQ_FLOOR, max_tokens, max_seqs, sample_rows,
-                             row_per_token=k > 0, max_decode_seqs=decode_cap, one_row_bucket=one_row_bucket)
+                             row_per_token=k > 0, max_decode_seqs=decode_cap)
         assert shape in compiled, (lengths, forks, shape)
