@@ -231,7 +231,7 @@ class SlotTable:
         bias = p.logit_bias or {}
         row = default_params()
         row[P_TEMPERATURE] = _f32_bits(p.temperature)
-        row[P_TOP_K] = max(p.top_k, 0)
+        row[P_TOP_K] = min(max(p.top_k, 0), np.iinfo(np.int32).max)   # past the vocabulary: all kept
         row[P_TOP_P] = _f32_bits(p.top_p)
         row[P_MIN_P] = _f32_bits(p.min_p)
         row[P_PRESENCE] = _f32_bits(p.presence_penalty)

@@ -92,6 +92,16 @@ def test_seeded_sampling_is_reproducible_alone_and_in_any_batch():
     assert unseeded[0] != unseeded[1], "unseeded requests should draw fresh randomness"
 
 
+def test_a_top_k_past_the_vocabulary_keeps_every_token_however_large():
+    """top_k >= the vocabulary truncates nothing, as top_k=-1, up to integers no array holds (a fuzzer
+    sent 2**31 over HTTP and the step failed packing it into int32)."""
+    llm = tiny_llm()
+    prompt = {"prompt_token_ids": [5, 17, 42, 9]}
+    outs = [llm.generate(prompt, SamplingParams(temperature=1.0, top_k=k, seed=7, max_tokens=8, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0].token_ids for k in (-1, 2**31, 2**70)]
+    assert outs[0] == outs[1] == outs[2]
+
+
 def test_stop_strings_stop_token_ids_and_min_tokens():
     llm = tiny_llm()
     base = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

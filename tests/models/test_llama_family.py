@@ -16,6 +16,11 @@ from tests.tiny_models import ARCHITECTURES, FAMILIES, hf_logits, tiny_checkpoin
 ALL = ARCHITECTURES + FAMILIES
 
 NUM_BLOCKS = 48
+# One pool and three step shapes for every test of an architecture (its forward compiles three times):
+# a prompt step with one logits row, the same with a row per token, and a decode step.
+BLOCK_SIZE = 8
+PROMPT_STEP = BatchShape(num_tokens=64, num_seqs=4, num_logits=4, q_tile=16)
+EVERY_ROW_STEP = BatchShape(num_tokens=64, num_seqs=4, num_logits=64, q_tile=16)
 
 
 @functools.cache
@@ -31,8 +36,8 @@ def loaded(arch: str, **overrides):
     return path, model.config, functools.partial(forward, state)
 
 
-def empty_pool(cfg, block_size):
-    return jnp.zeros(kv_pool_shape(cfg.num_layers, NUM_BLOCKS, block_size, cfg.num_kv_heads, cfg.head_dim),
+def empty_pool(cfg):
+    return jnp.zeros(kv_pool_shape(cfg.num_layers, NUM_BLOCKS, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim),
                      jnp.float32)
 
 
@@ -54,34 +59,30 @@ def test_whole_prompt_logits_match_transformers(arch, rope):
     path, cfg, forward = loaded(arch, **({"rope": rope} if rope else {}))
     rng = np.random.default_rng(0)
     tokens = rng.integers(3, cfg.vocab_size, 40).tolist()
-    block_size = 16
-    chunk = SeqChunk(tokens, 0, scattered_blocks(rng, 3), logits_positions=list(range(len(tokens))))
-    shape = BatchShape(num_tokens=48, num_seqs=4, num_logits=48, q_tile=16)
-    batch = build_forward_batch([chunk], block_size, 8, shape)
-    _, logits = forward(empty_pool(cfg, block_size), batch)
+    chunk = SeqChunk(tokens, 0, scattered_blocks(rng, 5), logits_positions=list(range(len(tokens))))
+    _, logits = forward(empty_pool(cfg), build_forward_batch([chunk], BLOCK_SIZE, 8, EVERY_ROW_STEP))
     assert_close(np.asarray(logits)[:len(tokens)], hf_logits(path, tokens))
 
 
-# every block boundary case on the Llama family; one (a prompt just past a block) on the others
-@pytest.mark.parametrize("arch,block_size,prompt_len",
-                         [(a, b, n) for a in ARCHITECTURES for b, n in ((8, 16), (16, 17), (32, 32))]
-                         + [(a, 16, 17) for a in FAMILIES])
-def test_incremental_decoding_through_scattered_pages(arch, block_size, prompt_len):
-    """Prompt, then one token at a time; prompts end on and just past a block boundary."""
+# every block boundary case on the Llama family (a prompt ending on a block, just past one, and just
+# before one, whose decoding crosses it); one (just past a block) on the others
+@pytest.mark.parametrize("arch,prompt_len", [(a, n) for a in ARCHITECTURES for n in (16, 17, 23)]
+                         + [(a, 17) for a in FAMILIES])
+def test_incremental_decoding_through_scattered_pages(arch, prompt_len):
+    """Prompt, then one token at a time, on blocks of 8 scattered over the pool."""
     path, cfg, forward = loaded(arch)
-    rng = np.random.default_rng(block_size + prompt_len)
+    rng = np.random.default_rng(prompt_len)
     num_decode = 6
     tokens = rng.integers(3, cfg.vocab_size, prompt_len + num_decode).tolist()
-    blocks = scattered_blocks(rng, -(-(prompt_len + num_decode) // block_size))
+    blocks = scattered_blocks(rng, -(-(prompt_len + num_decode) // BLOCK_SIZE))
     max_blocks = 8
-    pool = empty_pool(cfg, block_size)
+    pool = empty_pool(cfg)
     prompt = SeqChunk(tokens[:prompt_len], 0, blocks, logits_positions=[prompt_len - 1])
-    pool, logits = forward(pool, build_forward_batch([prompt], block_size, max_blocks,
-                                                     choose_shape([prompt], token_floor=32)))
+    pool, logits = forward(pool, build_forward_batch([prompt], BLOCK_SIZE, max_blocks, PROMPT_STEP))
     got = [np.asarray(logits)[0]]
     for pos in range(prompt_len, prompt_len + num_decode - 1):
         step = SeqChunk([tokens[pos]], pos, blocks, logits_positions=[0])
-        pool, logits = forward(pool, build_forward_batch([step], block_size, max_blocks, choose_shape([step])))
+        pool, logits = forward(pool, build_forward_batch([step], BLOCK_SIZE, max_blocks, choose_shape([step])))
         got.append(np.asarray(logits)[0])
     ref = hf_logits(path, tokens[:prompt_len + num_decode - 1])[prompt_len - 1:]
     assert_close(np.stack(got), ref)
@@ -92,16 +93,15 @@ def test_mixed_batch_of_prefills_chunks_and_decodes(arch):
     """One step mixing a fresh prompt, a prompt chunk on top of cached tokens and two decodes."""
     path, cfg, forward = loaded(arch)
     rng = np.random.default_rng(7)
-    block_size = 8
     seqs = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (30, 21, 9, 14)]
     cached = [0, 13, 8, 13]   # tokens already in the pool before the mixed step
     free = iter(scattered_blocks(rng, NUM_BLOCKS - 1))
-    tables = [[next(free) for _ in range(-(-len(s) // block_size))] for s in seqs]
-    pool = empty_pool(cfg, block_size)
+    tables = [[next(free) for _ in range(-(-len(s) // BLOCK_SIZE))] for s in seqs]
+    pool = empty_pool(cfg)
     first = [SeqChunk(s[:c], 0, t) for s, c, t in zip(seqs, cached, tables) if c]
-    pool, _ = forward(pool, build_forward_batch(first, block_size, 8, BatchShape(64, 4, 4, 16)))
+    pool, _ = forward(pool, build_forward_batch(first, BLOCK_SIZE, 8, PROMPT_STEP))
     mixed = [SeqChunk(s[c:], c, t, logits_positions=list(range(len(s) - c))) for s, c, t in zip(seqs, cached, tables)]
-    _, logits = forward(pool, build_forward_batch(mixed, block_size, 8, BatchShape(64, 4, 64, 16)))
+    _, logits = forward(pool, build_forward_batch(mixed, BLOCK_SIZE, 8, EVERY_ROW_STEP))
     logits = np.asarray(logits)
     row = 0
     for s, c in zip(seqs, cached):
@@ -118,7 +118,6 @@ def test_longrope_takes_its_long_factors_past_the_original_length(length):
     assert cfg.rope_type == "longrope" and cfg.rotary_dim == cfg.head_dim // 2
     rng = np.random.default_rng(length)
     tokens = rng.integers(3, cfg.vocab_size, length).tolist()
-    chunk = SeqChunk(tokens, 0, scattered_blocks(rng, 3), logits_positions=list(range(length)))
-    batch = build_forward_batch([chunk], 16, 8, BatchShape(num_tokens=48, num_seqs=4, num_logits=48, q_tile=16))
-    _, logits = forward(empty_pool(cfg, 16), batch)
+    chunk = SeqChunk(tokens, 0, scattered_blocks(rng, 5), logits_positions=list(range(length)))
+    _, logits = forward(empty_pool(cfg), build_forward_batch([chunk], BLOCK_SIZE, 8, EVERY_ROW_STEP))
     assert_close(np.asarray(logits)[:length], hf_logits(path, tokens))

@@ -16,7 +16,7 @@ import pytest
 
 from jaxpaged.models import quantization as qz
 from jaxpaged.models.loader import load_model
-from tests.models.test_llama_family import assert_close, empty_pool, scattered_blocks
+from tests.models.test_llama_family import BLOCK_SIZE, EVERY_ROW_STEP, assert_close, empty_pool, scattered_blocks
 from tests.tiny_models import hf_logits, tiny_checkpoint
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -43,18 +43,16 @@ def dequantized_checkpoint(arch: str, mode: str) -> str:
 def forward_logits(path: str, tokens: list[int], quantized_matmul: str = "auto", **load_kwargs) -> np.ndarray:
     from flax import nnx
 
-    from jaxpaged.runner.batch_builder import BatchShape, SeqChunk, build_forward_batch
+    from jaxpaged.runner.batch_builder import SeqChunk, build_forward_batch
 
     loaded = load_model(path, dtype="float32", **load_kwargs)
     loaded.model.quantized_matmul = quantized_matmul
     graphdef, state = nnx.split(loaded.model)
-    block_size = 16
     rng = np.random.default_rng(0)
-    chunk = SeqChunk(tokens, 0, scattered_blocks(rng, 3), logits_positions=list(range(len(tokens))))
-    batch = build_forward_batch([chunk], block_size, 8, BatchShape(num_tokens=48, num_seqs=4, num_logits=48,
-                                                                    q_tile=16))
+    chunk = SeqChunk(tokens, 0, scattered_blocks(rng, 5), logits_positions=list(range(len(tokens))))
+    batch = build_forward_batch([chunk], BLOCK_SIZE, 8, EVERY_ROW_STEP)
     forward = jax.jit(lambda state, pool, batch: nnx.merge(graphdef, state)(pool, batch))
-    _, logits = forward(state, empty_pool(loaded.config, block_size), batch)
+    _, logits = forward(state, empty_pool(loaded.config), batch)
     return np.asarray(logits)[:len(tokens)], loaded
 
 
