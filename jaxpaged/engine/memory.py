@@ -176,8 +176,8 @@ def step_memory(runner, shape) -> StepMemory:
         raise ValueError("this backend gives no memory analysis of the compiled step: pass "
                          "kv_cache_memory_bytes or num_gpu_blocks_override")
     forward, samplers, prompt = analyses[0], analyses[1:1 + len(samplers)], analyses[1 + len(samplers):]
-    # a step runs one of its samplers (host_branches: one of three kinds), and prompt logprobs, when
-    # a separate program (host_branches), after the forward
+    # a step runs one of its samplers (host_branches: one of three kinds), and prompt logprobs (when
+    # asked) after the forward
     sampler = max(samplers, key=lambda a: a.temp_size_in_bytes)
     weights = sum(x.nbytes for x in jax.tree.leaves(runner.state) if hasattr(x, "nbytes"))
     state = runner.slot_state.nbytes

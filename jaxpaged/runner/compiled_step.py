@@ -7,8 +7,8 @@ description, the persistent batch and the shard plan.
     sampler   one per sample-row count (and kind of bucket); with `host_branches` (a GPU) in the
               three kinds of step.SAMPLER_KINDS, the host picking per step (`sampler_kind`); a
               `greedy_only` runner (a draft model's) compiles the "greedy" kind alone
-    prompt    with `host_branches` only (not greedy_only): prompt logprobs from the forward's hidden
-              states, one per bucket's token count
+    prompt    prompt logprobs from the forward's hidden states, one per bucket's token count, run
+              only for steps that ask (none for a greedy_only runner)
 
 `warmup` compiles every one at start-up (and runs the block moves' and slot updates' buckets
 once), so nothing compiles while serving; a program missing later is compiled with a warning.
@@ -37,10 +37,9 @@ TOKEN_FLOOR = 16      # the smallest token bucket of a step with a prompt chunk
 SEQ_FLOOR = 4         # the smallest sequence bucket (of a decode-only step)
 # Where the host picks a step's branches (step.py): XLA:GPU reads a conditional's predicate on the host,
 # after everything queued before it, so a `lax.cond` in the step kept the host from running ahead of
-# the device. This costs a prompt-logprobs program per bucket's token count and three samplers
-# per sample-row count (SAMPLER_KINDS; a prompt bucket's sampler then computes its padding rows' logits
-# too, whose skip was a loop of run-time length, and so shares the decode bucket's); on a CPU the
-# conditionals are cheap and those stay unneeded.
+# the device. This costs three samplers per sample-row count (SAMPLER_KINDS; a prompt bucket's sampler
+# then computes its padding rows' logits too, whose skip was a loop of run-time length, and so shares
+# the decode bucket's); on a CPU the conditionals are cheap and those stay unneeded.
 HOST_BRANCH_PLATFORMS = ("gpu",)
 
 
@@ -50,7 +49,7 @@ class CompiledStep:
     def _init_programs(self) -> None:
         self._compiled = {}                 # BatchShape -> the forward compiled for it
         self._samplers = {}                 # (sample rows, skip_padding, kind) -> the sampler compiled for them
-        self._prompt_fns = {}               # host_branches: step tokens -> its prompt-logprobs executable
+        self._prompt_fns = {}               # step tokens -> its prompt-logprobs executable
         self._prompt_fns_lock = threading.Lock()   # start-up compiles buckets in threads; two share a token count
         self._warmed_up = False             # warmup() ran: a later compile is a missing bucket
 
@@ -63,7 +62,7 @@ class CompiledStep:
         if forward is None or sampler is None:   # expected only without compile_on_startup
             log = logger.warning if self._warmed_up else logger.debug
             log("compiling a step variant not compiled at start-up: %s", shape)
-            forward, _ = self.compile_step(shape)
+            forward, _ = self.compile_step(shape, prompt_logprobs=False)   # compiled when a step asks
             sampler = self._samplers[key]
         return forward, sampler
 
@@ -92,25 +91,26 @@ class CompiledStep:
         return forward, samplers, self._prompt_fns.get(shape.num_tokens)
 
     def _prompt_logprobs(self, shape: BatchShape, hidden: jax.Array, buffer: np.ndarray) -> jax.Array:
-        """host_branches: the prompt logprobs of a step that asks for some, from its hidden states
+        """The prompt logprobs of a step that asks for some, from its hidden states
         (the program compiled for the step's token count, whatever its bucket)."""
         prompt_fn = self._prompt_fns.get(shape.num_tokens)
-        if prompt_fn is None:
-            logger.warning("compiling a step variant not compiled at start-up: %s", shape)
+        if prompt_fn is None:   # expected only without compile_on_startup
+            log = logger.warning if self._warmed_up else logger.debug
+            log("compiling prompt logprobs not compiled at start-up: %s", shape)
             self.compile_step(shape)
             prompt_fn = self._prompt_fns[shape.num_tokens]
         offset, size = StepLayout.of(shape).fields["prompt_targets"]
         return prompt_fn(self.state, hidden, self.plan.put(buffer[offset:offset + size]))
 
-    def compile_step(self, shape: BatchShape):
+    def compile_step(self, shape: BatchShape, prompt_logprobs: bool = True):
         """Compile (and keep) the forward for `shape` and, unless kept already, its sampler (with
-        host_branches: a sampler of each of _sampler_kinds, and its prompt-logprobs program unless
-        greedy_only); returns the forward and the (first) sampler, as jax.stages.Compiled."""
+        host_branches: a sampler of each of _sampler_kinds) and, with `prompt_logprobs`, its
+        prompt-logprobs program (never for a greedy_only runner); returns the forward and the (first)
+        sampler, as jax.stages.Compiled."""
         forward = self._compiled.get(shape)
         if forward is None:
             layout = StepLayout.of(shape)
-            statics = StepStatics(self.graphdef, layout, shape.q_tile, self.block_size, self.max_logprobs,
-                                  self.plan, inline_prompt_logprobs=not self.host_branches)
+            statics = StepStatics(self.graphdef, layout, shape.q_tile, self.block_size, self.plan)
             buffer = layout.empty(self.slot_table.pad_slot)[0]   # its shape only: nothing moves while compiling
             args = (self.state, self.kv_pool_spec, self.slot_state,
                     jax.ShapeDtypeStruct(buffer.shape, buffer.dtype, sharding=self.plan.array_sharding(P())),
@@ -133,7 +133,7 @@ class CompiledStep:
                                                       bitmask).compile(self.compiler_options)
         # every bucket's token count: a step of one-token chunks (a decode shape) can hold a prompt's
         # last chunk too, when the token budget left it one token
-        if self.host_branches and not self.greedy_only:
+        if prompt_logprobs and not self.greedy_only:
             with self._prompt_fns_lock:
                 if shape.num_tokens not in self._prompt_fns:
                     statics = PromptStatics(self.graphdef, self.max_logprobs, self.plan)

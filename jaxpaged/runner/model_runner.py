@@ -85,7 +85,7 @@ class ModelRunner(CompiledStep, DeviceMemory):
                  greedy_only: bool = False):
         self.model_config = model.config
         # every request it runs samples plain greedy, without prompt logprobs (a draft model's runner):
-        # with host_branches, one sampler kind and no prompt-logprobs programs to compile
+        # no prompt-logprobs programs to compile, and with host_branches one sampler kind
         self.greedy_only = greedy_only
         self.compiler_options = compiler_options or None   # XLA options of the step's programs (optimization_level)
         self.graphdef, self.state = nnx.split(model)
@@ -293,14 +293,12 @@ class ModelRunner(CompiledStep, DeviceMemory):
     def run_forward(self, shape: BatchShape, buffer: np.ndarray, prev_tokens: jax.Array,
                     prompt_logprobs: bool = False):
         """Launch the forward of a step (its inputs packed in `buffer`); returns (sample rows, prompt
-        logprobs), both left on the device (prompt logprobs: None when the step asks none and the host
-        picks branches). The first step of an engine calibrating its fp8 KV scales
+        logprobs), both left on the device (prompt logprobs: None when the step asks none). The first step of an engine calibrating its fp8 KV scales
         (calculate_kv_scales) sets them for every later step."""
         forward, _ = self._executables(shape)
-        self.kv_pool, self.slot_state, sample_rows, prompt_packed, kv_scales = forward(
+        self.kv_pool, self.slot_state, sample_rows, hidden, kv_scales = forward(
             self.state, self.kv_pool, self.slot_state, self.plan.put(buffer), prev_tokens)
-        if self.host_branches:   # prompt_packed holds the hidden states
-            prompt_packed = self._prompt_logprobs(shape, prompt_packed, buffer) if prompt_logprobs else None
+        prompt_packed = self._prompt_logprobs(shape, hidden, buffer) if prompt_logprobs else None
         if self.calibrating_kv_scales:
             self.state["kv_scales"].set_value(kv_scales)
             self.calibrating_kv_scales = False

@@ -1,18 +1,22 @@
 """The engine's jitted step, in two executables (compiled by ModelRunner):
 
-    forward(weights, kv_pool, slots, buffer, prev_tokens) -> (kv_pool, slots, rows, prompt_out)
+    forward(weights, kv_pool, slots, buffer, prev_tokens) -> (kv_pool, slots, rows, hidden)
     sample(weights, slots, rows, bitmask)                 -> (slots, packed, tokens)
+    prompt_logprobs(weights, hidden, targets)             -> packed prompt logprobs
 
-one forward per shape bucket and one sampler per sample-row count. The split lets the host fill
-a structured-output bitmask while the forward runs (vLLM V1's execute_model / sample_tokens).
+one forward per shape bucket and one sampler per sample-row count; the third runs only for steps
+whose requests ask for prompt logprobs (one per step token count, compiled at start-up with the
+rest unless the runner is greedy_only). The split lets the host fill a structured-output bitmask
+while the forward runs (vLLM V1's execute_model / sample_tokens). Prompt logprobs were a `lax.cond`
+inside each forward on a CPU until 2026-12-05: a fifth of every forward's compile time, which an
+engine compiling its steps as they come (compile_on_startup=False) now spends only when asked.
 
-Branches: on a CPU the step skips the work a batch does not need with `lax.cond` (prompt logprobs
-in the forward, the plain-greedy fast path in the sampler). XLA:GPU evaluates a conditional's
-predicate on the host, which waits for the device to finish everything queued before it: the host
-could not run ahead of the device (an H200 trace: each forward's dispatch blocked the host for the
-whole forward). There (`host_branches`) the host, which knows the batch, picks instead: the forward
-returns its hidden states and a third executable computes prompt logprobs only for steps that
-ask (`prompt_logprobs_fn`); the sampler is compiled in SAMPLER_KINDS and the host picks per step:
+Branches: on a CPU the sampler skips the work a batch does not need with `lax.cond` (the
+plain-greedy fast path). XLA:GPU evaluates a conditional's predicate on the host, which waits for
+the device to finish everything queued before it: the host could not run ahead of the device (an
+H200 trace: each forward's dispatch blocked the host for the whole forward). There
+(`host_branches`) the host, which knows the batch, picks instead: the sampler is compiled in
+SAMPLER_KINDS and the host picks per step:
 "greedy" (every row plain greedy: no conditional), "untruncated" (no row with top-k or top-p: the
 rest runs branch-free, row-masked), "general" (the conditionals, as on a CPU).
 
@@ -78,9 +82,7 @@ class StepStatics:
     layout: StepLayout
     q_tile: int
     block_size: int
-    num_logprobs: int
     plan: ShardPlan
-    inline_prompt_logprobs: bool = True   # False: return the hidden states (prompt_logprobs_fn follows)
 
 
 @jax.tree_util.register_dataclass
@@ -118,10 +120,9 @@ def forward_fn(statics: StepStatics, state, kv_pool, slots: SlotState, buffer, p
     the previous step's sampled tokens, of which row prev_source[i] becomes input token
     prev_index[i] (out-of-bounds indices are dropped).
 
-    Returns (kv_pool, slots, SampleRows, prompt_out, kv_scales f32[L, 2]): prompt_out, the prompt
-    logprobs packed f32[T * (2 + 2K)] (zeros where no token asks), or with inline_prompt_logprobs
-    False the hidden states [T, hidden] for prompt_logprobs_fn; kv_scales, the fp8 KV scales the step
-    wrote with (calibrated by this step where they were 0).
+    Returns (kv_pool, slots, SampleRows, hidden [T, hidden], kv_scales f32[L, 2]): hidden, every
+    token's hidden state (prompt_logprobs_fn's input, when a request asks); kv_scales, the fp8 KV
+    scales the step wrote with (calibrated by this step where they were 0).
     """
     f = statics.layout.unpack(buffer)
     slots = apply_step_updates(slots, f["updates"])
@@ -133,22 +134,15 @@ def forward_fn(statics: StepStatics, state, kv_pool, slots: SlotState, buffer, p
                          attn=attention_metadata(kv_lens, tables, f["cu_q_lens"], statics.q_tile), lora_index=lora_index)
     model = nnx.merge(statics.graphdef, state)
     kv_pool, hidden = model.hidden_states(kv_pool, batch)
-    K = statics.num_logprobs
     rows = SampleRows(hidden[batch.logits_indices], f["row_slots"], f["count_slots"], f["row_draft"],
                       f["row_first"])
-    targets = f["prompt_targets"]
-    if statics.inline_prompt_logprobs:
-        prompt_packed = jax.lax.cond(jnp.any(targets >= 0), lambda: _prompt_logprobs(model, hidden, targets, K),
-                                     lambda: jnp.zeros(hidden.shape[0] * (2 + 2 * K), jnp.float32))
-    else:
-        prompt_packed = hidden
     # with a mesh: the pool stays sharded by KV heads, everything else comes back replicated, so
     # the sampler and the next step (compiled for exactly these shardings) take them as they are
     plan = statics.plan
     kv_pool = plan.constrain(kv_pool, POOL_SPEC)
-    slots, rows, prompt_packed, kv_scales = (jax.tree.map(lambda a: plan.constrain(a, P()), x)
-                                             for x in (slots, rows, prompt_packed, model.kv_scales[...]))
-    return kv_pool, slots, rows, prompt_packed, kv_scales
+    slots, rows, hidden, kv_scales = (jax.tree.map(lambda a: plan.constrain(a, P()), x)
+                                      for x in (slots, rows, hidden, model.kv_scales[...]))
+    return kv_pool, slots, rows, hidden, kv_scales
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
@@ -202,9 +196,9 @@ class PromptStatics:
 
 @functools.partial(jax.jit, static_argnums=(0,))
 def prompt_logprobs_fn(statics: PromptStatics, state, hidden, targets):
-    """A step's prompt logprobs from the forward's hidden states (host_branches: run only for steps
-    with a token asking). targets: i32[T], each token's next prompt token (-1: not asked).
-    Returns f32[T * (2 + 2K)], as the forward's inline prompt_packed."""
+    """A step's prompt logprobs from the forward's hidden states (run only for steps with a token
+    asking). targets: i32[T], each token's next prompt token (-1: not asked).
+    Returns f32[T * (2 + 2K)]: per token its logprob, rank and top-K (read only where asked)."""
     model = nnx.merge(statics.graphdef, state)
     packed = _prompt_logprobs(model, hidden, targets, statics.num_logprobs)
     return statics.plan.constrain(packed, P())
