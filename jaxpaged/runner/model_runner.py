@@ -293,8 +293,8 @@ class ModelRunner(CompiledStep, DeviceMemory):
     def run_forward(self, shape: BatchShape, buffer: np.ndarray, prev_tokens: jax.Array,
                     prompt_logprobs: bool = False):
         """Launch the forward of a step (its inputs packed in `buffer`); returns (sample rows, prompt
-        logprobs), both left on the device (prompt logprobs: None when the step asks none). The first step of an engine calibrating its fp8 KV scales
-        (calculate_kv_scales) sets them for every later step."""
+        logprobs), both left on the device (prompt logprobs: None when the step asks none). The first
+        step of an engine calibrating its fp8 KV scales (calculate_kv_scales) sets them for every later step."""
         forward, _ = self._executables(shape)
         self.kv_pool, self.slot_state, sample_rows, hidden, kv_scales = forward(
             self.state, self.kv_pool, self.slot_state, self.plan.put(buffer), prev_tokens)

@@ -1,4 +1,4 @@
-"""The engine's jitted step, in two executables (compiled by ModelRunner):
+"""The engine's jitted step, in three executables (compiled by ModelRunner):
 
     forward(weights, kv_pool, slots, buffer, prev_tokens) -> (kv_pool, slots, rows, hidden)
     sample(weights, slots, rows, bitmask)                 -> (slots, packed, tokens)
