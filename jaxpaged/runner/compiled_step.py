@@ -152,8 +152,9 @@ class CompiledStep:
         return shapes
 
     def warmup(self, shapes: list[BatchShape], progress=None) -> None:
-        """Compile the forward and the sampler for every shape in `shapes` (nothing runs), and the
-        block moves for every bucket (each runs once, moving nothing)."""
+        """Compile the forward, the sampler and the prompt-logprobs program (compile_step) for every
+        shape in `shapes` (nothing runs), and the block moves for every bucket (each runs once, moving
+        nothing)."""
         # XLA compiles outside the GIL: a few threads use the host's cores (each variant alone is
         # mostly single-threaded). Shapes sharing a sampler: the first compiles it, the rest after it.
         todo = [shape for shape in shapes if shape not in self._compiled]
