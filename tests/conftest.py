@@ -38,6 +38,18 @@ os.environ.setdefault("JAXPAGED_OPTIMIZATION_LEVEL", "0")   # see above; a test 
 if SUITE_XLA_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + SUITE_XLA_FLAG).strip()
 
+# Each test process on cores of its own (every process it starts inherits them): XLA sizes its thread
+# pools from the process's affinity, so the two processes' steps no longer share both cores, where a
+# descheduled worker of one parallel op held up the rest of it.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _WORKER.startswith("gw") and hasattr(os, "sched_setaffinity"):
+    _cores = sorted(os.sched_getaffinity(0))
+    _count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    _share = len(_cores) // _count
+    if _share >= 1:
+        _index = int(_WORKER[2:])
+        os.sched_setaffinity(0, _cores[_index * _share:(_index + 1) * _share])
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
