@@ -50,6 +50,29 @@ if _WORKER.startswith("gw") and hasattr(os, "sched_setaffinity"):
         _index = int(_WORKER[2:])
         os.sched_setaffinity(0, _cores[_index * _share:(_index + 1) * _share])
 
+# The files that take more than ~30 s of a core (a full run's CPU seconds per file), longest first:
+# pytest-xdist hands whole files to the test processes as they free up, in collection order
+# (pyproject: --dist loadfile --no-loadscope-reorder), and with the longest started first the last
+# files handed out are short ones, so both processes finish together (its own order, most tests
+# first, left the one-test notebook and GPU-check files to the end: one process ran 36 s longer).
+LONGEST_FILES = [
+    "tests/notebooks/test_notebooks.py", "tests/models/test_quantized_accuracy.py",
+    "tests/engine/test_spec_decode.py", "tests/scripts/test_gpu_check.py", "tests/engine/test_attention_backends.py",
+    "tests/engine/test_quantized_engine.py", "tests/parallel/test_layouts_quantized.py",
+    "tests/models/test_quantization.py", "tests/kernels/test_pallas_attention.py", "tests/models/test_llama_family.py",
+    "tests/parallel/test_multihost.py", "tests/parallel/test_spec_decode_layouts.py",
+    "tests/engine/test_host_branches.py", "tests/parallel/test_layouts_llama.py",
+]
+
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+assert all(os.path.isfile(os.path.join(_ROOT, name)) for name in LONGEST_FILES), "LONGEST_FILES names a moved file"
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.partition("::")[0], len(rank)))   # stable: files stay whole
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
