@@ -39,8 +39,8 @@ if SUITE_XLA_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + SUITE_XLA_FLAG).strip()
 
 # Each test process on cores of its own (every process it starts inherits them): XLA sizes its thread
-# pools from the process's affinity, so the two processes' steps no longer share both cores, where a
-# descheduled worker of one parallel op held up the rest of it.
+# pools from the process's affinity, so the two processes' pools no longer both spread over both cores.
+# Measured on 2 cores: the run's CPU seconds 1,651 -> 1,394 (the notebooks' 215 -> 128), pytest 14:36 -> 12:25.
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 if _WORKER.startswith("gw") and hasattr(os, "sched_setaffinity"):
     _cores = sorted(os.sched_getaffinity(0))
