@@ -7,9 +7,9 @@
 one forward per shape bucket and one sampler per sample-row count; the third runs only for steps
 whose requests ask for prompt logprobs (one per step token count, compiled at start-up with the
 rest unless the runner is greedy_only). The split lets the host fill a structured-output bitmask
-while the forward runs (vLLM V1's execute_model / sample_tokens). Prompt logprobs were a `lax.cond`
-inside each forward on a CPU until 2026-12-05: a fifth of every forward's compile time, which an
-engine compiling its steps as they come (compile_on_startup=False) now spends only when asked.
+while the forward runs (vLLM V1's execute_model / sample_tokens). Prompt logprobs are their own
+program on every platform: as a `lax.cond` inside the forward they were a fifth of its compile time,
+which an engine compiling its steps as they come (compile_on_startup=False) now spends only when asked.
 
 Branches: on a CPU the sampler skips the work a batch does not need with `lax.cond` (the
 plain-greedy fast path). XLA:GPU evaluates a conditional's predicate on the host, which waits for
