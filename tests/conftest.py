@@ -60,7 +60,8 @@ LONGEST_FILES = [
     "tests/engine/test_quantized_engine.py", "tests/parallel/test_layouts_quantized.py",
     "tests/models/test_quantization.py", "tests/kernels/test_pallas_attention.py", "tests/models/test_llama_family.py",
     "tests/parallel/test_multihost.py", "tests/parallel/test_spec_decode_layouts.py",
-    "tests/engine/test_host_branches.py", "tests/parallel/test_layouts_llama.py",
+    "tests/engine/test_host_branches.py", "tests/parallel/test_layouts_llama.py", "tests/parallel/test_layouts_moe.py",
+    "tests/parallel/test_layouts_qwen.py",
 ]
 
 

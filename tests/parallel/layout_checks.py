@@ -1,8 +1,8 @@
 """Checks of tensor and data parallelism on 8 forced CPU devices (a subprocess per model: the
 device count is fixed when jax starts): the same greedy tokens and logprobs as one device, from
 the original checkpoint and from its `jaxpaged convert` orbax folder, weights and KV pool really
-sharded, requests spread over replicas and metrics summed. One test file per model
-(test_layouts_*.py), so the test processes share them."""
+sharded, requests spread over replicas and metrics summed. One test file per model or two
+(test_layouts_*.py): the test processes share the files, and a file's models share one subprocess."""
 
 import json
 import os
@@ -32,7 +32,7 @@ CASES = {
 }
 
 
-def run_worker(spec: dict) -> dict:
+def run_worker(spec: dict | list[dict]) -> dict | list[dict]:
     env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-m", "tests.parallel.worker", json.dumps(spec)], cwd=ROOT, env=env,
@@ -42,11 +42,10 @@ def run_worker(spec: dict) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def run_case(name: str):
+def case_spec(name: str) -> dict:
     arch, overrides, layouts, orbax_layouts, pallas_layouts = CASES[name]
-    return name, CASES[name], run_worker(
-        {"arch": arch, "overrides": overrides, "layouts": layouts, "orbax_layouts": orbax_layouts,
-         "pallas_layouts": pallas_layouts})
+    return {"arch": arch, "overrides": overrides, "layouts": layouts, "orbax_layouts": orbax_layouts,
+            "pallas_layouts": pallas_layouts}
 
 
 def check_every_layout_and_the_converted_checkpoint_give_the_single_device_tokens_and_logprobs(case):
@@ -96,11 +95,22 @@ def check_data_parallel_spreads_requests_and_sums_metrics(case):
 
 
 
-def layout_tests(name: str) -> dict:
-    """The three tests of case `name` and their module fixture, for a test file's globals()."""
+def layout_tests(*names: str) -> dict:
+    """The tests of the cases `names` and their fixtures, for a test file's globals(): the cases run
+    one after the other in one subprocess (one start-up of jax and torch for the file)."""
     @pytest.fixture(scope="module")
-    def case():
-        return run_case(name)
+    def cases():
+        return dict(zip(names, run_worker([case_spec(name) for name in names])))
+
+    @pytest.fixture(params=names)
+    def case(request, cases):
+        return request.param, CASES[request.param], cases[request.param]
+
+    data_parallel = [name for name in names if any(dp > 1 for _, dp in CASES[name][2])]
+
+    @pytest.fixture(params=data_parallel)
+    def data_parallel_case(request, cases):
+        return request.param, CASES[request.param], cases[request.param]
 
     def test_every_layout_gives_the_single_device_tokens_and_logprobs(case):
         check_every_layout_and_the_converted_checkpoint_give_the_single_device_tokens_and_logprobs(case)
@@ -108,11 +118,11 @@ def layout_tests(name: str) -> dict:
     def test_each_device_holds_its_share_of_the_weights_and_the_kv_pool(case):
         check_each_device_holds_its_share_of_the_weights_and_the_kv_pool(case)
 
-    def test_data_parallel_spreads_requests_and_sums_metrics(case):
-        check_data_parallel_spreads_requests_and_sums_metrics(case)
+    def test_data_parallel_spreads_requests_and_sums_metrics(data_parallel_case):
+        check_data_parallel_spreads_requests_and_sums_metrics(data_parallel_case)
 
-    tests = [case, test_every_layout_gives_the_single_device_tokens_and_logprobs,
+    tests = [cases, case, test_every_layout_gives_the_single_device_tokens_and_logprobs,
              test_each_device_holds_its_share_of_the_weights_and_the_kv_pool]
-    if any(dp > 1 for _, dp in CASES[name][2]):
-        tests.append(test_data_parallel_spreads_requests_and_sums_metrics)
+    if data_parallel:
+        tests += [data_parallel_case, test_data_parallel_spreads_requests_and_sums_metrics]
     return {f.__name__: f for f in tests}

@@ -15,7 +15,8 @@ import sys
 # swap preemption (block moves), and penalties, min_tokens, logit_bias and n > 1 (slot updates, forks):
 # every kind of device operation a follower replays
 ENGINE = dict(dtype="float32", max_num_batched_tokens=32, max_num_seqs=4, num_gpu_blocks_override=24, block_size=8,
-              preemption_mode="swap", swap_space=64 * 3072 / 2**30)   # 64 host blocks of the tiny model
+              preemption_mode="swap", swap_space=64 * 3072 / 2**30,   # 64 host blocks of the tiny model
+              compile_on_startup=False)   # each step compiles when first met, on both hosts alike
 
 
 def extra_params():

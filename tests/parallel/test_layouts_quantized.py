@@ -10,11 +10,20 @@ from tests.parallel.layout_checks import run_worker
 COLUMN, ROW = ("wqkv", "w_gate_up"), ("wo", "w_down")
 
 
-@pytest.fixture(scope="module", params=[dict(quantization="int4", kv_cache_dtype="fp8"),
-                                        dict(quantization="int8")], ids=["int4+fp8", "int8"])
-def results(request):
-    return request.param, run_worker({"arch": "qwen2", "overrides": {}, "layouts": [[1, 1], [2, 1], [2, 2]],
-                                      "engine": request.param})
+CONFIGS = {"int4+fp8": dict(quantization="int4", kv_cache_dtype="fp8"), "int8": dict(quantization="int8")}
+
+
+@pytest.fixture(scope="module")
+def all_results():
+    """Both configurations in one subprocess (one start-up, one checkpoint)."""
+    runs = run_worker([{"arch": "qwen2", "overrides": {}, "layouts": [[1, 1], [2, 1], [2, 2]], "engine": config}
+                       for config in CONFIGS.values()])
+    return dict(zip(CONFIGS, runs))
+
+
+@pytest.fixture(params=list(CONFIGS))
+def results(request, all_results):
+    return CONFIGS[request.param], all_results[request.param]
 
 
 def test_every_layout_gives_the_single_device_tokens_and_logprobs(results):

@@ -19,25 +19,33 @@ import jax, numpy as np
 from jaxpaged.parallel import ShardPlan
 from tests.models.test_quantization import forward_logits
 from tests.tiny_models import tiny_checkpoint
-mode = sys.argv[1]
 tokens = np.random.default_rng(5).integers(3, 320, 40).tolist()
 path = tiny_checkpoint("llama")
-ref, _ = forward_logits(path, tokens, quantized_matmul="reference", quantization=mode)
 out = {}
-for tp in (1, 2):
-    plan = ShardPlan.for_devices(jax.devices()[:tp]) if tp > 1 else ShardPlan()
-    got, loaded = forward_logits(path, tokens, quantized_matmul="pallas", quantization=mode, shard_plan=plan)
-    out[tp] = float(np.abs(got - ref).max() / np.abs(ref).max())
+for mode in sys.argv[1:]:
+    ref, _ = forward_logits(path, tokens, quantized_matmul="reference", quantization=mode)
+    for tp in (1, 2):
+        plan = ShardPlan.for_devices(jax.devices()[:tp]) if tp > 1 else ShardPlan()
+        got, loaded = forward_logits(path, tokens, quantized_matmul="pallas", quantization=mode, shard_plan=plan)
+        out[f"{mode} tp={tp}"] = float(np.abs(got - ref).max() / np.abs(ref).max())
 print("RESULT " + json.dumps(out))
 """
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_the_kernel_per_shard_gives_the_single_device_logits(mode):
+MODES = ["int8", "int4"]
+
+
+@pytest.fixture(scope="module")
+def errors():
+    """Both modes in one subprocess (one start-up, one checkpoint)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    run = subprocess.run([sys.executable, "-c", SCRIPT, mode], cwd=ROOT, env=env, capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-c", SCRIPT, *MODES], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=600)
     lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
     assert run.returncode == 0 and lines, run.stderr[-3000:]
-    errors = json.loads(lines[-1][len("RESULT "):])
-    assert errors["1"] < 1e-4 and errors["2"] < 1e-4, errors
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_kernel_per_shard_gives_the_single_device_logits(mode, errors):
+    assert errors[f"{mode} tp=1"] < 1e-4 and errors[f"{mode} tp=2"] < 1e-4, errors

@@ -2,6 +2,8 @@
 with several parallel layouts on one tiny checkpoint and prints the results as JSON.
 
     python -m tests.parallel.worker '{"arch": "llama", "overrides": {...}, "layouts": [[1, 1], [2, 1]]}'
+
+or a JSON list of such specs, run one after the other in this process (a list of results).
 """
 
 import json
@@ -51,6 +53,7 @@ def main(spec: dict) -> dict:
     prompts, params = prompts_and_params()
     runs = [("", path, tp, dp) for tp, dp in spec["layouts"]]
     runs += [("pallas-", path, tp, dp) for tp, dp in spec.get("pallas_layouts", [])]
+    runs += [("plain-", path, tp, dp) for tp, dp in spec.get("plain_layouts", [])]   # without spec["engine"]
     if spec.get("orbax_layouts"):   # `jaxpaged convert`'s folder, restored into each layout
         from jaxpaged.models.loader import convert_checkpoint
         converted = convert_checkpoint(path, os.path.join(scratch_folder("converted-"), "converted"), "float32")
@@ -61,9 +64,10 @@ def main(spec: dict) -> dict:
     results = {}
     for prefix, source, tp, dp in runs:
         backend = {"attention_backend": "pallas"} if prefix == "pallas-" else {}   # interpret mode on CPU
+        extra = {"compile_on_startup": False} if prefix == "plain-" else engine
         llm = LLM(source, dtype="float32", **backend, tensor_parallel_size=tp, data_parallel_size=dp, max_num_batched_tokens=32,
                   max_num_seqs=4, num_gpu_blocks_override=spec.get("blocks", 24), block_size=8, use_tqdm=False,
-                  **engine)
+                  **extra)
         outs = llm.generate(prompts, params, use_tqdm=False)
         results[f"{prefix}{tp}x{dp}"] = {
             "tokens": [o.outputs[0].token_ids for o in outs],
@@ -78,4 +82,6 @@ def main(spec: dict) -> dict:
 
 
 if __name__ == "__main__":
-    print("RESULT " + json.dumps(main(json.loads(sys.argv[1]))))
+    spec = json.loads(sys.argv[1])
+    # a list of specs runs in this one process (one start-up, one checkpoint per model), a list of results
+    print("RESULT " + json.dumps([main(s) for s in spec] if isinstance(spec, list) else main(spec)))

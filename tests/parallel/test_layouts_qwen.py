@@ -1,0 +1,7 @@
+"""Every tensor-parallel layout on the tiny qwen2 (GQA, q/k/v bias; Pallas attention under shard_map
+too) and qwen3 (MQA, q/k norm; converted checkpoint with KV heads repeated): see layout_checks.py.
+A few models per file so that the test processes share them (pytest-xdist distributes by file)."""
+
+from tests.parallel.layout_checks import layout_tests
+
+globals().update(layout_tests("qwen2-gqa", "qwen3-mqa"))
