@@ -1,4 +1,5 @@
-"""The built-in SmolLM2-135M-Instruct (GGUF) against transformers on the same file, fp32."""
+"""The built-in SmolLM2-135M-Instruct (GGUF) against transformers on the same weights, fp32 (test_gguf: our
+reader gives transformers' own tensors and config, so the reference model here is built on ours)."""
 
 import functools
 
@@ -11,7 +12,8 @@ from jaxpaged import LLM, SamplingParams
 from jaxpaged.models.loader import load_model
 from jaxpaged.runner.batch_builder import BatchShape, SeqChunk, build_forward_batch
 from pallas_kernels import kv_pool_shape
-from tests.fixtures_smollm2 import BUILTIN_LEVEL, QUICKSTART_SHAPE, smollm2_hf_model, smollm2_path, smollm2_tokenizer
+from tests.fixtures_smollm2 import (BUILTIN_LEVEL, QUICKSTART_SHAPE, smollm2_hf_on_our_tensors, smollm2_path,
+                                    smollm2_tokenizer)
 
 QUESTIONS = ["What is the capital of France?", "What is 2 + 2?", "Name a primary color."]
 
@@ -37,7 +39,7 @@ def test_prompt_logits_match_transformers(quantization):
     pool = jax.numpy.zeros(kv_pool_shape(cfg.num_layers, 4, block_size, cfg.num_kv_heads, cfg.head_dim))
     _, logits = jax.jit(lambda s, p, b: nnx.merge(graphdef, s)(p, b))(state, pool, batch)
     with torch.no_grad():
-        ref = smollm2_hf_model()(torch.tensor([tokens])).logits[0].numpy()
+        ref = smollm2_hf_on_our_tensors()(torch.tensor([tokens])).logits[0].numpy()
     err = np.abs(np.asarray(logits)[:len(tokens)] - ref).max()
     assert err < 1e-3, f"max abs logit error {err}"
 
@@ -49,7 +51,7 @@ def hf_chat_answer(question: str, max_tokens: int) -> str:
     ids = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
                                   return_tensors="pt", return_dict=True)["input_ids"]
     with torch.no_grad():
-        out = smollm2_hf_model().generate(ids, max_new_tokens=max_tokens, do_sample=False)
+        out = smollm2_hf_on_our_tensors().generate(ids, max_new_tokens=max_tokens, do_sample=False)
     return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
