@@ -13,7 +13,7 @@ from jaxpaged import AsyncLLM
 from server import build_app
 from server.openapi import openapi_schema
 from tests.server.test_async_llm import tiny_engine_args
-from tests.server.test_openai_server import metrics, serving, wait_idle
+from tests.server.test_openai_server import HTTP, metrics, serving, wait_idle
 
 MODEL = "tiny-llama"
 EXAMPLES = 60   # per route and mode: 240 requests in all
@@ -30,7 +30,7 @@ def url():
 
 def send(url: str, case) -> httpx.Response:
     kwargs = {"content": case.body} if isinstance(case.body, bytes) else {"json": case.body}
-    return httpx.post(url + case.path, timeout=60, **kwargs)
+    return HTTP.post(url + case.path, **kwargs)
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=lambda m: m.value)
@@ -53,6 +53,6 @@ def test_fuzzed_requests_get_answers_or_openai_errors(url, path, mode):
     print(path, mode.value, {status: seen.count(status) for status in sorted(set(seen))})
     assert len(seen) >= EXAMPLES // 2
     wait_idle(url)
-    answer = httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 3}, timeout=60)
+    answer = HTTP.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 3})
     assert answer.status_code == 200 and answer.json()["choices"][0]["finish_reason"] == "length"
     assert metrics(url)[f'jaxpaged:kv_cache_usage_perc{{model_name="{MODEL}"}}'] == 0.0

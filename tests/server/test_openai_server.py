@@ -20,6 +20,9 @@ from server import openai_types as T
 from tests.server.test_async_llm import tiny_engine_args
 
 MODEL, KEY = "tiny-llama", "sk-test"
+# One client for the helpers' many small requests (metrics polled every 50 ms, fuzzed bodies): httpx.get
+# and httpx.post build a client each, with an SSL context even for http:// (~20 ms of a core each time).
+HTTP = httpx.Client(timeout=60)
 
 
 def start(app) -> tuple[uvicorn.Server, threading.Thread, str]:
@@ -69,7 +72,7 @@ def client(urls):
 
 def metrics(url: str) -> dict[str, float]:
     values = {}
-    for line in httpx.get(url + "/metrics").text.splitlines():
+    for line in HTTP.get(url + "/metrics").text.splitlines():
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
             values[name] = float(value)
