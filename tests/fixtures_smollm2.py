@@ -58,14 +58,8 @@ def smollm2_ours():
 
 @functools.cache
 def smollm2_hf_on_our_tensors():
-    """transformers' float32 Llama built from our `load_gguf` config and tensors: the reference model for
-    the engine's outputs in ~3 s, against ~13 s through transformers' own GGUF reader (smollm2_hf_model).
-    test_gguf proves that config and those tensors equal transformers' own, tensor by tensor."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    """transformers' float32 Llama on our `load_gguf` tensors (~3 s, against ~13 s for smollm2_hf_model);
+    test_gguf proves them transformers' own, tensor by tensor."""
+    from jaxpaged.models.gguf_loader import load_gguf_as_transformers
 
-    config, tensors = smollm2_ours()
-    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    missing, unexpected = hf.load_state_dict({name: torch.from_numpy(t) for name, t in tensors.items()}, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)   # the tied LM head
-    return hf.eval()
+    return load_gguf_as_transformers(smollm2_path())

@@ -70,7 +70,7 @@ def test_server_streams_what_the_offline_quantized_engine_generates():
 
     from server import build_app
     from tests.server.test_async_llm import tiny_engine_args
-    from tests.server.test_openai_server import serving
+    from tests.server.helpers import serving
 
     config = dict(quantization="int8", kv_cache_dtype="fp8")
     prompt = list(np.random.default_rng(4).integers(3, 320, 20).tolist())

@@ -12,7 +12,7 @@ from jaxpaged import AsyncLLM
 from jaxpaged.engine.arg_utils import EngineArgs
 from server import build_app
 from tests.fixtures_smollm2 import BUILTIN_LEVEL, QUICKSTART_SHAPE
-from tests.server.test_openai_server import serving
+from tests.server.helpers import serving
 from tests.server.test_tool_calls import SCHEMAS, TOOLS
 
 PERSON = {"type": "object", "required": ["name", "age", "tags"], "additionalProperties": False,

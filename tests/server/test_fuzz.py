@@ -12,8 +12,8 @@ from schemathesis import GenerationMode
 from jaxpaged import AsyncLLM
 from server import build_app
 from server.openapi import openapi_schema
+from tests.server.helpers import HTTP, metrics, serving, wait_idle
 from tests.server.test_async_llm import tiny_engine_args
-from tests.server.test_openai_server import HTTP, metrics, serving, wait_idle
 
 MODEL = "tiny-llama"
 EXAMPLES = 60   # per route and mode: 240 requests in all

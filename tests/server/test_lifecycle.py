@@ -18,7 +18,7 @@ import uvicorn
 from jaxpaged import AsyncLLM
 from server import build_app, serve
 from tests.server.test_async_llm import tiny_engine_args
-from tests.server.test_openai_server import serving, wait_idle
+from tests.server.helpers import serving, wait_idle
 from tests.tiny_models import tiny_checkpoint
 
 MODEL = "tiny-llama"

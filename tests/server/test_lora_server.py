@@ -8,7 +8,7 @@ import pytest
 from jaxpaged import AsyncLLM, EngineArgs, LoRARequest
 from server import build_app, parse_lora_modules
 from tests.engine.test_lora import ARCH, adapter, oracle
-from tests.server.test_openai_server import serving
+from tests.server.helpers import serving
 from tests.tiny_models import tiny_checkpoint, tiny_tokenizer
 
 PROMPT = [5, 17, 42, 9, 33]

@@ -2,53 +2,21 @@
 official `openai` client and by plain HTTP for what the client hides (errors, SSE, metrics)."""
 
 import asyncio
-import contextlib
 import json
 import logging
-import socket
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from jaxpaged import AsyncLLM
 from server import build_app
 from server import openai_types as T
+from tests.server.helpers import MODEL, gauge, metrics, serving, wait_idle
 from tests.server.test_async_llm import tiny_engine_args
 
-MODEL, KEY = "tiny-llama", "sk-test"
-# One client for the helpers' many small requests (metrics polled every 50 ms, fuzzed bodies): httpx.get
-# and httpx.post build a client each, with an SSL context even for http:// (~20 ms of a core each time).
-HTTP = httpx.Client(timeout=60)
-
-
-def start(app) -> tuple[uvicorn.Server, threading.Thread, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.02)
-    return server, thread, f"http://127.0.0.1:{port}"
-
-
-@contextlib.contextmanager
-def serving(*apps):
-    """The apps served by uvicorn on free loopback ports, stopped on exit; yields their URLs."""
-    servers = [start(app) for app in apps]
-    try:
-        yield [url for _, _, url in servers]
-    finally:
-        for server, thread, _ in servers:
-            server.should_exit = True
-            thread.join(10)
+KEY = "sk-test"
 
 
 @pytest.fixture(scope="module")
@@ -68,30 +36,6 @@ def urls(engine):
 @pytest.fixture(scope="module")
 def client(urls):
     return openai.OpenAI(base_url=urls[0] + "/v1", api_key="unused", max_retries=0)
-
-
-def metrics(url: str) -> dict[str, float]:
-    values = {}
-    for line in HTTP.get(url + "/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    return values
-
-
-def gauge(values: dict, name: str) -> float:
-    return values[f'jaxpaged:{name}{{model_name="{MODEL}"}}']
-
-
-def wait_idle(url: str, timeout: float = 15.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        values = metrics(url)
-        busy = [gauge(values, n) for n in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")]
-        if busy == [0, 0, 0]:
-            return values
-        assert time.monotonic() < deadline, f"still busy: {values}"
-        time.sleep(0.05)
 
 
 def test_models_version_health_tokenize(client, urls):

@@ -10,7 +10,7 @@ import pytest
 from jaxpaged import AsyncLLM
 from server import build_app
 from tests.server.test_async_llm import greedy, run_to_end, tiny_engine_args
-from tests.server.test_openai_server import serving
+from tests.server.helpers import serving
 
 PROMPT = [5, 17, 42, 9]
 

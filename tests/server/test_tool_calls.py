@@ -13,7 +13,7 @@ from jaxpaged import AsyncLLM
 from server import build_app
 from server.tools import ToolSettings
 from tests.server.test_async_llm import tiny_engine_args
-from tests.server.test_openai_server import serving
+from tests.server.helpers import serving
 from tests.tiny_models import tiny_checkpoint
 
 MODEL = "tiny-llama"
