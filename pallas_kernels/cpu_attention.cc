@@ -4,8 +4,10 @@
 // that is memory traffic twice over. This reads each sequence's pages where they lie in the pool, one
 // (token, kv head) at a time: the `group` query heads sharing the kv head are scored against a page's
 // keys, merged into their running softmax (max, sum, weighted values) and the page's values added. For
-// head dims a multiple of 8 known at compile time, a head's query and its weighted sum stay in vector
-// registers over a page, and four keys are scored at once (independent sums, not one chain of adds).
+// head dims a multiple of 8 known at compile time (64, 128), a head's query and its weighted sum are held
+// in 8-float vectors over a page (in registers at 64; at 128 with AVX-512's 32), and four keys are scored
+// at once (independent sums, not one chain of adds); other head dims read each key and value row once for
+// all the group's heads.
 // The next page, or the first of the item the thread takes next, is prefetched a line at a time over
 // the page's work (decode attention is bound by reading the pool: 31 -> 19 ms for 32 decodes over
 // SmolLM2's 30 layers against one burst of all the page's lines, jaxpaged/bench/cpu_attention.py).
@@ -21,6 +23,7 @@
 #include "cpu_parallel.h"
 
 namespace ffi = xla::ffi;
+using jaxpaged::ParallelFor;
 using jaxpaged::ParallelForAhead;
 
 namespace {
@@ -106,7 +109,7 @@ void AttendOne(const Shape& shape, const float* q, const float* k_plane, const f
     const int64_t hi = std::min<int64_t>(q_pos - page * block_size + 1, block_size);
     // The next page (or the next item's first) is fetched into L2 a line or two at a time, spread over this
     // page's work: one burst of all its lines overflows the misses a core keeps in flight.
-    const int64_t lines = next_k != nullptr ? block_size * head_dim * 4 / 64 : 0;
+    const int64_t lines = next_k != nullptr ? (block_size * head_dim * 4 + 63) / 64 : 0;
     const int64_t per_row = (lines + 2 * group * (hi - lo) - 1) / std::max<int64_t>(2 * group * (hi - lo), 1);
     int64_t fetched = 0;
     auto prefetch = [&]() {
@@ -115,10 +118,9 @@ void AttendOne(const Shape& shape, const float* q, const float* k_plane, const f
         __builtin_prefetch(next_v + fetched * 64, 0, 1);
       }
     };
-    float page_max[kMaxGroup];
-    for (int64_t j = 0; j < group; ++j) {
-      float* sj = s[j];
-      if constexpr (kChunks > 0) {
+    if constexpr (kChunks > 0) {
+      for (int64_t j = 0; j < group; ++j) {
+        float* sj = s[j];
         Vec8 qv[kChunks];
         for (int64_t c = 0; c < kChunks; ++c) qv[c] = Load8(qs + j * head_dim + 8 * c);
         int64_t t = lo;
@@ -145,17 +147,23 @@ void AttendOne(const Shape& shape, const float* q, const float* k_plane, const f
           for (int64_t c = 1; c < kChunks; ++c) a0 += qv[c] * Load8(key + 8 * c);
           sj[t] = Sum8(a0);
         }
-      } else {
-        const float* qj = qs + j * head_dim;
-        for (int64_t t = lo; t < hi; ++t) {
-          const float* key = k + t * head_dim;
+      }
+    } else {   // any head dim: each key row read once, for all the group's heads
+      for (int64_t t = lo; t < hi; ++t) {
+        const float* key = k + t * head_dim;
+        for (int64_t j = 0; j < group; ++j) {
+          const float* qj = qs + j * head_dim;
           prefetch();
           float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
           for (int64_t d = 0; d < head_dim; ++d) dot += qj[d] * key[d];
-          sj[t] = dot;
+          s[j][t] = dot;
         }
       }
+    }
+    float page_max[kMaxGroup];
+    for (int64_t j = 0; j < group; ++j) {
+      float* sj = s[j];
       if (soft_cap > 0.0f) {
         for (int64_t t = lo; t < hi; ++t) sj[t] = soft_cap * std::tanh(sj[t] / soft_cap);
       }
@@ -189,9 +197,14 @@ void AttendOne(const Shape& shape, const float* q, const float* k_plane, const f
       } else {
 #pragma omp simd
         for (int64_t d = 0; d < head_dim; ++d) a[d] *= alpha;
-        for (int64_t t = lo; t < hi; ++t) {
-          const float* value = v + t * head_dim;
-          const float p = sj[t];
+      }
+    }
+    if constexpr (kChunks == 0) {   // each value row read once, for all the group's heads
+      for (int64_t t = lo; t < hi; ++t) {
+        const float* value = v + t * head_dim;
+        for (int64_t j = 0; j < group; ++j) {
+          const float p = s[j][t];
+          float* a = acc + j * head_dim;
           prefetch();
 #pragma omp simd
           for (int64_t d = 0; d < head_dim; ++d) a[d] += p * value[d];
@@ -280,7 +293,15 @@ ffi::Error RaggedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
            tables + seq * max_blocks, keys_of[t], win, cap, sm_scale, o + t * row + head,
            first_page(next, k_base), first_page(next, k_base + plane));
   };
-  ParallelForAhead(pool, live * kv_heads, item);
+  // With few items (one sequence's decode: its kv heads) a thread must not claim its next item before it
+  // runs this one: the other threads would find none left.
+  const int64_t items = live * kv_heads;
+  if (items >= 4 * static_cast<int64_t>(pool.num_threads())) {
+    ParallelForAhead(pool, items, item);
+  } else {
+    auto alone = [&](int64_t i) { item(i, -1); };
+    ParallelFor(pool, items, alone);
+  }
   return ffi::Error::Success();
 }
 
