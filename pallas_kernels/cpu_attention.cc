@@ -23,7 +23,6 @@
 #include "cpu_parallel.h"
 
 namespace ffi = xla::ffi;
-using jaxpaged::ParallelFor;
 using jaxpaged::ParallelForAhead;
 
 namespace {
@@ -67,6 +66,11 @@ inline void Store8(float* p, const Vec8& v) { std::memcpy(p, &v, sizeof v); }
 
 inline float Sum8(const Vec8& v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 
+// The first key a query at kv_len - 1 sees (a sliding window of `window` keys; 0: none).
+inline int64_t FirstKey(int64_t kv_len, int64_t window) {
+  return window > 0 ? std::max<int64_t>(kv_len - window, 0) : 0;
+}
+
 struct Shape {
   int64_t group, head_dim, block_size, page_stride;   // page_stride: floats between blocks of one plane
 };
@@ -94,7 +98,7 @@ void AttendOne(const Shape& shape, const float* q, const float* k_plane, const f
     }
   }
   const int64_t q_pos = kv_len - 1;
-  const int64_t first_key = window > 0 ? std::max<int64_t>(kv_len - window, 0) : 0;
+  const int64_t first_key = FirstKey(kv_len, window);
   const int64_t num_pages = (kv_len + block_size - 1) / block_size;
   for (int64_t page = first_key / block_size; page < num_pages; ++page) {
     const float* k = k_plane + table[page] * shape.page_stride;
@@ -277,9 +281,9 @@ ffi::Error RaggedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
     if (i < 0) return nullptr;
     const int64_t t = i / kv_heads, h = i % kv_heads;
     if (keys_of[t] <= 0) return nullptr;
-    const int64_t first_key = win > 0 ? std::max<int64_t>(keys_of[t] - win, 0) : 0;
+    const int64_t page = FirstKey(keys_of[t], win) / block_size;
     return plane_base + h * block_size * head_dim +
-           static_cast<int64_t>(tables[seq_of[t] * max_blocks + first_key / block_size]) * shape.page_stride;
+           static_cast<int64_t>(tables[seq_of[t] * max_blocks + page]) * shape.page_stride;
   };
   auto item = [&](int64_t i, int64_t next) {
     const int64_t t = i / kv_heads, h = i % kv_heads;
@@ -293,15 +297,7 @@ ffi::Error RaggedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
            tables + seq * max_blocks, keys_of[t], win, cap, sm_scale, o + t * row + head,
            first_page(next, k_base), first_page(next, k_base + plane));
   };
-  // With few items (one sequence's decode: its kv heads) a thread must not claim its next item before it
-  // runs this one: the other threads would find none left.
-  const int64_t items = live * kv_heads;
-  if (items >= 4 * static_cast<int64_t>(pool.num_threads())) {
-    ParallelForAhead(pool, items, item);
-  } else {
-    auto alone = [&](int64_t i) { item(i, -1); };
-    ParallelFor(pool, items, alone);
-  }
+  ParallelForAhead(pool, live * kv_heads, item);
   return ffi::Error::Success();
 }
 

@@ -53,9 +53,16 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int64_t total, F& item) {
 }
 
 // As ParallelFor, but item(i, next) also learns the item its thread takes after i (-1: none), so a
-// kernel can prefetch that item's data while it computes this one.
+// kernel can prefetch that item's data while it computes this one. A thread claims that next item before
+// it runs i, so with few items (fewer than 4 a thread: one sequence's decode attention, a narrow matmul)
+// one thread could hold two while another finds none: there each item is taken alone (next -1).
 template <typename F>
 void ParallelForAhead(xla::ffi::ThreadPool& pool, int64_t total, F& item) {
+  if (total < 4 * static_cast<int64_t>(pool.num_threads())) {
+    auto alone = [&item](int64_t i) { item(i, -1); };
+    ParallelFor(pool, total, alone);
+    return;
+  }
   Share(pool, total, [total, &item](Work& work) {
     for (int64_t i = work.next.fetch_add(1); i < total;) {
       const int64_t next = work.next.fetch_add(1);
