@@ -18,10 +18,8 @@ import uvicorn
 from jaxpaged import AsyncLLM
 from server import build_app, serve
 from tests.server.test_async_llm import tiny_engine_args
-from tests.server.helpers import serving, wait_idle
+from tests.server.helpers import MODEL, serving, wait_idle
 from tests.tiny_models import tiny_checkpoint
-
-MODEL = "tiny-llama"
 
 
 @pytest.fixture(scope="module")

@@ -13,10 +13,9 @@ from jaxpaged import AsyncLLM
 from server import build_app
 from server.tools import ToolSettings
 from tests.server.test_async_llm import tiny_engine_args
-from tests.server.helpers import serving
+from tests.server.helpers import MODEL, serving
 from tests.tiny_models import tiny_checkpoint
 
-MODEL = "tiny-llama"
 # a Hermes-style template (Qwen2.5's shape, shortened): tools in the prompt, calls in <tool_call> tags
 TEMPLATE = (
     "{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>\n{% endif %}"
