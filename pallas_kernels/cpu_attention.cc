@@ -165,20 +165,14 @@ void AttendOne(const Shape& shape, const float* q, const float* k_plane, const f
         }
       }
     }
-    float page_max[kMaxGroup];
     for (int64_t j = 0; j < group; ++j) {
       float* sj = s[j];
       if (soft_cap > 0.0f) {
         for (int64_t t = lo; t < hi; ++t) sj[t] = soft_cap * std::tanh(sj[t] / soft_cap);
       }
-      float top = -INFINITY;
-      for (int64_t t = lo; t < hi; ++t) top = std::max(top, sj[t]);
-      page_max[j] = top;
-    }
-    for (int64_t j = 0; j < group; ++j) {
-      const float m_new = std::max(m[j], page_max[j]);
+      float m_new = m[j];
+      for (int64_t t = lo; t < hi; ++t) m_new = std::max(m_new, sj[t]);
       const float alpha = ExpNonPositive(m[j] - m_new);
-      float* sj = s[j];
       float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t t = lo; t < hi; ++t) {

@@ -1,12 +1,12 @@
 """Serving under load: jaxpaged's server and `transformers serve` driven by the same client.
 
 The client is the official `openai` async client, with vLLM's benchmark_serving conventions:
-streaming /v1/completions with usage in the last chunk, each event's line parsed with json.loads; per request the time it was sent, its
-first content chunk (TTFT), each later chunk (inter-token latency: the gaps between chunks after
-the first) and its last (end to end); output tokens from the usage; request throughput =
-completed requests / wall time of the level, whose clock starts after the client's first request
-(a model listing: its own set-up is not the server's time). At each concurrency c, c workers send
-requests back to back until the level's requests are used up.
+streaming /v1/completions with usage in the last chunk, each event's line parsed with json.loads;
+per request the time it was sent, its first content chunk (TTFT), each later chunk (inter-token
+latency: the gaps between chunks after the first) and its last (end to end); output tokens from
+the usage; request throughput = completed requests / wall time of the level, whose clock starts
+after the client's first request (a model listing: its own set-up is not the server's time). At
+each concurrency c, c workers send requests back to back until the level's requests are used up.
 
 Workload: `throughput.make_workload`'s ShareGPT shape (prompts of 8-128 random token ids, outputs
 about twice as long), the prompts decoded to text (transformers serve takes text prompts only),
