@@ -58,5 +58,6 @@ trap - EXIT
 OUT=$("$VENV/bin/jaxpaged" generate --prompt "$QUESTION")
 echo "$OUT"
 [[ "$OUT" == *Paris* ]] || { echo "FAIL: jaxpaged generate does not mention Paris" >&2; exit 1; }
-rm -rf "$JAXPAGED_CACHE"
+# its environment (~1 GB) goes too: CI installs the test extra next, on the same disk
+rm -rf "$JAXPAGED_CACHE" "$VENV"
 echo "fresh install: OK in $(( $(date +%s) - START )) s"

@@ -22,10 +22,11 @@ import dataclasses
 import gc
 import math
 import os
-import tempfile
 import time
 
 import numpy as np
+
+from jaxpaged.bench import derived_folder
 
 TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                     "tests", "data", "english_text.txt")
@@ -59,12 +60,10 @@ def fp32_folder() -> str:
     from jaxpaged.models.builtin import builtin_model_path
     from jaxpaged.models.loader import convert_checkpoint
 
-    path = builtin_model_path()
-    stat = os.stat(path)
-    out = os.path.join(tempfile.gettempdir(), "jaxpaged-bench-quantization", f"{stat.st_size}-{stat.st_mtime_ns}")
+    out = derived_folder("jaxpaged-bench-quantization", builtin_model_path())
     if not os.path.isdir(out):
         staging = out + f".partial-{os.getpid()}"
-        convert_checkpoint(path, staging, "float32")
+        convert_checkpoint(builtin_model_path(), staging, "float32")
         os.rename(staging, out)
     return out
 

@@ -8,6 +8,8 @@ import sys
 import tempfile
 import time
 
+from jaxpaged.bench import derived_folder
+
 
 def load_tokenizer(model: str | None):
     from jaxpaged.models.builtin import builtin_model_path
@@ -83,10 +85,7 @@ def export_transformers_folder(model: str | None) -> str:
     from jaxpaged.bench.throughput import builtin_hf_model
     from jaxpaged.models.builtin import builtin_model_path
 
-    path = model or builtin_model_path()
-    stat = os.stat(path)
-    out = os.path.join(tempfile.gettempdir(), "jaxpaged-bench-serve",
-                       f"{os.path.basename(path)}-{stat.st_size}-{stat.st_mtime_ns}-fp32")
+    out = derived_folder("jaxpaged-bench-serve", model or builtin_model_path(), "-fp32")
     if os.path.isfile(os.path.join(out, "model.safetensors")):
         return out
     hf = builtin_hf_model("float32", model)
