@@ -60,10 +60,11 @@ def fp32_folder() -> str:
     from jaxpaged.models.builtin import builtin_model_path
     from jaxpaged.models.loader import convert_checkpoint
 
-    out = derived_folder("jaxpaged-bench-quantization", builtin_model_path())
+    path = builtin_model_path()
+    out = derived_folder("jaxpaged-bench-quantization", path)
     if not os.path.isdir(out):
         staging = out + f".partial-{os.getpid()}"
-        convert_checkpoint(builtin_model_path(), staging, "float32")
+        convert_checkpoint(path, staging, "float32")
         os.rename(staging, out)
     return out
 
