@@ -10,8 +10,8 @@ def derived_folder(kind: str, source: str, suffix: str = "") -> str:
     model's 98 MB), so each reinstall of the same file (a new mtime) reuses the folder instead of
     leaving another on disk; a folder by its files' names, sizes and mtimes."""
     if os.path.isdir(source):
-        entries = sorted((entry.name, entry.stat().st_size, entry.stat().st_mtime_ns)
-                         for entry in os.scandir(source) if entry.is_file())
+        stats = {entry.name: entry.stat() for entry in os.scandir(source) if entry.is_file()}
+        entries = sorted((name, st.st_size, st.st_mtime_ns) for name, st in stats.items())
         digest = hashlib.sha256(repr(entries).encode())
     else:
         with open(source, "rb") as f:
