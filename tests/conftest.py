@@ -104,9 +104,10 @@ def pytest_collection_finish(session):
 # XLA's compile threads at its own priority (they start with its first compile), then puts its test thread
 # nearly at the lowest: 18, one above start-up's threads, so that a test can tell those apart.
 # test_llama_family + test_llm_generate + test_beam_search on one core (-n 0), this and start-up's threads
-# against neither, alternated: 77.5 and 73.3 s -> 52.5 and 50.6 s. The whole suite (two processes) took
-# 613 s with the test threads at 10 and 582 s at 19. The subprocesses the tests start inherit it (all their
-# threads alike: no gain there, none lost).
+# against neither, alternated: 77.5 and 73.3 s -> 52.5 and 50.6 s. The whole suite (working tree) took 613 s
+# with the test threads at 10 and 582 s at 19; from fresh clones 641 s before (b455729), 573 s after (4e1fe50).
+# The subprocesses the tests start inherit it (all their threads alike: no gain there, none lost; started at
+# nice 0 instead, the parallel-layout workers took as long).
 TEST_THREAD_NICE = 18
 
 
