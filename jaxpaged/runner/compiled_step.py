@@ -195,7 +195,10 @@ def yield_to_xla_compile_threads() -> None:
     cold (alternated). Start-up's threads exit with their pool; nothing else runs at this priority.
     """
     if sys.platform.startswith("linux"):   # a thread's own priority (elsewhere the id would be a process's)
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError:   # a sandbox that refuses it: start-up only takes longer (an initializer's error would stop it)
+            logger.debug("start-up's compile threads keep their priority", exc_info=True)
 
 
 def max_decode_queries(max_num_seqs: int, max_num_batched_tokens: int, num_speculative_tokens: int) -> int:

@@ -99,6 +99,15 @@ def test_start_up_compiles_at_the_lowest_priority_and_leaves_the_callers_alone(m
     assert llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
 
 
+def test_start_up_goes_on_where_a_thread_may_not_change_its_priority(monkeypatch):
+    def refuse(*args):
+        raise PermissionError("setpriority: operation not permitted")
+
+    monkeypatch.setattr(os, "setpriority", refuse)
+    llm = LLM(tiny_checkpoint("llama"), dtype="float32", max_model_len=64, max_num_seqs=2, use_tqdm=False)
+    assert llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
+
+
 def test_speculative_steps_compile_nothing_after_startup():
     """Verifying steps of every size (drafts of 0 to k tokens, alone or beside prompt chunks, greedy
     and sampled rows) run executables built at start-up, for the target and the draft model."""
