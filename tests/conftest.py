@@ -112,15 +112,11 @@ TEST_THREAD_NICE = 18
 
 
 def _yield_to_xla_compile_threads():
-    import threading
-
     import jax
+
+    from jaxpaged.runner.compiled_step import yield_to_xla_compile_threads
     jax.jit(lambda x: x + os.getpid())(0)   # a program no cache holds, so it does compile here
-    if sys.platform.startswith("linux"):   # a thread's own priority (elsewhere the id would be a process's)
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), TEST_THREAD_NICE)
-        except OSError:   # a sandbox that refuses it: the tests only take longer
-            pass
+    yield_to_xla_compile_threads(TEST_THREAD_NICE)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -181,8 +181,9 @@ class CompiledStep:
                                      for s in shapes))
 
 
-def yield_to_xla_compile_threads() -> None:
-    """Put the calling thread at the lowest CPU priority (nice 19; Linux only, elsewhere nothing changes).
+def yield_to_xla_compile_threads(nice: int = 19) -> None:
+    """Put the calling thread at a low CPU priority (`nice`, by default the lowest; Linux only,
+    elsewhere nothing changes).
 
     XLA:CPU hands each fusion of a program to its compile threads with an MLIR context from a pool,
     and builds a new context (every dialect loaded, every pass set up) when none is free. The thread
@@ -196,9 +197,9 @@ def yield_to_xla_compile_threads() -> None:
     """
     if sys.platform.startswith("linux"):   # a thread's own priority (elsewhere the id would be a process's)
         try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except OSError:   # a sandbox that refuses it: start-up only takes longer (an initializer's error would stop it)
-            logger.debug("start-up's compile threads keep their priority", exc_info=True)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        except OSError:   # a sandbox refusing it: compiles only take longer (an initializer error would stop start-up)
+            logger.debug("this thread keeps its priority", exc_info=True)
 
 
 def max_decode_queries(max_num_seqs: int, max_num_batched_tokens: int, num_speculative_tokens: int) -> int:
