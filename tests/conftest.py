@@ -95,7 +95,7 @@ gc.set_threshold(10_000, 10, 10)
 def pytest_collection_finish(session):
     gc.collect()
     gc.freeze()
-    _yield_to_xla_compile_threads()
+    _start_xla_compile_threads_then_yield()
 
 
 # The test thread emits every program's fusions to XLA:CPU's compile threads; at the same priority it ran ahead
@@ -111,7 +111,7 @@ def pytest_collection_finish(session):
 TEST_THREAD_NICE = 18
 
 
-def _yield_to_xla_compile_threads():
+def _start_xla_compile_threads_then_yield():
     import jax
 
     from jaxpaged.runner.compiled_step import yield_to_xla_compile_threads
