@@ -53,7 +53,8 @@ def _config(arch: str, **overrides):
         cfg = transformers.Qwen3Config(**{**common, "head_dim": 32, "tie_word_embeddings": True, **overrides})
     elif arch == "phi3":
         if overrides.pop("rope", None) == "longrope":   # 4 of 16 head dims rotate; long factors past 32 tokens
-            common.update(max_position_embeddings=128, rope_parameters={
+            # (Phi3Config's own original_max_position_embeddings, 4096 by default, overrides rope_parameters')
+            common.update(max_position_embeddings=128, original_max_position_embeddings=32, rope_parameters={
                 "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
                 "partial_rotary_factor": 0.5, "short_factor": [1.0, 1.5, 2.0, 3.0],
                 "long_factor": [2.0, 4.0, 8.0, 16.0]})

@@ -35,10 +35,14 @@ def hash_block(parent_hash: bytes | None, token_ids: tuple[int, ...] | list[int]
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, num_host_blocks: int = 0):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, num_host_blocks: int = 0,
+                 rope_switch_len: int = 0):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
+        # LongRoPE (ModelConfig.rope_switch_len; 0: none): K/V of a sequence longer than this is encoded
+        # with other factors, so such a request's blocks are hashed apart from a shorter one's
+        self.rope_switch_len = rope_switch_len
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[int]] = {}
         # the pinned host pool for swapped-out requests (block 0 unused, like the device pool)
@@ -75,7 +79,8 @@ class KVCacheManager:
         while (len(hashes) + 1) * bs <= request.num_tokens:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            salt = self._salt(request.cache_salt) if i == 0 else None   # chained: the first block's covers all
+            # chained: the first block's salt covers all
+            salt = self._salt(request.cache_salt, request.rope_len) if i == 0 else None
             hashes.append(hash_block(parent, request.all_token_ids[i * bs:(i + 1) * bs], salt))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
@@ -102,16 +107,27 @@ class KVCacheManager:
             return 0
         bs, parent, hits = self.block_size, None, 0
         for i in range((len(token_ids) - 1) // bs):
-            parent = hash_block(parent, token_ids[i * bs:(i + 1) * bs], self._salt(cache_salt) if i == 0 else None)
+            salt = self._salt(cache_salt, len(token_ids)) if i == 0 else None
+            parent = hash_block(parent, token_ids[i * bs:(i + 1) * bs], salt)
             if self.pool.lookup(parent) is None:
                 break
             hits += bs
         return hits
 
-    def _salt(self, cache_salt: str | None) -> str | None:
-        if not self.weights_version:
+    def outgrows_rope(self, rope_len: int, num_tokens: int) -> bool:
+        """Whether a sequence whose K/V began at `rope_len` tokens must be recomputed at `num_tokens`
+        (its rope switched to LongRoPE's long factors in between)."""
+        return 0 < rope_len <= self.rope_switch_len < num_tokens
+
+    def _salt(self, cache_salt: str | None, rope_len: int) -> str | None:
+        marks = []
+        if self.weights_version:
+            marks.append(f"weights {self.weights_version}")
+        if 0 < self.rope_switch_len < rope_len:
+            marks.append("long rope")
+        if not marks:
             return cache_salt
-        return f"{cache_salt or ''}\x00weights {self.weights_version}"
+        return "\x00".join([cache_salt or "", *marks])
 
     def reset_prefix_cache(self, new_weights: bool = False) -> None:
         """Forget every cached block that no request holds (changes state); with `new_weights`, also

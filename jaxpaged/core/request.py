@@ -55,6 +55,9 @@ class Request:
         self.lora_slot = -1                   # the adapter's slot in the step (set when scheduled; -1: base)
         self.matcher = None                   # structured outputs: its grammar matcher (opaque here)
         self.block_hashes: list[bytes] = []   # chained hashes of the full blocks of all_token_ids
+        # tokens it had when its K/V began from the first token: a length-dependent rope (LongRoPE)
+        # encodes every position for this length (ForwardBatch.rope_lens); 0: not scheduled yet
+        self.rope_len = 0
         # n > 1: sibling sequences that fork off this one when it samples its first token
         self.pending_forks: list["Request"] = []
         # tokens sampled by steps dispatched but not fetched yet (async scheduling): their

@@ -6,6 +6,11 @@ prompts and (with chunked prefill) prompt chunks. When the pool runs out of bloc
 newest running request is preempted: its blocks are freed (recompute) and it returns to
 the front of the waiting queue, keeping the tokens it generated.
 
+LongRoPE (Phi-3) encodes every position with other factors once a sequence is longer than
+the model's original length, and transformers then recomputes the sequence's whole cache.
+So does this scheduler: a request whose K/V began shorter than that length is preempted by
+recompute when it outgrows it (once), and its K/V is computed anew with the long factors.
+
 Only host state changes here: the plan goes out as a `SchedulerOutput`.
 """
 
@@ -134,6 +139,7 @@ class Scheduler:
         self.kv_cache.fork(parent, child)
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens
+        child.rope_len = parent.rope_len
         child.status = RequestStatus.RUNNING
         self.requests[child.request_id] = child
         self.running.append(child)
@@ -166,6 +172,11 @@ class Scheduler:
                 self._num_new_tokens(request, request.num_computed_tokens, budget)
             if num_new == 0:
                 i += 1
+                continue
+            if self.kv_cache.outgrows_rope(request.rope_len, request.num_tokens_with_placeholders):
+                self.running.pop(i)
+                self._preempt(request, recompute=True)
+                preempted.append(request)
                 continue
             num_drafts = self._num_drafts(request, num_new, budget)
             # drafts are optional: they take free slots only, never a preemption
@@ -218,6 +229,8 @@ class Scheduler:
             if not self._lora_fits(request, loras):
                 passed.append(self.waiting.popleft())
                 continue
+            if request.num_computed_tokens == 0:
+                self._begin_rope(request)
             hits, num_hit_tokens = ([], 0)
             # prompt logprobs need every prompt position computed, so such requests skip the cache
             wants_prompt_logprobs = getattr(request.sampling_params, "prompt_logprobs", None) is not None
@@ -241,6 +254,15 @@ class Scheduler:
 
         return SchedulerOutput(chunks, preempted, self.config.max_num_batched_tokens - budget,
                                swap_out, swap_in, self.kv_cache.take_pending_copies())
+
+    def _begin_rope(self, request: Request) -> None:
+        """The request's K/V begins from its first token: its rope length is its length now (a
+        change of LongRoPE's factors since its blocks were hashed changes their hashes)."""
+        num_tokens = request.num_tokens_with_placeholders
+        switch = self.kv_cache.rope_switch_len
+        if switch and (request.rope_len > switch) != (num_tokens > switch):
+            request.block_hashes = []
+        request.rope_len = num_tokens
 
     def _lora_fits(self, request: Request, loras: set[int]) -> bool:
         """The request's adapter is running already, or one more fits under max_loras."""
@@ -272,7 +294,10 @@ class Scheduler:
         token more than it verifies)."""
         if not request.spec_token_ids or num_new != 1 or request.num_placeholders:
             return 0
-        return max(0, min(len(request.spec_token_ids), budget - 1,
+        # drafts stop where a LongRoPE sequence outgrows its factors: past it, all is recomputed
+        rope_room = self.kv_cache.rope_switch_len - request.num_tokens if \
+            self.kv_cache.outgrows_rope(request.rope_len, self.config.max_model_len) else len(request.spec_token_ids)
+        return max(0, min(len(request.spec_token_ids), budget - 1, rope_room,
                           self.config.max_model_len - request.num_tokens - 1,
                           request.max_tokens - request.num_output_tokens - 1))
 
@@ -284,13 +309,14 @@ class Scheduler:
             num_new = budget
         return num_new
 
-    def _preempt(self, request: Request) -> list[tuple[int, int]]:
+    def _preempt(self, request: Request, recompute: bool = False) -> list[tuple[int, int]]:
         """Swap the request's blocks to the host pool if configured and there is room, else drop
-        them (recompute later); generated tokens are kept. Returns the swap-out pairs."""
+        them (recompute later); generated tokens are kept. Returns the swap-out pairs.
+        `recompute`: drop them whatever the mode (a LongRoPE request outgrowing its factors)."""
         request.num_preemptions += 1
         self.num_preemptions += 1
         request.spec_token_ids = []   # proposed for a step it will not run in
-        if self.config.preemption_mode == "swap" and self.kv_cache.can_swap_out(request):
+        if self.config.preemption_mode == "swap" and not recompute and self.kv_cache.can_swap_out(request):
             pairs = self.kv_cache.swap_out(request)
             self.num_swapped_out_blocks += len(pairs)
             request.status = RequestStatus.SWAPPED

@@ -111,7 +111,9 @@ def _run_wave(engine, prompts: list[list[int]], params: BeamSearchParams, loras:
         while any(g.beams for g in groups):
             plan = scheduler.schedule()
             if plan.is_empty:
-                runner.move_blocks(plan)
+                runner.run_without_step(plan)
+                if plan.preempted:   # back in the waiting queue (a LongRoPE beam outgrowing its factors)
+                    continue
                 raise RuntimeError("beam search is stuck: the KV cache cannot hold all beams of a prompt at once; "
                                    "give the engine more blocks or lower beam_width")
             engine.assign_loras(plan)

@@ -79,7 +79,8 @@ class LLMEngine(ResearchMixin):
             max_loras=args.max_loras if args.enable_lora else 0)
         self.kv_cache = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
                                        num_host_blocks=self.runner.swap_space.num_host_blocks
-                                       if self.runner.swap_space else 0)
+                                       if self.runner.swap_space else 0,
+                                       rope_switch_len=self.model_config.rope_switch_len)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache)
         self.metrics = EngineMetrics()
         self._rng = np.random.default_rng(args.seed)
@@ -272,7 +273,7 @@ class LLMEngine(ResearchMixin):
                     error.outputs = outputs   # step t's, applied above: its finished requests are done
                     raise error from exc
         else:
-            self.runner.move_blocks(plan)
+            self.runner.run_without_step(plan)
         # with overlap, step t's tokens while step t+1 runs; else this step's own (and a verifying
         # step's: the next proposals need its tokens)
         while len(self._in_flight) > (1 if overlap and not plan.is_empty and not verifies else 0):

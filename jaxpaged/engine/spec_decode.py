@@ -246,6 +246,11 @@ class _DraftSequence:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
+    @property
+    def rope_len(self) -> int:
+        """The target's: a recompute of the target (LongRoPE outgrown) ends this sequence too."""
+        return self.target.rope_len
+
 
 class DraftModelProposer:
     """method "draft_model": a smaller model with the target's vocabulary runs k greedy steps per

@@ -131,6 +131,13 @@ class ModelConfig:
         mlp = sum(routed if self.is_moe_layer(i) else dense for i in range(self.num_layers))
         return self.num_layers * attention + mlp + self.hidden_size * self.vocab_size
 
+    @property
+    def rope_switch_len(self) -> int:
+        """The sequence length past which LongRoPE takes its long factors (0: the rope does not switch).
+        transformers recomputes a sequence's whole cache with the long factors when it grows past it;
+        the scheduler does the same (Scheduler: a request outgrowing its rope is recomputed)."""
+        return self.rope_original_max_positions if self.rope_type == "longrope" else 0
+
     def inv_freq(self, long: bool = False, local: bool = False) -> np.ndarray:
         """Rotary inverse frequencies [rotary_dim // 2] (before any length-dependent scaling); `long`:
         longrope's long factors, `local`: the local layers' base (local_rope_theta, unscaled)."""

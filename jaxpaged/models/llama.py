@@ -140,7 +140,8 @@ def rotary_cos_sin(cfg: ModelConfig, positions: jax.Array, seq_lens: jax.Array |
 
     Dynamic NTK scaling stretches the base once a sequence outgrows the trained length, and
     longrope takes its long factors then, as transformers does; `seq_lens` (i32[num_tokens]) is
-    each token's sequence length. `local`: the local layers' rope (Gemma 3's own base).
+    the sequence length each token's rope is chosen for (ForwardBatch.rope_lens). `local`: the
+    local layers' rope (Gemma 3's own base).
     """
     if local:
         freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(cfg.inv_freq(local=True))[None, :]
@@ -255,8 +256,8 @@ class LlamaFamilyForCausalLM(nnx.Module):
         hidden = embedding_lookup(self.embed.get_value(), batch.input_ids, self.dtype)
         if cfg.embed_scale != 1.0:
             hidden = hidden * jnp.asarray(cfg.embed_scale, hidden.dtype)
-        seq_lens = None
-        if cfg.rope_type in ("dynamic", "longrope"):
+        seq_lens = batch.rope_lens
+        if cfg.rope_type in ("dynamic", "longrope") and seq_lens is None:
             token_seq = jnp.searchsorted(md.cu_q_lens[1:], jnp.arange(batch.input_ids.shape[0]), side="right")
             seq_lens = md.kv_lens[jnp.clip(token_seq, 0, md.kv_lens.shape[0] - 1)]
         rope = rotary_cos_sin(cfg, batch.positions, seq_lens)

@@ -41,6 +41,7 @@ class SeqChunk:
     start_pos: int            # absolute position of token_ids[0] (= tokens already in the pool)
     block_ids: list[int]      # the sequence's block table (covers start_pos + len(token_ids))
     logits_positions: list[int] = dataclasses.field(default_factory=list)  # offsets in token_ids
+    rope_len: int = 0         # the sequence's length when its K/V began (ForwardBatch.rope_lens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +85,7 @@ def build_forward_batch(chunks: list[SeqChunk], block_size: int, max_blocks_per_
     T, S = shape.num_tokens, shape.num_seqs
     input_ids = np.zeros(T, np.int32)
     positions = np.zeros(T, np.int32)
+    rope_lens = np.zeros(T, np.int32)
     slot_mapping = np.full(T, -1, np.int32)
     kv_lens = np.zeros(S, np.int32)
     cu_q_lens = np.zeros(S + 1, np.int32)
@@ -103,6 +105,7 @@ def build_forward_batch(chunks: list[SeqChunk], block_size: int, max_blocks_per_
         pos = np.arange(chunk.start_pos, end, dtype=np.int32)
         input_ids[t:t + n] = chunk.token_ids
         positions[t:t + n] = pos
+        rope_lens[t:t + n] = max(chunk.rope_len, end)
         slot_mapping[t:t + n] = blocks[pos // block_size] * block_size + pos % block_size
         kv_lens[i] = end
         block_tables[i, :len(blocks)] = blocks
@@ -118,4 +121,4 @@ def build_forward_batch(chunks: list[SeqChunk], block_size: int, max_blocks_per_
                              cu_q_lens=jnp.asarray(cu_q_lens), q_tile=shape.q_tile, decode_only=decode_only)
     return ForwardBatch(input_ids=jnp.asarray(input_ids), positions=jnp.asarray(positions),
                         slot_mapping=jnp.asarray(slot_mapping), logits_indices=jnp.asarray(logits_indices),
-                        attn=attn)
+                        attn=attn, rope_lens=jnp.asarray(rope_lens))

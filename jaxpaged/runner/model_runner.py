@@ -140,6 +140,12 @@ class ModelRunner(CompiledStep, DeviceMemory):
         c = model_config
         return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * jnp.dtype(dtype).itemsize
 
+    def run_without_step(self, plan: SchedulerOutput) -> None:
+        """A plan with nothing to compute: its block moves, and the slots of requests it preempted
+        (they take a fresh slot, parameters seeded anew, when they run again)."""
+        self.slot_table.begin_step(plan.preempted)
+        self.move_blocks(plan)
+
     def move_blocks(self, plan: SchedulerOutput) -> None:
         """Swap-outs, swap-ins, then copy-on-write copies: all before the step reads the pool.
 

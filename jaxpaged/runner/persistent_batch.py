@@ -6,7 +6,8 @@ finishes, is preempted, or (more live sequences than slots, beam search only) is
 the least recently used; it then gets a fresh slot, rebuilt from the host, when it runs again.
 
     block_tables    i32[R + 1, max_blocks_per_seq]   a request's blocks; grows by appended blocks
-    params          i32[R + 1, NUM_PARAMS]           sampling parameters (floats bit-cast), step count
+    params          i32[R + 1, NUM_PARAMS]           sampling parameters (floats bit-cast), step count,
+                                                     the request's rope length (ForwardBatch.rope_lens)
     output_counts   i32[R + 1, V]                    tokens sampled so far (penalties)
     prompt_mask     bool[R + 1, V]                   tokens of the prompt (repetition penalty)
     logit_bias      f32[R + 1, V]                    the request's logit_bias
@@ -36,8 +37,8 @@ from pallas_kernels import AttentionMetadata
 
 # params columns
 (P_TEMPERATURE, P_TOP_K, P_TOP_P, P_MIN_P, P_PRESENCE, P_FREQUENCY, P_REPETITION, P_SEED, P_STEPS,
- P_LOGPROBS, P_HAS_BIAS, P_MIN_TOKENS) = range(12)
-NUM_PARAMS = 12
+ P_LOGPROBS, P_HAS_BIAS, P_MIN_TOKENS, P_ROPE_LEN) = range(13)
+NUM_PARAMS = 13
 FLOAT_PARAMS = (P_TEMPERATURE, P_TOP_P, P_MIN_P, P_PRESENCE, P_FREQUENCY, P_REPETITION)
 
 # update kinds
@@ -242,6 +243,7 @@ class SlotTable:
         row[P_LOGPROBS] = self.vocab_size if p.logprobs == -1 else (p.logprobs or 0)
         row[P_HAS_BIAS] = int(bool(bias))
         row[P_MIN_TOKENS] = p.min_tokens if banned else 0
+        row[P_ROPE_LEN] = request.rope_len
         self.step_updates += [(PARAM, slot, i, int(v)) for i, v in enumerate(row)]
         penalised = uses_output_tokens(p)
         if not (penalised or bias or banned):
@@ -328,10 +330,12 @@ class StepLayout:
         return out
 
 
-def forward_batch_arrays(fields: dict, block_tables: jax.Array, block_size: int):
+def forward_batch_arrays(fields: dict, block_tables: jax.Array, block_size: int, params: jax.Array | None = None):
     """Traced: positions, slot mapping and attention metadata from the packed per-sequence
-    fields and the persistent block tables. Returns (positions, slot_mapping, kv_lens, tables,
-    lora_index): the last, each token's LoRA slot (-1: the base model; padding tokens too)."""
+    fields and the persistent block tables (and `params`, the slots' parameter rows). Returns
+    (positions, slot_mapping, kv_lens, tables, lora_index, rope_lens): lora_index, each token's
+    LoRA slot (-1: the base model; padding tokens too); rope_lens, ForwardBatch.rope_lens (None
+    without `params`)."""
     cu = fields["cu_q_lens"]
     start = fields["start_pos"]
     S = start.shape[0]
@@ -347,7 +351,10 @@ def forward_batch_arrays(fields: dict, block_tables: jax.Array, block_size: int)
     block = tables[seq, positions // block_size]
     slot_mapping = jnp.where(valid, block * block_size + positions % block_size, -1)
     lora_index = jnp.where(valid, fields["seq_lora"][seq], -1)
-    return positions, slot_mapping, kv_lens, tables, lora_index
+    rope_lens = None
+    if params is not None:
+        rope_lens = jnp.maximum(params[fields["seq_slots"], P_ROPE_LEN], kv_lens)[seq]
+    return positions, slot_mapping, kv_lens, tables, lora_index, rope_lens
 
 
 def attention_metadata(kv_lens, tables, cu_q_lens, q_tile: int) -> AttentionMetadata:
