@@ -95,7 +95,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                              tool_call_parser=ns.tool_call_parser, chat_template=ns.chat_template,
                              vllm_metric_names=ns.vllm_metric_names, max_num_waiting=ns.max_num_waiting,
                              shutdown_timeout=ns.shutdown_timeout, enable_sleep_mode=ns.enable_sleep_mode,
-                             lora_modules=ns.lora_modules)
+                             lora_modules=ns.lora_modules, max_request_body_bytes=ns.max_request_body_bytes)
 
 
 def add_serve_parser(sub) -> None:
@@ -123,6 +123,9 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--max-num-waiting", type=int, default=None,
                        help="refuse new requests with a 503 (Retry-After) while this many wait for a seat in the "
                             "batch (default: queue without bound)")
+    serve.add_argument("--max-request-body-bytes", type=int, default=None,
+                       help="refuse a request body above this many bytes with a 413, unread (default: max(1 MiB, "
+                            "32 bytes a token of --max-model-len), room for a whole context several times over)")
     serve.add_argument("--shutdown-timeout", type=float, default=10.0,
                        help="seconds that streams in flight get to finish after Ctrl-C or SIGTERM (default 10)")
     serve.add_argument("--enable-sleep-mode", action="store_true",

@@ -27,11 +27,14 @@ def run_server(args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, api_
                enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
                chat_template: str | None = None, vllm_metric_names: bool = False,
                max_num_waiting: int | None = None, shutdown_timeout: float = 10.0,
-               enable_sleep_mode: bool = False, lora_modules: list[str] | None = None) -> int:
+               enable_sleep_mode: bool = False, lora_modules: list[str] | None = None,
+               max_request_body_bytes: int | None = None) -> int:
     """Serve `args`' model until interrupted; returns the exit status. `chat_template`: a Jinja
     template, or the path of a file holding one, instead of the tokenizer's; `max_num_waiting`:
     new requests get a 503 (Retry-After) while this many wait for a seat in the batch;
-    `lora_modules`: adapters served by name ("name=path" or JSON, see parse_lora_modules)."""
+    `lora_modules`: adapters served by name ("name=path" or JSON, see parse_lora_modules);
+    `max_request_body_bytes`: larger request bodies get a 413 unread (None: max(1 MiB, 32 bytes
+    a token of max_model_len), see server/json_body.py)."""
     import os
 
     import uvicorn
@@ -42,6 +45,8 @@ def run_server(args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, api_
         raise ValueError(f"port must be in [0, 65535], got {port}")
     if not shutdown_timeout >= 0:
         raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {shutdown_timeout!r}")
+    if max_request_body_bytes is not None and max_request_body_bytes < 1:
+        raise ValueError(f"max_request_body_bytes must be >= 1, got {max_request_body_bytes}")
     tool_settings = ToolSettings(enable_auto_tool_choice, tool_call_parser)   # checked before the model loads
     adapters = parse_lora_modules(lora_modules)
     if adapters and not args.enable_lora:
@@ -62,7 +67,7 @@ def run_server(args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, api_
         for adapter in adapters:   # each folder read now: a bad one stops the start with its ValueError
             asyncio.run(engine.add_lora(adapter))
         app = build_app(engine, served_model_names, api_key, tool_settings, chat_template, vllm_metric_names,
-                        enable_sleep_mode, adapters if args.enable_lora else None)
+                        enable_sleep_mode, adapters if args.enable_lora else None, max_request_body_bytes)
         names = app.state.server.names
         usable = engine.num_blocks - 1   # block 0 is the null block padded block tables point at
         logger.info("model: %s (served as %s), max_model_len %d", args.model or engine.model_name,

@@ -1,8 +1,9 @@
 """OpenAI-compatible routes on Starlette; the engine is reached only through AsyncLLM.
 
-Each route parses (protocol.py), checks the model and key, and hands the engine's outputs
-to a Reply (responses.py). Errors leave as OpenAI error objects: 400/401/404 for what the
-client sent, 500 for a failure inside one request, which leaves the engine loop running.
+Each route reads its body (json_body.py), parses it (protocol.py), checks the model and key,
+and hands the engine's outputs to a Reply (responses.py). Errors leave as OpenAI error objects:
+400/401/404/413 for what the client sent, 500 for a failure inside one request, which leaves
+the engine loop running.
 """
 
 import asyncio
@@ -24,8 +25,10 @@ from jaxpaged import AsyncLLM
 from jaxpaged.chat_utils import render_chat
 from jaxpaged.engine.async_llm import EngineOverloadedError
 from server import protocol as P
+from server.json_body import default_max_request_body_bytes, read_json
 from server.metrics import MetricsExporter
-from server.openai_types import ModelList
+from server.openai_types import (DetokenizeRequest, LoadLoRAAdapterRequest, ModelList, TokenizeRequest,
+                                 UnloadLoRAAdapterRequest)
 from server.openapi import openapi_schema
 from server.responses import Reply, internal_error, prepend
 from server.tools import ToolSettings, plan_tools
@@ -84,8 +87,11 @@ def engine_dead() -> P.APIError:
 class _Server:
     def __init__(self, engine: AsyncLLM, names: list[str] | None, api_key: str | None,
                  tool_settings: ToolSettings | None = None, chat_template: str | None = None,
-                 vllm_metric_names: bool = False, loras: list | None = None):
+                 vllm_metric_names: bool = False, loras: list | None = None,
+                 max_request_body_bytes: int | None = None):
         self.engine, self.api_key = engine, api_key
+        self.max_request_body_bytes = default_max_request_body_bytes(engine.max_model_len) \
+            if max_request_body_bytes is None else max_request_body_bytes
         # --enable-lora: adapter name -> LoRARequest (None: LoRA off, the adapter routes answer 404)
         self.loras = None if loras is None else {r.lora_name: r for r in loras}
         self._next_lora_id = max((r.lora_int_id for r in loras or []), default=0) + 1
@@ -98,6 +104,10 @@ class _Server:
         self.openapi_doc = None
 
     # ---- helpers -------------------------------------------------------------------------
+    async def read_json(self, request: Request) -> dict:
+        """The request's JSON object: every POST route reads its body here, within the size bound."""
+        return await read_json(request, self.max_request_body_bytes)
+
     def check_key(self, request: Request) -> None:
         if self.api_key is None:
             return
@@ -142,7 +152,7 @@ class _Server:
 
     # ---- generation ----------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
-        req = P.parse_completion_request(P.parse_json(await request.body()))
+        req = P.parse_completion_request(await self.read_json(request))
         inputs = []
         for prompt in req.prompts:
             if isinstance(prompt, str):
@@ -153,12 +163,12 @@ class _Server:
         return await self._generate(request, req, inputs, "cmpl")
 
     async def chat(self, request: Request) -> Response:
-        req = P.parse_chat_request(P.parse_json(await request.body()))
+        req = P.parse_chat_request(await self.read_json(request))
         tools = plan_tools(req, self.tool_settings)
         forced = tools is not None and tools.constraint is not None   # "required" or a named function
         if forced:
-            req.body = {**req.body, "structured_outputs": tools.constraint}
-        text, ids = self.render_chat(req.messages, req.body.get("add_generation_prompt") is not False, req.tools)
+            req.tool_constraint = tools.constraint
+        text, ids = self.render_chat(req.messages, req.request.add_generation_prompt is not False, req.tools)
         try:
             return await self._generate(request, req, [({"prompt": text, "prompt_token_ids": ids}, ids)], "chatcmpl",
                                         tools)
@@ -173,7 +183,7 @@ class _Server:
         model = self.model(req.model)
         params = [P.build_sampling_params(req, len(ids), self.engine.max_model_len) for _, ids in inputs]
         request_id = f"{prefix}-{uuid.uuid4().hex}"
-        salt = req.body.get("cache_salt")   # checked by protocol.py; the engine hashes it into the first block
+        salt = req.request.cache_salt   # checked by protocol.py; the engine hashes it into the first block
         if salt is not None:
             inputs = [({**prompt, "cache_salt": salt}, ids) for prompt, ids in inputs]
         lora = (self.loras or {}).get(model)   # a request naming an adapter runs with it
@@ -219,22 +229,17 @@ class _Server:
         return _json(ModelList.model_validate({"object": "list", "data": data}).model_dump(mode="json"))
 
     # ---- LoRA adapters while serving (--enable-lora), vLLM's routes ----------------------------
-    def _lora_body(self, body: dict, *fields: str) -> list[str]:
+    async def _lora_request(self, request: Request, model):
+        body = await self.read_json(request)
         if self.loras is None:
             raise P.APIError(404, "LoRA adapters are not enabled: start the server with --enable-lora", None,
                              "not_found")
-        values = []
-        for field in fields:
-            value = body.get(field)
-            if not isinstance(value, str) or not value:
-                raise P.APIError(400, f"{field} must be a non-empty string, got {P.brief_repr(value)}", field,
-                                 "invalid_value")
-            values.append(value)
-        return values
+        return P.validate(model, body)
 
     async def load_lora_adapter(self, request: Request) -> Response:
         from jaxpaged.lora import LoRARequest
-        name, path = self._lora_body(P.parse_json(await request.body()), "lora_name", "lora_path")
+        adapter = await self._lora_request(request, LoadLoRAAdapterRequest)
+        name, path = adapter.lora_name, adapter.lora_path
         if name in self.loras or name in self.names:
             raise P.APIError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name", "invalid_value")
         lora = LoRARequest(name, self._next_lora_id, path)
@@ -247,7 +252,7 @@ class _Server:
         return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
 
     async def unload_lora_adapter(self, request: Request) -> Response:
-        (name,) = self._lora_body(P.parse_json(await request.body()), "lora_name")
+        name = (await self._lora_request(request, UnloadLoRAAdapterRequest)).lora_name
         lora = self.loras.pop(name, None)
         if lora is None:
             raise P.APIError(404, f"The lora adapter '{name}' cannot be found.", "lora_name", "not_found")
@@ -255,26 +260,24 @@ class _Server:
         return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
 
     async def tokenize(self, request: Request) -> Response:
-        body = P.parse_json(await request.body())
-        self.model(body.get("model"))
-        if body.get("messages") is not None:
-            tools = P.parse_tools(body.get("tools"))
-            _, ids = self.render_chat(P.parse_messages(body["messages"]),
-                                      body.get("add_generation_prompt") is not False, tools)
-        elif isinstance(body.get("prompt"), str):
-            special = body.get("add_special_tokens", True)
-            ids = list(self.need_tokenizer("prompt").encode(body["prompt"], add_special_tokens=bool(special)))
+        req = P.validate(TokenizeRequest, await self.read_json(request))
+        self.model(req.model)
+        if req.messages is not None:
+            _, ids = self.render_chat(P.message_dicts(req.messages), req.add_generation_prompt is not False,
+                                      P.tool_dicts(req.tools))
+        elif req.prompt is not None:
+            special = req.add_special_tokens is not False
+            ids = list(self.need_tokenizer("prompt").encode(req.prompt, add_special_tokens=special))
         else:
             raise P.APIError(400, "tokenize needs prompt (a string) or messages", "prompt",
                              "missing_required_parameter")
         return _json({"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids})
 
     async def detokenize(self, request: Request) -> Response:
-        body = P.parse_json(await request.body())
-        self.model(body.get("model"))
-        tokens, vocab = body.get("tokens"), self.engine.model_config.vocab_size
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
-                                                   for t in tokens):
+        req = P.validate(DetokenizeRequest, await self.read_json(request))
+        self.model(req.model)
+        tokens, vocab = req.tokens, self.engine.model_config.vocab_size
+        if not all(0 <= t < vocab for t in tokens):
             raise P.APIError(400, f"tokens must be a list of token ids in [0, {vocab}), got {P.brief_repr(tokens)}",
                              "tokens", "invalid_value")
         return _json({"prompt": self.need_tokenizer("tokens").decode(tokens)})
@@ -338,17 +341,19 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
 def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, api_key: str | None = None,
               tool_settings: ToolSettings | None = None, chat_template: str | None = None,
               vllm_metric_names: bool = False, enable_sleep_mode: bool = False,
-              lora_modules: list | None = None) -> Starlette:
+              lora_modules: list | None = None, max_request_body_bytes: int | None = None) -> Starlette:
     """The Starlette app serving `engine`; the first served name is the one responses report.
     `tool_settings`: --enable-auto-tool-choice / --tool-call-parser; `chat_template`: a Jinja
     template replacing the tokenizer's; `vllm_metric_names`: /metrics also under vLLM's names;
     `enable_sleep_mode`: the /sleep, /wake_up and /is_sleeping routes (API key guarded);
     `lora_modules`: LoRARequests served by name (a list, even empty, when the engine has
-    enable_lora: /v1/load_lora_adapter and /v1/unload_lora_adapter change it)."""
+    enable_lora: /v1/load_lora_adapter and /v1/unload_lora_adapter change it);
+    `max_request_body_bytes`: larger bodies get a 413 unread (None: json_body's default for the
+    engine's max_model_len)."""
     if lora_modules is None and engine.args.enable_lora:
         lora_modules = []
     server = _Server(engine, served_model_names, api_key, tool_settings, chat_template, vllm_metric_names,
-                     lora_modules)
+                     lora_modules, max_request_body_bytes)
     table = [("/v1/completions", server.completions, "POST"), ("/v1/chat/completions", server.chat, "POST"),
              ("/v1/models", server.models, "GET"), ("/health", server.health, "GET"),
              ("/metrics", server.metrics_text, "GET"), ("/tokenize", server.tokenize, "POST"),

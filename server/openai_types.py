@@ -147,6 +147,10 @@ class _Request(_Strict):
     structured_outputs: dict[str, Any] | None = Field(
         None, description='{"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ...} | '
                           '{"json_object": true}')
+    # OpenAI's on chat; vLLM takes it on completions too: both become structured_outputs
+    response_format: TextFormat | JsonObjectFormat | JsonSchemaFormat | None = Field(
+        None, discriminator="type", description='{"type": "text"}, {"type": "json_object"} or '
+                                                '{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}')
 
     @field_validator("stream_options")
     @classmethod
@@ -183,9 +187,6 @@ class ChatCompletionRequest(_Request):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description='"none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
     parallel_tool_calls: bool | None = None
-    response_format: TextFormat | JsonObjectFormat | JsonSchemaFormat | None = Field(
-        None, discriminator="type", description='{"type": "text"}, {"type": "json_object"} or '
-                                                '{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}')
     # OpenAI's that change no generated token, accepted and ignored: bookkeeping (metadata only matters
     # with store, which is refused) and hints for a prefix cache that is automatic here
     metadata: dict[str, str] | None = None
@@ -227,12 +228,32 @@ class ChatCompletionRequest(_Request):
         return value
 
 
-class _Messages(_Strict):   # /tokenize takes messages and tools without a chat request
-    messages: _MessageList
-
-
-class _Tools(_Strict):
+# ---- vLLM's other JSON routes: keys beyond these are ignored, as vLLM has more of its own ----
+class TokenizeRequest(_Strict):
+    """/tokenize: a prompt, or messages (and tools) rendered by the chat template."""
+    model: str | None = None
+    prompt: str | None = None
+    add_special_tokens: bool | None = None
+    messages: _MessageList | None = None
     tools: list[Tool] | None = None
+    add_generation_prompt: bool | None = None
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int] = Field(description="a list of token ids")
+
+
+_AdapterField = Annotated[str, Field(min_length=1, description="a non-empty string")]
+
+
+class LoadLoRAAdapterRequest(_Strict):
+    lora_name: _AdapterField
+    lora_path: _AdapterField
+
+
+class UnloadLoRAAdapterRequest(_Strict):
+    lora_name: _AdapterField
 
 
 # ---- responses -----------------------------------------------------------------------------

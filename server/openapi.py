@@ -29,6 +29,8 @@ def openapi_schema() -> dict:
                         "content": {"application/json": {"schema": ref(ok)},
                                     "text/event-stream": {"schema": ref(chunk)}}},
                 "400": {"description": "a bad request; `param` names the field",
+                        "content": {"application/json": {"schema": ref(ErrorResponse)}}},
+                "413": {"description": "a body above the server's --max-request-body-bytes, refused unread",
                         "content": {"application/json": {"schema": ref(ErrorResponse)}}}}}}
 
     models = {"200": {"description": "the served model names",

@@ -7,7 +7,6 @@ live in SamplingParams and the engine, whose ValueError messages start with the 
 `param` can be recovered.
 """
 
-import json
 import logging
 import math
 import re
@@ -20,7 +19,7 @@ from jaxpaged.outputs import Logprob
 from jaxpaged.sampling_params import SamplingParams
 from server.openai_types import (_UNSUPPORTED, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                                  CompletionRequest, CompletionResponse, ErrorInfo, ErrorResponse, Message,
-                                 NamedToolChoice, Tool, _Messages, _Request, _Tools)
+                                 NamedToolChoice, Tool, _Request)
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +43,10 @@ class APIError(Exception):
 
 @dataclass
 class ParsedRequest:
+    """A generation request, validated. Every field is read from `request`, never from the body as
+    sent: a key the route's model does not declare (in the OpenAPI document) is in model_extra only."""
     kind: str                                  # "completion" | "chat"
-    body: dict                                 # as the client sent it (app.py may add structured_outputs)
+    request: CompletionRequest | ChatCompletionRequest
     model: str | None
     stream: bool
     include_usage: bool
@@ -54,20 +55,12 @@ class ParsedRequest:
     max_tokens_param: str
     echo: bool = False
     prompts: list = field(default_factory=list)     # completions: str or token-id lists
-    messages: list = field(default_factory=list)    # chat: [{"role", "content": str, ...}] (parse_messages)
+    messages: list = field(default_factory=list)    # chat: [{"role", "content": str, ...}] (message_dicts)
     tools: list[dict] | None = None                 # chat: validated, in OpenAI's shape
     tool_choice: str | dict | None = None           # None: OpenAI's default ("auto" when there are tools)
     parallel_tool_calls: bool = True
-
-
-def parse_json(raw: bytes) -> dict:
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise APIError(400, f"request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
-    return body
+    # chat: structured_outputs forcing the form of tool calls (tool_choice "required" or a named function)
+    tool_constraint: dict | None = None
 
 
 def brief_repr(value) -> str:
@@ -75,7 +68,8 @@ def brief_repr(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _validate(model: type[BaseModel], body: dict):
+def validate(model: type[BaseModel], body: dict):
+    """`body` as an instance of `model`; APIError 400 naming the first bad field."""
     present = {k: v for k, v in body.items() if v is not None}   # null always means the default
     try:
         return model.model_validate(present)
@@ -157,17 +151,17 @@ def _log_unknown(request: _Request) -> None:
         logger.warning("ignoring request fields this server does not know: %s", ", ".join(sorted(request.model_extra)))
 
 
-def _common(kind: str, body: dict, request: _Request, logprobs: int | None) -> ParsedRequest:
+def _common(kind: str, request: _Request, logprobs: int | None, max_tokens: int | None,
+            max_tokens_param: str = "max_tokens") -> ParsedRequest:
     _log_unknown(request)
-    param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
-    return ParsedRequest(kind, body, request.model, bool(request.stream), include_usage, logprobs, body.get(param),
-                         param)
+    return ParsedRequest(kind, request, request.model, bool(request.stream), include_usage, logprobs, max_tokens,
+                         max_tokens_param)
 
 
 def parse_completion_request(body: dict) -> ParsedRequest:
-    request = _validate(CompletionRequest, body)
-    req = _common("completion", body, request, request.logprobs)
+    request = validate(CompletionRequest, body)
+    req = _common("completion", request, request.logprobs, request.max_tokens)
     req.echo = bool(request.echo)
     prompt = request.prompt
     req.prompts = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else list(prompt)
@@ -175,27 +169,25 @@ def parse_completion_request(body: dict) -> ParsedRequest:
 
 
 def parse_chat_request(body: dict) -> ParsedRequest:
-    request = _validate(ChatCompletionRequest, body)
-    req = _common("chat", body, request, (request.top_logprobs or 0) if request.logprobs else None)
-    req.messages = [_message_dict(m) for m in request.messages]
-    req.tools = _tool_dicts(request.tools)
+    request = validate(ChatCompletionRequest, body)
+    param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    req = _common("chat", request, logprobs, getattr(request, param), param)
+    req.messages = message_dicts(request.messages)
+    req.tools = tool_dicts(request.tools)
     choice = request.tool_choice
     req.tool_choice = choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
     req.parallel_tool_calls = request.parallel_tool_calls is not False
     return req
 
 
-def parse_messages(messages) -> list[dict]:
+def message_dicts(messages: list[Message]) -> list[dict]:
     """Chat messages as plain dicts: {"role", "content": str} and tool_calls / tool_call_id / name when given."""
-    return [_message_dict(m) for m in _validate(_Messages, {"messages": messages}).messages]
+    return [_message_dict(m) for m in messages]
 
 
-def parse_tools(tools) -> list[dict] | None:
+def tool_dicts(tools: list[Tool] | None) -> list[dict] | None:
     """Tool definitions as plain dicts in OpenAI's shape, as the client sent them; None when not given."""
-    return _tool_dicts(_validate(_Tools, {"tools": tools}).tools)
-
-
-def _tool_dicts(tools: list[Tool] | None) -> list[dict] | None:
     return None if tools is None else [tool.model_dump(exclude_unset=True) for tool in tools]
 
 
@@ -213,6 +205,7 @@ def _message_dict(message: Message) -> dict:
     return out
 
 
+# fields of _Request (a getattr of another name would read model_extra: a value no model checked)
 _SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                   "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
                   "include_stop_str_in_output", "skip_special_tokens", "logit_bias")
@@ -234,8 +227,8 @@ def build_sampling_params(req: ParsedRequest, prompt_len: int, max_model_len: in
                             f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the {prompt_param}, "
                             f"{max_tokens} in the completion). Reduce the length of the {prompt_param} or "
                             f"{req.max_tokens_param}.", req.max_tokens_param, "context_length_exceeded")
-    kwargs = {k: req.body[k] for k in _SAMPLING_KEYS if req.body.get(k) is not None}
-    structured = _structured_outputs(req.body)
+    kwargs = {k: getattr(req.request, k) for k in _SAMPLING_KEYS if getattr(req.request, k) is not None}
+    structured = req.tool_constraint if req.tool_constraint is not None else _structured_outputs(req.request)
     if structured is not None:
         kwargs["structured_outputs"] = structured
     prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
@@ -246,10 +239,10 @@ def build_sampling_params(req: ParsedRequest, prompt_len: int, max_model_len: in
         raise bad_request(exc, req) from None
 
 
-def _structured_outputs(body: dict) -> dict | None:
-    """vLLM's structured_outputs field, or OpenAI's response_format (chat, validated already) as one."""
-    structured, response_format = body.get("structured_outputs"), body.get("response_format")
-    kind = (response_format or {}).get("type", "text")
+def _structured_outputs(request: _Request) -> dict | None:
+    """vLLM's structured_outputs field, or OpenAI's response_format as one."""
+    structured, response_format = request.structured_outputs, request.response_format
+    kind = response_format.type if response_format is not None else "text"
     if kind == "text":
         return structured
     if structured is not None:
@@ -257,7 +250,7 @@ def _structured_outputs(body: dict) -> dict | None:
                        "response_format", "invalid_value")
     if kind == "json_object":
         return {"json_object": True}
-    return {"json": response_format["json_schema"].get("schema") or {}}
+    return {"json": response_format.json_schema.schema_ or {}}
 
 
 def bad_request(exc: ValueError, req: ParsedRequest) -> APIError:

@@ -58,7 +58,7 @@ def plan_tools(req: P.ParsedRequest, settings: ToolSettings) -> ToolPlan | None:
                                   '{"type": "function", "function": {"name": ...}}', "tool_choice", "invalid_value")
         parser = get_tool_parser(settings.tool_call_parser)
         return ToolPlan(None, lambda: parser(tools=tools))
-    if _has_constraint(req.body):
+    if _has_constraint(req.request):
         raise P.APIError(400, f"tool_choice {json.dumps(choice)} constrains the output itself: drop "
                               "response_format / structured_outputs", "tool_choice", "invalid_value")
     if choice == "required":
@@ -75,9 +75,10 @@ def plan_tools(req: P.ParsedRequest, settings: ToolSettings) -> ToolPlan | None:
 COMPACT = {"x-guidance": {"whitespace_flexible": False}}
 
 
-def _has_constraint(body: dict) -> bool:
-    kind = (body.get("response_format") or {}).get("type", "text")
-    return body.get("structured_outputs") is not None or kind != "text"
+def _has_constraint(request) -> bool:
+    """Whether the request constrains the output's form itself (structured_outputs or response_format)."""
+    response_format = request.response_format
+    return request.structured_outputs is not None or (response_format is not None and response_format.type != "text")
 
 
 def required_schema(tools: list[dict], parallel: bool = True) -> dict:

@@ -13,7 +13,7 @@ import pytest
 from jaxpaged import AsyncLLM
 from server import build_app
 from server import openai_types as T
-from tests.server.helpers import MODEL, gauge, metrics, serving, wait_idle
+from tests.server.helpers import MODEL, gauge, serving, wait_idle
 from tests.server.test_async_llm import tiny_engine_args
 
 KEY = "sk-test"
@@ -193,6 +193,17 @@ def test_response_format_and_structured_outputs_constrain_the_output(client):
     assert out.choices[0].text.isdigit() and len(out.choices[0].text) == 4
 
 
+def test_response_format_constrains_completions_too(client):   # vLLM's: not OpenAI's completions field
+    out = client.completions.create(model=MODEL, prompt="Hi", max_tokens=40, temperature=1.0, n=3, seed=1,
+                                    extra_body={"response_format": {"type": "json_object"}})
+    closed = [json.loads(c.text) for c in out.choices if c.finish_reason == "stop"]
+    assert all(c.text.startswith("{") for c in out.choices) and closed and all(isinstance(o, dict) for o in closed)
+    schema = {"type": "string", "enum": ["left", "right"]}
+    out = client.completions.create(model=MODEL, prompt="Hi", max_tokens=40, temperature=1.0, n=3, extra_body={
+        "response_format": {"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}}})
+    assert all(c.finish_reason == "stop" and json.loads(c.text) in ("left", "right") for c in out.choices)
+
+
 def test_values_that_ask_for_nothing_are_accepted_and_unknown_fields_are_logged(client, caplog):
     caplog.set_level(logging.WARNING, logger="server.protocol")
     chat = client.chat.completions.create(
@@ -353,7 +364,9 @@ def test_serve_command_line_builds_the_engine_args(monkeypatch):
                   "log_level": "info", "enable_auto_tool_choice": False, "tool_call_parser": None,
                   "chat_template": None, "vllm_metric_names": False, "max_num_waiting": None,
                   "shutdown_timeout": 10.0, "enable_sleep_mode": False,
-                  "lora_modules": None}
+                  "lora_modules": None, "max_request_body_bytes": None}
     assert cli.main(["serve", "--model", "other/model"]) == 0 and calls[1][0].model == "other/model"
     assert cli.main(["serve"]) == 0 and calls[2][0].model is None          # the built-in model
     assert cli.main(["serve", "x", "--model", "y"]) == 2                  # two different models
+    assert cli.main(["serve", "--max-request-body-bytes", "4096"]) == 0
+    assert calls[-1][1]["max_request_body_bytes"] == 4096

@@ -1,6 +1,7 @@
 """server/protocol.py without an engine: request bodies in, ParsedRequest or a 400 naming the field out;
 responses through their models; the OpenAPI document."""
 
+import dataclasses
 import json
 import logging
 
@@ -94,8 +95,9 @@ def test_tools_and_a_tool_history_are_parsed_into_plain_dicts():
     assert req.tool_choice == {"type": "function", "function": {"name": "get_weather"}}
     plain = P.parse_chat_request({"messages": HI, "tools": [], "tool_choice": "auto"})   # asks for nothing
     assert (plain.tools, plain.tool_choice, plain.parallel_tool_calls) == ([], "auto", True)
-    assert P.parse_tools(None) is None and P.parse_tools([WEATHER]) == [WEATHER]   # /tokenize's
-    assert refused(P.parse_tools, {"type": "function"}).param == "tools"
+    tokenize = P.validate(T.TokenizeRequest, {"messages": HI, "tools": [WEATHER]})   # /tokenize's
+    assert P.tool_dicts(tokenize.tools) == [WEATHER] and P.message_dicts(tokenize.messages) == HI
+    assert refused(lambda body: P.validate(T.TokenizeRequest, body), {"tools": [{"type": "function"}]}).param == "tools"
 
 
 def test_prompts_and_stream_usage_are_read():
@@ -105,6 +107,26 @@ def test_prompts_and_stream_usage_are_read():
     req = P.parse_chat_request({"messages": HI, "stream": True, "stream_options": {"include_usage": True},
                                 "logprobs": True, "top_logprobs": 3, "temperature": 1})   # an int is a number
     assert req.stream and req.include_usage and req.logprobs == 3
+
+
+def test_a_parsed_request_holds_the_validated_model_not_the_body_as_sent():
+    assert "body" not in {f.name for f in dataclasses.fields(P.ParsedRequest)}
+    assert set(P._SAMPLING_KEYS) <= set(T._Request.model_fields)   # read by getattr: declared, never extra
+    req = P.parse_completion_request({"prompt": "hi", "max_completion_tokens": "x", "temperature": 1})
+    assert isinstance(req.request, T.CompletionRequest) and req.request.model_extra == {"max_completion_tokens": "x"}
+    assert (req.max_tokens, req.max_tokens_param) == (None, "max_tokens")   # a chat field: not read here
+    params = P.build_sampling_params(req, 2, 256)
+    assert params.max_tokens == P.COMPLETIONS_DEFAULT_MAX_TOKENS and params.temperature == 1.0
+
+
+def test_response_format_is_validated_and_honoured_on_both_routes():
+    assert refused(P.parse_completion_request, {"prompt": "hi", "response_format": 3}).param == "response_format"
+    for parse, body in ((P.parse_completion_request, {"prompt": "hi"}), (P.parse_chat_request, {"messages": HI})):
+        req = parse({**body, "response_format": {"type": "json_object"}})
+        assert P.build_sampling_params(req, 2, 256).structured_outputs.json_object is True
+        req = parse({**body, "response_format": {"type": "json_schema",
+                                                 "json_schema": {"name": "n", "schema": {"type": "integer"}}}})
+        assert P.build_sampling_params(req, 2, 256).structured_outputs.json == {"type": "integer"}
 
 
 def test_unknown_fields_are_logged_once_and_the_other_routes_fields_are_unknown(caplog):
