@@ -16,8 +16,8 @@ from dataclasses import dataclass, fields
 # (and transfer) a wider top-k, so we refuse them instead of silently slowing down.
 MAX_LOGPROBS = 20
 
-# Below this temperature the distribution is treated as a point mass (vLLM's constant).
-_SAMPLING_EPS = 1e-5
+# Temperatures below this are greedy: the distribution is a point mass (vLLM's _SAMPLING_EPS).
+GREEDY_EPS = 1e-5
 
 
 class SamplingType(enum.IntEnum):
@@ -230,7 +230,7 @@ class SamplingParams:
 
     @property
     def sampling_type(self) -> SamplingType:
-        if self.temperature < _SAMPLING_EPS:
+        if self.temperature < GREEDY_EPS:
             return SamplingType.GREEDY
         if self.seed is not None:
             return SamplingType.RANDOM_SEED

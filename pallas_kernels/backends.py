@@ -16,14 +16,34 @@ An unavailable backend is an error, never a silent fallback.
 import functools
 import logging
 import time
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.metadata import AttentionMetadata
+
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "reference", "pallas", "triton", "cpu")
+
+
+class AttentionFn(Protocol):
+    """What every backend's attention is called with and returns (its own tuning options follow, keyword-only)."""
+
+    def __call__(
+        self,
+        q: jax.Array,             # [num_tokens, num_heads, head_dim]
+        kv_pool: jax.Array,       # [num_layers, 2, num_blocks, kv_heads, block_size, head_dim]
+        layer: jax.Array,         # i32[] which layer of the pool to read
+        md: AttentionMetadata,    # the ragged batch: query ranges, kv lengths, block tables
+        sliding_window: jax.Array | int = 0,  # i32[]; 0 = no window, else keys with q_pos - k_pos < window
+        soft_cap: float | jax.Array = 0.0,    # 0 = off, else logits -> cap * tanh(logits / cap)
+        *,
+        sm_scale: float,          # the logits' scale (1 / sqrt(head_dim) unless the model says otherwise)
+    ) -> jax.Array:               # [num_tokens, num_heads, head_dim], the dtype of q
+        ...
 
 
 def resolve_backend(name: str, platform: str | None = None, head_shape: tuple[int, int, int] | None = None,
@@ -65,8 +85,8 @@ def resolve_backend(name: str, platform: str | None = None, head_shape: tuple[in
     return name
 
 
-def get_attention(name: str, platform: str | None = None):
-    """The attention function for a resolved backend name; same signature as the reference."""
+def get_attention(name: str, platform: str | None = None) -> AttentionFn:
+    """The attention function of a resolved backend name."""
     platform = platform or jax.devices()[0].platform
     if name == "reference":
         from pallas_kernels.reference import ragged_paged_attention_reference

@@ -36,7 +36,7 @@ def supports(q: jax.Array, kv_pool: jax.Array) -> bool:
 def ragged_paged_attention_cpu(q: jax.Array, kv_pool: jax.Array, layer: jax.Array, md: AttentionMetadata,
                                sliding_window: jax.Array | int = 0, soft_cap: float | jax.Array = 0.0, *,
                                sm_scale: float, **reference_options) -> jax.Array:
-    """Same signature and results as `ragged_paged_attention_reference` (to f32 rounding)."""
+    """backends.AttentionFn, with the reference's results (to f32 rounding)."""
     if not supports(q, kv_pool):
         return ragged_paged_attention_reference(q, kv_pool, layer, md, sliding_window, soft_cap, sm_scale=sm_scale,
                                                 **reference_options)

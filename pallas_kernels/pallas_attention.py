@@ -178,19 +178,13 @@ def _kernel_q_tile(q_tile: int, group: int) -> int:
 
 
 def ragged_paged_attention_pallas(
-    q: jax.Array,             # [num_tokens, num_heads, head_dim]
-    kv_pool: jax.Array,       # [num_layers, 2, num_blocks, kv_heads, block_size, head_dim]
-    layer: jax.Array,         # i32[] which layer of the pool to read
-    md: AttentionMetadata,
-    sliding_window: jax.Array | int = 0,  # i32[]; 0 = no window, else keys with q_pos - k_pos < window
-    soft_cap: float | jax.Array = 0.0,    # 0 = off, else logits -> cap * tanh(logits / cap)
-    *,
-    sm_scale: float,
+    q: jax.Array, kv_pool: jax.Array, layer: jax.Array, md: AttentionMetadata,
+    sliding_window: jax.Array | int = 0, soft_cap: float | jax.Array = 0.0, *, sm_scale: float,
     kv_chunk_blocks: int = 8,             # pages per inner step at most (a power of two, >= 16 keys)
     interpret: bool = False,              # run on CPU through the Pallas interpreter
     num_kv_splits: int | None = None,     # programs per (tile, kv head) along the context; None = auto
-) -> jax.Array:               # [num_tokens, num_heads, head_dim], dtype of q
-    """Attention of a ragged batch over the paged pool; pure, returns a new array.
+) -> jax.Array:
+    """Attention of a ragged batch over the paged pool (backends.AttentionFn); pure, returns a new array.
 
     Raises ValueError for shapes, dtypes or sizes the kernel cannot handle.
     """

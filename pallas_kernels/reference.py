@@ -81,18 +81,13 @@ def tile_layout(md: AttentionMetadata, num_tokens: int):
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "kv_chunk_blocks", "pages_per_chunk", "tiles_per_group"))
 def ragged_paged_attention_reference(
-    q: jax.Array,             # [num_tokens, num_heads, head_dim]
-    kv_pool: jax.Array,       # [num_layers, 2, num_blocks, kv_heads, block_size, head_dim]
-    layer: jax.Array,         # i32[] which layer of the pool to read
-    md: AttentionMetadata,
-    sliding_window: jax.Array | int = 0,  # i32[]; 0 = no window, else keys with q_pos - k_pos < window
-    soft_cap: float | jax.Array = 0.0,    # 0 = off, else logits -> cap * tanh(logits / cap)
-    *,
-    sm_scale: float,
+    q: jax.Array, kv_pool: jax.Array, layer: jax.Array, md: AttentionMetadata,
+    sliding_window: jax.Array | int = 0, soft_cap: float | jax.Array = 0.0, *, sm_scale: float,
     kv_chunk_blocks: int = 8,    # pages per step of a tile's walk (mixed batches)
     tiles_per_group: int = 8,    # query tiles walked together (mixed batches)
     pages_per_chunk: int = 128,  # pages per step of the flat walk (decode-only batches), at most 16 per seq
-) -> jax.Array:               # [num_tokens, num_heads, head_dim], dtype of q
+) -> jax.Array:
+    """The ground truth of every attention backend (backends.AttentionFn: the arguments and result)."""
     validate_inputs(q, kv_pool, md)
     for name, value in (("kv_chunk_blocks", kv_chunk_blocks), ("pages_per_chunk", pages_per_chunk),
                         ("tiles_per_group", tiles_per_group)):

@@ -230,16 +230,11 @@ def _target_compute_capability() -> int | None:
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "kv_chunk_blocks"))
 def ragged_paged_attention_triton(
-    q: jax.Array,             # [num_tokens, num_heads, head_dim]
-    kv_pool: jax.Array,       # [num_layers, 2, num_blocks, kv_heads, block_size, head_dim]
-    layer: jax.Array,         # i32[] which layer of the pool to read
-    md: AttentionMetadata,
-    sliding_window: jax.Array | int = 0,  # i32[]; 0 = no window, else keys with q_pos - k_pos < window
-    soft_cap: float | jax.Array = 0.0,    # 0 = off, else logits -> cap * tanh(logits / cap)
-    *,
-    sm_scale: float,
+    q: jax.Array, kv_pool: jax.Array, layer: jax.Array, md: AttentionMetadata,
+    sliding_window: jax.Array | int = 0, soft_cap: float | jax.Array = 0.0, *, sm_scale: float,
     kv_chunk_blocks: int = 8,  # pages per step of the KV walk (a power of two; capped, see plan_launch)
-) -> jax.Array:               # [num_tokens, num_heads, head_dim], dtype of q
+) -> jax.Array:
+    """Attention of a ragged batch over the paged pool (backends.AttentionFn) as a Triton kernel."""
     import jax_triton  # here, not at the top: the tiling and its CPU tests need no cuda12 extra
 
     launch, operands, out_type, meta, tokens = kernel_call_args(q, kv_pool, layer, md, sliding_window, soft_cap,

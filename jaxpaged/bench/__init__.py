@@ -1,4 +1,4 @@
-"""Benchmarks, each run as `python -m jaxpaged.bench.<name>` (README, "Benchmarks")."""
+"""Benchmarks, each run as `python -m jaxpaged.bench.<name>` (their figures: README, "Results", and docs/results.md)."""
 import hashlib
 import os
 import tempfile

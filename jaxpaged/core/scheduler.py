@@ -84,7 +84,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
-        self.paused: dict[str, Request] = {}   # running, but left out of scheduling (beam search)
+        self.parked: dict[str, Request] = {}   # running, but left out of scheduling (beam search)
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_swapped_out_blocks = 0
@@ -98,9 +98,7 @@ class Scheduler:
         # head of the waiting queue (or preempt itself) forever and stall every request behind it.
         if request.num_tokens < 1:
             raise ValueError(f"prompt_token_ids must hold at least 1 token, got {request.num_tokens}")
-        if request.num_tokens > self.config.max_model_len:
-            raise ValueError(f"prompt of {request.num_tokens} tokens is longer than max_model_len "
-                             f"({self.config.max_model_len})")
+        self.check_prompt_len(request.num_tokens)
         # The caller finishes a request at max_tokens outputs or max_model_len tokens, and the
         # K/V of the last sampled token is never computed. A request that outgrew the pool would
         # preempt itself forever.
@@ -115,13 +113,20 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
+    def check_prompt_len(self, num_tokens: int) -> None:
+        """ValueError unless a prompt of `num_tokens` leaves room for one generated token."""
+        max_model_len = self.config.max_model_len
+        if num_tokens >= max_model_len:
+            raise ValueError(f"prompt is {num_tokens} tokens, but max_model_len is {max_model_len}: "
+                             f"the prompt must be at most {max_model_len - 1} tokens")
+
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Mark finished (stopped, length or aborted) and free its blocks at once."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
-        if request.request_id in self.paused:
-            del self.paused[request.request_id]
+        if request.request_id in self.parked:
+            del self.parked[request.request_id]
         elif request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status == RequestStatus.WAITING:
@@ -144,14 +149,15 @@ class Scheduler:
         self.requests[child.request_id] = child
         self.running.append(child)
 
-    def pause(self, request: Request) -> None:
-        """Take a running request out of scheduling; it keeps its blocks and cannot be preempted."""
+    def park(self, request: Request) -> None:
+        """Take a running request out of scheduling (beam search, until its group selects); it keeps its
+        blocks and cannot be preempted. (Not LLMEngine.paused, which stops every step.)"""
         self.running.remove(request)
-        self.paused[request.request_id] = request
+        self.parked[request.request_id] = request
 
-    def resume(self, request: Request) -> None:
-        """Return a paused request to the running list (no-op if it is not paused)."""
-        if self.paused.pop(request.request_id, None) is not None:
+    def unpark(self, request: Request) -> None:
+        """Return a parked request to the running list (no-op if it is not parked)."""
+        if self.parked.pop(request.request_id, None) is not None:
             self.running.append(request)
 
     def has_unfinished(self) -> bool:

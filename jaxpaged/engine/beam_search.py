@@ -104,7 +104,7 @@ def _run_wave(engine, prompts: list[list[int]], params: BeamSearchParams, loras:
                        max_tokens=params.max_tokens, cache_salt=parent.cache_salt, lora_request=parent.lora_request)
 
     # request id -> its SampledToken since the last selection. A beam with such a token is parked
-    # (scheduler.pause: out of scheduling, keeping its blocks) until its group selects: it must not decode
+    # (scheduler.park: out of scheduling, keeping its blocks) until its group selects: it must not decode
     # further, and a preempted sibling may take several steps to catch up.
     fresh: dict[str, object] = {}
     try:
@@ -120,11 +120,11 @@ def _run_wave(engine, prompts: list[list[int]], params: BeamSearchParams, loras:
             result = runner.fetch(runner.dispatch(plan))
             for request in scheduler.update_after_step(plan, {k: v.token_id for k, v in result.sampled.items()}):
                 fresh[request.request_id] = result.sampled[request.request_id]
-                scheduler.pause(request)
+                scheduler.park(request)
             for group in groups:
                 if group.beams and all(b.request.request_id in fresh for b in group.beams):
                     for beam in group.beams:
-                        scheduler.resume(beam.request)
+                        scheduler.unpark(beam.request)
                     _select(group, fresh, scheduler, new_request, engine.eos_token_ids, width)
     finally:
         for request in list(scheduler.requests.values()):

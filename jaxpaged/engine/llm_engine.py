@@ -191,9 +191,7 @@ class LLMEngine(ResearchMixin):
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt is {len(token_ids)} tokens, but max_model_len is {self.max_model_len}: "
-                             f"the prompt must be at most {self.max_model_len - 1} tokens")
+        self.scheduler.check_prompt_len(len(token_ids))
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.args.max_logprobs:

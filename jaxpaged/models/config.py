@@ -101,10 +101,6 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     @property
-    def has_sliding_window(self) -> bool:
-        return any(self.sliding_windows)
-
-    @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
 

@@ -33,6 +33,14 @@ def next_bucket(n: int, floor: int, cap: int | None = None, growth: int = 2) -> 
     return size
 
 
+def bucket_sizes(floor: int, cap: int, growth: int = 2) -> list[int]:
+    """Every size next_bucket gives from `floor` up to `cap`: floor, growth * floor, ..., cap."""
+    out = [min(floor, cap)]
+    while out[-1] < cap:
+        out.append(min(out[-1] * growth, cap))
+    return out
+
+
 @dataclasses.dataclass
 class SeqChunk:
     """One sequence's share of a step: its new tokens and where its KV lives."""
@@ -48,7 +56,7 @@ class SeqChunk:
 class BatchShape:
     num_tokens: int
     num_seqs: int
-    num_logits: int   # logits rows: one per sample row, = num_seqs
+    num_logits: int   # logits rows, one per sample row: num_seqs, or num_tokens with a row per token (speculation)
     q_tile: int
 
 

@@ -17,7 +17,6 @@ once), so nothing compiles while serving; a program missing later is compiled wi
 import concurrent.futures
 import logging
 import os
-import sys
 import threading
 
 import jax
@@ -25,12 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxpaged.runner.batch_builder import PREFILL_Q_TILE, BatchShape
+from jaxpaged.runner.batch_builder import PREFILL_Q_TILE, BatchShape, bucket_sizes
 from jaxpaged.runner.block_ops import warm_up_block_moves
 from jaxpaged.runner.persistent_batch import StepLayout, warm_up_updates
-from jaxpaged.runner.sampler import GREEDY_EPS, uses_output_tokens
+from jaxpaged.runner.sampler import uses_output_tokens
 from jaxpaged.runner.step import (LOGIT_ROW_CHUNK, SAMPLER_KINDS, PromptStatics, SampleStatics, StepStatics,
                                   forward_fn, prompt_logprobs_fn, sample_fn)
+from jaxpaged.sampling_params import GREEDY_EPS
 
 logger = logging.getLogger(__name__)
 
@@ -146,8 +146,8 @@ class CompiledStep:
     def warmup_shapes(self) -> list[BatchShape]:
         """Every bucket a step can take: decode-only steps for each sequence bucket, and steps
         with a prompt chunk for each token bucket (choose_shape gives their sequence bucket)."""
-        shapes = [BatchShape(s, s, s, 1) for s in _buckets(SEQ_FLOOR, self.max_decode_seqs)]
-        for t in _buckets(TOKEN_FLOOR, self.max_num_batched_tokens):
+        shapes = [BatchShape(s, s, s, 1) for s in bucket_sizes(SEQ_FLOOR, self.max_decode_seqs)]
+        for t in bucket_sizes(TOKEN_FLOOR, self.max_num_batched_tokens):
             s = min(t, self.max_num_seqs)
             shapes.append(BatchShape(t, s, t if self.speculative else s, PREFILL_Q_TILE))
         return shapes
@@ -162,44 +162,20 @@ class CompiledStep:
         firsts = list({self._sampler_key(shape): shape for shape in reversed(todo)}.values())
         for shape in shapes:   # the all-allowed bitmasks, made here (not in the compile threads)
             self._bitmask_arg(shape, None)
-        on_cpu = self.plan.local_device.platform == "cpu"
         for batch in (firsts, [shape for shape in todo if shape not in firsts]):
-            with concurrent.futures.ThreadPoolExecutor(max(1, min(len(batch), os.cpu_count() or 1)),
-                                                       initializer=yield_to_xla_compile_threads if on_cpu else None
-                                                       ) as pool:
+            with concurrent.futures.ThreadPoolExecutor(max(1, min(len(batch), os.cpu_count() or 1))) as pool:
                 for _ in pool.map(self.compile_step, batch):
                     if progress is not None:
                         progress.update(1)
         if progress is not None:
             progress.update(len(shapes) - len(todo))
         self._warmed_up = True
-        self.kv_pool = warm_up_block_moves(self.kv_pool, _buckets(4, self.max_moved_blocks),
+        self.kv_pool = warm_up_block_moves(self.kv_pool, bucket_sizes(4, self.max_moved_blocks),
                                            self.swap_space)
         self.slot_state = warm_up_updates(self.slot_state, self.plan)
         if self.channel is not None:   # several hosts: the step inputs' broadcasts, up to the largest step's
             self.channel.warm_up(max(max(StepLayout.of(s).size, s.num_logits * self.bitmask_words)
                                      for s in shapes))
-
-
-def yield_to_xla_compile_threads(nice: int = 19) -> None:
-    """Put the calling thread at a low CPU priority (`nice`, by default the lowest; Linux only,
-    elsewhere nothing changes).
-
-    XLA:CPU hands each fusion of a program to its compile threads with an MLIR context from a pool,
-    and builds a new context (every dialect loaded, every pass set up) when none is free. The thread
-    emitting the fusions mostly ran ahead of the compile threads, so nearly every fusion got a new one.
-    Start-up's compile threads call this first: XLA's threads (started at the process's priority by its
-    first compile, while the model loads) then run whenever they have work, and hand their contexts
-    back in time. A tiny Llama's start-up on one core: 886 -> 200-210 contexts (perf probes),
-    15.2-18.4 -> 11.8-12.8 s (two cores: 9.9-10.3 -> 7.4-8.3 s). The built-in model's compiles at
-    optimization level 2, where LLVM's own work is most of it: 26.7 and 31.6 -> 25.5 and 30.6 s
-    cold (alternated). Start-up's threads exit with their pool; nothing else runs at this priority.
-    """
-    if sys.platform.startswith("linux"):   # a thread's own priority (elsewhere the id would be a process's)
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-        except OSError:   # a sandbox refusing it: compiles only take longer (an initializer error would stop start-up)
-            logger.debug("this thread keeps its priority", exc_info=True)
 
 
 def max_decode_queries(max_num_seqs: int, max_num_batched_tokens: int, num_speculative_tokens: int) -> int:
@@ -231,11 +207,3 @@ def sampler_kind(requests) -> str:
     if any(truncates(r.sampling_params) for r in requests):
         return "general"
     return "untruncated"
-
-
-def _buckets(floor: int, cap: int, growth: int = 2) -> list[int]:
-    """next_bucket's values from `floor` up to `cap`: floor, growth floor, ..., cap."""
-    out = [min(floor, cap)]
-    while out[-1] < cap:
-        out.append(min(out[-1] * growth, cap))
-    return out

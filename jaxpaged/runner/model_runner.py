@@ -1,4 +1,5 @@
-"""The model runner: a scheduler plan in, sampled tokens out, through one step in two executables.
+"""The model runner: a scheduler plan in, sampled tokens out, through the step's executables
+(step.py: a forward, a sampler, and prompt logprobs for the steps that ask):
 
     forward(weights, kv_pool, slots, buffer, prev_tokens) -> (kv_pool, slots, rows, ...)
     sample(weights, slots, rows, bitmask)                 -> (slots, packed, tokens)

@@ -24,7 +24,7 @@ import logging
 import jax
 import numpy as np
 
-from jaxpaged.runner.batch_builder import BatchShape
+from jaxpaged.runner.batch_builder import BatchShape, bucket_sizes, next_bucket
 from jaxpaged.runner.persistent_batch import apply_updates
 from jaxpaged.runner.step import SAMPLER_KINDS
 
@@ -92,7 +92,7 @@ class StepChannel:
         header[-1] = payload.size
         self._broadcast(header)
         if payload.size:
-            padded = np.zeros(_bucket(payload.size), np.int32)
+            padded = np.zeros(next_bucket(payload.size, PAYLOAD_FLOOR), np.int32)
             padded[:payload.size] = payload
             self._broadcast(padded)
         if op == OP_STOP:
@@ -102,28 +102,14 @@ class StepChannel:
         """Every rank, at the same point of start-up: compile the broadcasts of the header and of
         each payload bucket up to max_payload, so serving compiles none."""
         self._broadcast(np.zeros(HEADER_SIZE, np.int32))
-        for size in _buckets_up_to(max_payload):
+        for size in bucket_sizes(PAYLOAD_FLOOR, next_bucket(max_payload, PAYLOAD_FLOOR)):
             self._broadcast(np.zeros(size, np.int32))
 
     def receive(self) -> tuple[int, tuple[int, ...], np.ndarray]:
         header = self._broadcast(np.zeros(HEADER_SIZE, np.int32))
         size = int(header[-1])
-        payload = self._broadcast(np.zeros(_bucket(size), np.int32))[:size] if size else np.zeros(0, np.int32)
+        payload = self._broadcast(np.zeros(next_bucket(size, PAYLOAD_FLOOR), np.int32))[:size] if size else np.zeros(0, np.int32)
         return int(header[0]), tuple(int(x) for x in header[1:-1]), payload
-
-
-def _bucket(n: int) -> int:
-    size = PAYLOAD_FLOOR
-    while size < n:
-        size *= 2
-    return size
-
-
-def _buckets_up_to(n: int) -> list[int]:
-    sizes = [PAYLOAD_FLOOR]
-    while sizes[-1] < n:
-        sizes.append(sizes[-1] * 2)
-    return sizes
 
 
 def pairs_payload(*lists: list[tuple[int, int]]) -> np.ndarray:

@@ -98,9 +98,3 @@ def fill_bitmask(bitmask: np.ndarray, row: int, matcher) -> None:
     """Row `row` of `bitmask` := the tokens `matcher` allows next."""
     from llguidance.numpy import fill_next_token_bitmask
     fill_next_token_bitmask(matcher, bitmask, row)
-
-
-def allowed_tokens(bitmask_row: np.ndarray, vocab_size: int) -> np.ndarray:
-    """The token ids a bitmask row allows (tests and debugging)."""
-    bits = np.unpackbits(bitmask_row.view(np.uint8), bitorder="little")[:vocab_size]
-    return np.nonzero(bits)[0]

@@ -161,14 +161,15 @@ def test_without_chunked_prefill_a_prompt_waits_until_it_fits_whole():
     def run(chunked):
         s = make_scheduler(max_num_batched_tokens=16, chunked=chunked)
         s.add_request(make_request("dec", 3, max_tokens=4))
+        s.add_request(make_request("dec2", 3, max_tokens=4))
         driver = Driver(s)
         driver.step()
-        s.add_request(make_request("big", 16, max_tokens=1))
+        s.add_request(make_request("big", 15, max_tokens=1))   # the longest prompt max_model_len 16 admits
         return [chunk_sizes(driver.step()) for _ in range(4)]
 
-    assert run(chunked=True)[0] == {"dec": 1, "big": 15}
-    # "dec" needs one token per step for 3 more steps; "big" needs the whole budget
-    assert run(chunked=False) == [{"dec": 1}, {"dec": 1}, {"dec": 1}, {"big": 16}]
+    assert run(chunked=True)[0] == {"dec": 1, "dec2": 1, "big": 14}
+    # the decodes need one token each per step for 3 more steps; "big" needs 15 of the 16
+    assert run(chunked=False) == [{"dec": 1, "dec2": 1}] * 3 + [{"big": 15}]
 
 
 def test_preemption_recomputes_the_newest_request_which_later_finishes():
@@ -243,7 +244,7 @@ def test_abort_of_waiting_and_running_requests_frees_their_blocks():
 
 @pytest.mark.parametrize("prompt, max_tokens, match", [
     (0, 4, "at least 1 token"),
-    (65, 1, "longer than max_model_len"),
+    (64, 1, "max_model_len is 64: the prompt must be at most 63 tokens"),
     (17, 17, "KV cache"),                # 32 tokens of K/V fit 8 blocks; 33 do not
 ])
 def test_a_request_that_can_never_fit_is_rejected(prompt, max_tokens, match):
@@ -296,7 +297,7 @@ def test_random_traffic_on_tiny_pools(seed):
             prompt = shared[:rng.randint(0, 8)]
             prompt += [rng.randrange(50) for _ in range(rng.randint(1, 20 if chunked else 8))]
             request = make_request(f"r{step}", prompt, rng.randint(1, 16))
-            if min(len(prompt) + request.max_tokens - 1, max_model_len) <= capacity:
+            if len(prompt) < max_model_len and min(len(prompt) + request.max_tokens - 1, max_model_len) <= capacity:
                 s.add_request(request)
                 added[request.request_id] = request
             else:

@@ -7,13 +7,9 @@ preemption runs.
 """
 
 import contextlib
-import os
-import sys
-import threading
 
 import jax
 import numpy as np
-import pytest
 
 from jaxpaged import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
 from jaxpaged.runner.batch_builder import BatchShape
@@ -75,37 +71,6 @@ def test_no_request_mix_compiles_after_startup(monkeypatch):
     assert metrics["jaxpaged:num_preemptions_total"] > 0 and metrics["jaxpaged:swapped_out_blocks_total"] > 0
     assert compiled == [], f"compiled after start-up: {compiled}"
     assert BatchShape(4, 4, 4, 1) in shapes   # a sequence decoding alone runs the smallest decode bucket
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own priority is Linux's")
-def test_start_up_compiles_at_the_lowest_priority_and_leaves_the_callers_alone(monkeypatch):
-    """On a CPU, start-up's compile threads yield to XLA's own (compiled_step.yield_to_xla_compile_threads:
-    a quarter of a tiny engine's start-up); the thread that built the engine keeps its priority."""
-    from jaxpaged.runner.compiled_step import CompiledStep
-    priorities, compile_step = [], CompiledStep.compile_step
-
-    def recorded(self, *args, **kwargs):
-        tid = threading.get_native_id()
-        priorities.append((tid, os.getpriority(os.PRIO_PROCESS, tid)))
-        return compile_step(self, *args, **kwargs)
-
-    monkeypatch.setattr(CompiledStep, "compile_step", recorded)
-    caller = threading.get_native_id()
-    before = os.getpriority(os.PRIO_PROCESS, caller)
-    llm = LLM(tiny_checkpoint("llama"), dtype="float32", max_model_len=64, max_num_seqs=2, use_tqdm=False)
-    assert len(priorities) >= 2 and all(nice == 19 for _, nice in priorities), priorities
-    assert caller not in {tid for tid, _ in priorities}
-    assert os.getpriority(os.PRIO_PROCESS, caller) == before
-    assert llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
-
-
-def test_start_up_goes_on_where_a_thread_may_not_change_its_priority(monkeypatch):
-    def refuse(*args):
-        raise PermissionError("setpriority: operation not permitted")
-
-    monkeypatch.setattr(os, "setpriority", refuse)
-    llm = LLM(tiny_checkpoint("llama"), dtype="float32", max_model_len=64, max_num_seqs=2, use_tqdm=False)
-    assert llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
 
 
 def test_speculative_steps_compile_nothing_after_startup():

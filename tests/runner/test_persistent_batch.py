@@ -13,8 +13,9 @@ import pytest
 from jaxpaged.core.request import Request
 from jaxpaged.runner import persistent_batch as pb
 from jaxpaged.runner.batch_builder import SeqChunk, build_forward_batch, choose_shape
-from jaxpaged.runner.sampler import build_sampling_metadata, sample
+from jaxpaged.runner.sampler import sample
 from jaxpaged.sampling_params import SamplingParams
+from tests.runner.sampler_helpers import build_sampling_metadata
 
 BS, MAX_BLOCKS, SLOTS, V = 4, 8, 6, 50
 

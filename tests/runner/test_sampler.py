@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxpaged.runner.sampler import _apply_top_k_top_p, build_sampling_metadata, sample, token_logprobs
+from jaxpaged.runner.sampler import _apply_top_k_top_p, sample, token_logprobs
+from tests.runner.sampler_helpers import build_sampling_metadata
 
 V = 16
 S = 8
@@ -269,7 +270,7 @@ def test_build_sampling_metadata_rejects_bad_input(call, name):
 def test_greedy_on_transposed_logits_equals_the_general_sampler():
     from types import SimpleNamespace
 
-    from jaxpaged.runner.sampler import build_sampling_metadata, greedy_from_transposed, is_plain_greedy, sample
+    from jaxpaged.runner.sampler import greedy_from_transposed, is_plain_greedy
 
     g = SimpleNamespace(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, presence_penalty=0.0,
                         frequency_penalty=0.0, repetition_penalty=1.0, logit_bias=None, logprobs=None)
