@@ -89,7 +89,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     names = ns.served_model_name
     kwargs = {**engine_kwargs(ns), "served_model_name": names[0] if names else None}
     args = EngineArgs(model=ns.model_tag or ns.model, compile_on_startup=True, **kwargs)
-    import server
+    from jaxpaged import server
     return server.run_server(args, host=ns.host, port=ns.port, api_key=ns.api_key, served_model_names=names,
                              log_level=ns.uvicorn_log_level, enable_auto_tool_choice=ns.enable_auto_tool_choice,
                              tool_call_parser=ns.tool_call_parser, chat_template=ns.chat_template,

@@ -4,9 +4,9 @@ The pool layout is owned here (see `layout.py`); the engine deals only in block 
 `reference` is plain jnp: the ground truth and the CPU path.
 """
 
-from pallas_kernels.layout import kv_pool_shape, write_kv
-from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.reference import ragged_paged_attention_reference
+from jaxpaged.kernels.layout import kv_pool_shape, write_kv
+from jaxpaged.kernels.metadata import AttentionMetadata
+from jaxpaged.kernels.reference import ragged_paged_attention_reference
 
 __all__ = [
     "AttentionMetadata",

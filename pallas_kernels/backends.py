@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.metadata import AttentionMetadata
+from jaxpaged.kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def resolve_backend(name: str, platform: str | None = None, head_shape: tuple[in
     platform = platform or jax.devices()[0].platform
     if name == "auto":
         if platform == "cpu":
-            from pallas_kernels import cpu_native
+            from jaxpaged.kernels import cpu_native
             return "cpu" if cpu_native.available() else "reference"
         if platform != "gpu":
             return "reference"
@@ -78,7 +78,7 @@ def resolve_backend(name: str, platform: str | None = None, head_shape: tuple[in
     if name == "cpu":
         if platform != "cpu":
             raise ValueError(f"attention_backend='cpu' runs on a CPU, not {platform}; use 'auto'")
-        from pallas_kernels import cpu_native
+        from jaxpaged.kernels import cpu_native
         if not cpu_native.available():
             raise ValueError("attention_backend='cpu' needs its native kernel, which did not build here (the "
                              "warning above says why; a C++ compiler as $CXX or c++); use 'reference'")
@@ -89,16 +89,16 @@ def get_attention(name: str, platform: str | None = None) -> AttentionFn:
     """The attention function of a resolved backend name."""
     platform = platform or jax.devices()[0].platform
     if name == "reference":
-        from pallas_kernels.reference import ragged_paged_attention_reference
+        from jaxpaged.kernels.reference import ragged_paged_attention_reference
         return ragged_paged_attention_reference
     if name == "pallas":
-        from pallas_kernels.pallas_attention import ragged_paged_attention_pallas
+        from jaxpaged.kernels.pallas_attention import ragged_paged_attention_pallas
         return functools.partial(ragged_paged_attention_pallas, interpret=platform != "gpu")
     if name == "triton":
-        from pallas_kernels.triton_attention import ragged_paged_attention_triton
+        from jaxpaged.kernels.triton_attention import ragged_paged_attention_triton
         return ragged_paged_attention_triton
     if name == "cpu":
-        from pallas_kernels.cpu_attention import ragged_paged_attention_cpu
+        from jaxpaged.kernels.cpu_attention import ragged_paged_attention_cpu
         return ragged_paged_attention_cpu
     raise ValueError(f"unknown attention backend {name!r}")
 
@@ -114,8 +114,8 @@ def measure_fastest(kernels: dict, num_heads: int, kv_heads: int, head_dim: int,
     A kernel that fails to compile or run is skipped (and logged); if all fail, the first is returned
     so that its error surfaces when the model runs.
     """
-    from pallas_kernels.layout import kv_pool_shape
-    from pallas_kernels.metadata import AttentionMetadata
+    from jaxpaged.kernels.layout import kv_pool_shape
+    from jaxpaged.kernels.metadata import AttentionMetadata
 
     blocks_per_seq = -(-context // block_size)
     num_blocks = num_seqs * blocks_per_seq + 1

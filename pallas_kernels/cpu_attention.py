@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import cpu_native
-from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.reference import ragged_paged_attention_reference, validate_inputs
+from jaxpaged.kernels import cpu_native
+from jaxpaged.kernels.metadata import AttentionMetadata
+from jaxpaged.kernels.reference import ragged_paged_attention_reference, validate_inputs
 
 TARGET = "jaxpaged_ragged_paged_attention"
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 64   # the kernel's scratch sizes (cpu_attention.cc)

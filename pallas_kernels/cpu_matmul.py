@@ -12,7 +12,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import cpu_native
+from jaxpaged.kernels import cpu_native
 
 TARGET = "jaxpaged_matmul"
 

@@ -34,9 +34,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from pallas_kernels.layout import fp8_values, is_fp8
-from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.reference import tile_layout, validate_inputs
+from jaxpaged.kernels.layout import fp8_values, is_fp8
+from jaxpaged.kernels.metadata import AttentionMetadata
+from jaxpaged.kernels.reference import tile_layout, validate_inputs
 
 _MASKED = -1e30
 _MAX_ROWS = 128          # rows (queries x heads) per program: the fp32 accumulator lives in registers

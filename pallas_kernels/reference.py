@@ -21,8 +21,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.layout import fp8_values, pages_view
-from pallas_kernels.metadata import AttentionMetadata
+from jaxpaged.kernels.layout import fp8_values, pages_view
+from jaxpaged.kernels.metadata import AttentionMetadata
 
 _MASKED = -1e30
 

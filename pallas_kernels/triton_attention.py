@@ -12,7 +12,7 @@ are divided evenly among `num_splits` programs (split-K: a long decode context k
 busy when there are few sequences); each writes an unnormalised (acc, max, sum) and a small jnp
 reduction combines them. Dots take the pool's dtype (q is cast to it) and accumulate in fp32; an fp8
 pool's pages are cast to q's dtype instead (`compute_dtype`): its scales are applied outside, see
-`pallas_kernels.layout.scaled_attention`.
+`jaxpaged.kernels.layout.scaled_attention`.
 
 `kernel_call_args` and `combine_splits` are public so that tests replay the very same launch on
 CPU (a numpy emulation of the tiling, and this kernel under Triton's interpreter) besides
@@ -30,9 +30,9 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from pallas_kernels.layout import fp8_type, is_fp8
-from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.reference import tile_layout, num_query_tiles, validate_inputs
+from jaxpaged.kernels.layout import fp8_type, is_fp8
+from jaxpaged.kernels.metadata import AttentionMetadata
+from jaxpaged.kernels.reference import tile_layout, num_query_tiles, validate_inputs
 
 _MASKED = tl.constexpr(-1e30)
 _TARGET_PROGRAMS = 264  # two waves of an H100/H200's 132 SMs: below that, split the KV walk

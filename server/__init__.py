@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server: `jaxpaged serve` or `python -m server`.
+"""The OpenAI-compatible HTTP server: `jaxpaged serve` or `python -m jaxpaged.server`.
 
 `build_app(engine)` gives the Starlette app for an AsyncLLM (tests start it on a port of
 their own); `run_server` loads the model, warms the step's shape buckets, logs what it
@@ -14,12 +14,12 @@ import signal
 import threading
 
 from jaxpaged.engine.arg_utils import EngineArgs
-from server.app import build_app
-from server.tools import ToolSettings
+from jaxpaged.server.app import build_app
+from jaxpaged.server.tools import ToolSettings
 
 __all__ = ["build_app", "run_server", "serve"]
 
-logger = logging.getLogger("server")
+logger = logging.getLogger("jaxpaged.server")
 
 
 def run_server(args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
@@ -118,7 +118,7 @@ def serve(server, engine, poll_s: float = 0.1) -> int:
     def watch():   # until uvicorn returns: a death while streams drain after SIGTERM still counts
         while not finished.wait(poll_s):
             if not engine.is_running:
-                logging.getLogger("server").error("the engine loop is not running: shutting the server down")
+                logging.getLogger("jaxpaged.server").error("the engine loop is not running: shutting the server down")
                 died.set()
                 server.should_exit = True
                 return

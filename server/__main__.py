@@ -1,4 +1,4 @@
-"""`python -m server [MODEL] [flags]`: the same as `jaxpaged serve [MODEL] [flags]`."""
+"""`python -m jaxpaged.server [MODEL] [flags]`: the same as `jaxpaged serve [MODEL] [flags]`."""
 
 import sys
 

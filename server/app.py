@@ -24,14 +24,14 @@ import jaxpaged
 from jaxpaged import AsyncLLM
 from jaxpaged.chat_utils import render_chat
 from jaxpaged.engine.async_llm import EngineOverloadedError
-from server import protocol as P
-from server.json_body import default_max_request_body_bytes, read_json
-from server.metrics import MetricsExporter
-from server.openai_types import (DetokenizeRequest, LoadLoRAAdapterRequest, ModelList, TokenizeRequest,
+from jaxpaged.server import protocol as P
+from jaxpaged.server.json_body import default_max_request_body_bytes, read_json
+from jaxpaged.server.metrics import MetricsExporter
+from jaxpaged.server.openai_types import (DetokenizeRequest, LoadLoRAAdapterRequest, ModelList, TokenizeRequest,
                                  UnloadLoRAAdapterRequest)
-from server.openapi import openapi_schema
-from server.responses import Reply, internal_error, prepend
-from server.tools import ToolSettings, plan_tools
+from jaxpaged.server.openapi import openapi_schema
+from jaxpaged.server.responses import Reply, internal_error, prepend
+from jaxpaged.server.tools import ToolSettings, plan_tools
 
 logger = logging.getLogger(__name__)
 

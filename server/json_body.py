@@ -11,7 +11,7 @@ import re
 import numpy as np
 from starlette.requests import Request
 
-from server.protocol import APIError
+from jaxpaged.server.protocol import APIError
 
 # json.loads and what walks the parsed body (pydantic, the schema compiler) recurse once per level
 # (Python's limit is ~1000): a few thousand brackets would end in a RecursionError. A request's own structure is at most 5

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 
 from jaxpaged.outputs import Logprob
 from jaxpaged.sampling_params import SamplingParams
-from server.openai_types import (_UNSUPPORTED, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+from jaxpaged.server.openai_types import (_UNSUPPORTED, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                                  CompletionRequest, CompletionResponse, ErrorInfo, ErrorResponse, Message,
                                  NamedToolChoice, Tool, _Request)
 

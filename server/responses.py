@@ -11,7 +11,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from server import protocol as P
+from jaxpaged.server import protocol as P
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from jaxpaged.tool_parsers import NamedFunctionReader, RequiredReader, ToolCallReader, get_tool_parser
-from server import protocol as P
+from jaxpaged.server import protocol as P
 
 
 @dataclass

@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.cpu_attention import ragged_paged_attention_cpu
-from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.reference import ragged_paged_attention_reference
+from jaxpaged.kernels.cpu_attention import ragged_paged_attention_cpu
+from jaxpaged.kernels.metadata import AttentionMetadata
+from jaxpaged.kernels.reference import ragged_paged_attention_reference
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
 

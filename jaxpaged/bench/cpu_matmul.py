@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.cpu_matmul import matmul_cpu
+from jaxpaged.kernels.cpu_matmul import matmul_cpu
 
 LAYERS = 30
 SHAPES = {"wqkv": (576, 960), "wo": (576, 576), "w_gate_up": (576, 3072), "w_down": (1536, 576)}

@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
 
     from jaxpaged.models.moe import resolve_moe_impl
-    from pallas_kernels import kv_pool_shape
+    from jaxpaged.kernels import kv_pool_shape
 
     impl = resolve_moe_impl(args.impl)
     cfg0 = _config(2)

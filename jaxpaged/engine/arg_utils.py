@@ -5,8 +5,8 @@ import os
 
 from jaxpaged.models.quantization import ALLOWED as QUANTIZATIONS
 from jaxpaged.sampling_params import MAX_LOGPROBS
-from pallas_kernels.backends import BACKENDS as ATTENTION_BACKENDS
-from pallas_kernels.layout import KV_CACHE_DTYPES
+from jaxpaged.kernels.backends import BACKENDS as ATTENTION_BACKENDS
+from jaxpaged.kernels.layout import KV_CACHE_DTYPES
 
 
 # The default of optimization_level where the argument is not given (a test suite or CI of tiny

@@ -12,7 +12,7 @@ from jaxpaged.models.loader import LoadedModel, load_model
 from jaxpaged.parallel import ShardPlan
 from jaxpaged.runner import multihost
 from jaxpaged.runner.model_runner import ModelRunner
-from pallas_kernels.layout import kv_storage_dtype
+from jaxpaged.kernels.layout import kv_storage_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def load_model_and_tokenizer(args: EngineArgs, data_rank: int = 0):
         from jaxpaged.models.builtin import BUILTIN_MODEL_NAME, builtin_model_path
         model = builtin_model_path()
         name = name or BUILTIN_MODEL_NAME
-    from pallas_kernels.backends import resolve_backend
+    from jaxpaged.kernels.backends import resolve_backend
     backend = resolve_backend(args.attention_backend)   # validates; auto is refined below on GPU
     # one replica on one device keeps JAX's default placement; replicas pin their own devices
     plan = ShardPlan.for_devices(engine_devices(args, data_rank), pin=args.data_parallel_size > 1)

@@ -4,7 +4,7 @@ import dataclasses
 
 import jax
 
-from pallas_kernels import AttentionMetadata
+from jaxpaged.kernels import AttentionMetadata
 
 
 @jax.tree_util.register_dataclass

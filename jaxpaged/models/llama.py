@@ -11,11 +11,11 @@ One layer body (`_decoder_layer`) and two loops over it, chosen when the model i
   MoE model's dense layers, `ModelConfig.dense_layers`) can only be unrolled.
 
 On a CPU with the `cpu` attention backend (what `auto` picks there) and one device, the f32 layer
-matmuls (`NATIVE_MATMULS`, and an untied LM head) run the native matmul (pallas_kernels.cpu_matmul);
+matmuls (`NATIVE_MATMULS`, and an untied LM head) run the native matmul (jaxpaged.kernels.cpu_matmul);
 in the scan it reads each layer's weights from their stack where they lie, so no layer's weights
 are copied out of the stack.
 
-The KV pool (one array, [num_layers, 2, ...], see `pallas_kernels.layout`) is threaded
+The KV pool (one array, [num_layers, 2, ...], see `jaxpaged.kernels.layout`) is threaded
 through the layers whole: in the scan it is part of the carry, and the layer index, the
 layer's sliding window (0 = full attention; they differ per layer in Qwen2 and Gemma) and
 whether it rotates with the local rope base (Gemma 3) are scanned i32 arrays. Each layer
@@ -48,11 +48,11 @@ from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.moe import activation, moe_mlp, resolve_moe_impl
 from jaxpaged.models.quantization import QuantizedWeight, embedding_lookup, linear, matmul_kernel
 from jaxpaged.parallel import MODEL_AXIS, ShardPlan
-from pallas_kernels import write_kv
-from pallas_kernels.layout import calibrated_kv_scale, is_fp8, scaled_attention
-from pallas_kernels.backends import get_attention
-from pallas_kernels.cpu_matmul import LayerOfStack, matmul_cpu
-from pallas_kernels.cpu_matmul import supports as native_matmul_supports
+from jaxpaged.kernels import write_kv
+from jaxpaged.kernels.layout import calibrated_kv_scale, is_fp8, scaled_attention
+from jaxpaged.kernels.backends import get_attention
+from jaxpaged.kernels.cpu_matmul import LayerOfStack, matmul_cpu
+from jaxpaged.kernels.cpu_matmul import supports as native_matmul_supports
 
 # The layer weights the scan hands to the native matmul whole, with the layer's index (see LayerOfStack).
 NATIVE_MATMULS = ("wqkv", "wo", "w_gate_up", "w_down")
@@ -181,12 +181,12 @@ class LlamaFamilyForCausalLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, weights: dict, attention_backend: str = "reference",
                  shard_plan: ShardPlan = ShardPlan(), quantized_matmul: str = "auto", moe_impl: str = "auto"):
         self.config = cfg
-        self.attention_backend = attention_backend   # a resolved name (see pallas_kernels.backends)
+        self.attention_backend = attention_backend   # a resolved name (see jaxpaged.kernels.backends)
         self.shard_plan = shard_plan                 # the devices the weights lie on (jaxpaged.parallel)
         self.quantized_matmul = quantized_matmul     # a quantized decode matmul's kernel (quantization.matmul_kernel)
         # an MoE layer's grouped matmul (jaxpaged.models.moe)
         self.moe_impl = resolve_moe_impl(moe_impl, shard_plan.devices[0].platform)
-        # f32 weight matmuls through pallas_kernels.cpu_matmul (one device: the kernel is not partitioned)
+        # f32 weight matmuls through jaxpaged.kernels.cpu_matmul (one device: the kernel is not partitioned)
         self.native_matmul = attention_backend == "cpu" and shard_plan.mesh is None
         self.dtype = weights["final_norm"].dtype   # the activations' (norms are never quantized)
         self.embed = nnx.Param(weights["embed"])   # [vocab, hidden], or a QuantizedWeight [hidden, vocab]
@@ -298,7 +298,7 @@ class LlamaFamilyForCausalLM(nnx.Module):
                                                      None if lora is None else {k: v[i] for k, v in lora.items()})
                 used.append(kv_scale)
             kv_scales = jnp.stack(used)
-        self.kv_scales[...] = kv_scales   # calibrated where they were 0 (see pallas_kernels.layout)
+        self.kv_scales[...] = kv_scales   # calibrated where they were 0 (see jaxpaged.kernels.layout)
         return kv_pool, hidden
 
 

@@ -96,7 +96,7 @@ class QuantizedWeight:
 
     def dequantize(self, dtype) -> jax.Array:
         """The full-precision [K, N] weight in `dtype` (the kernel's own jnp reference)."""
-        from pallas_kernels.quantized_matmul import dequantize   # here: importing Pallas warns of its Triton backend
+        from jaxpaged.kernels.quantized_matmul import dequantize   # here: importing Pallas warns of its Triton backend
         return dequantize(self.values, self.scale, self.offset, bits=self.bits, group_size=self.group_size,
                           zero=self.zero, dtype=dtype)
 
@@ -126,14 +126,14 @@ compute-bound and de-quantizes the weight once for XLA's matmul."""
 
 def matmul_kernel(name: str):
     """The quantized matmul `linear` uses for few rows: None ("reference": de-quantize, then XLA's matmul)
-    or "pallas", the W8A16 / W4A16 kernel (pallas_kernels.quantized_matmul; interpret mode off a GPU).
+    or "pallas", the W8A16 / W4A16 kernel (jaxpaged.kernels.quantized_matmul; interpret mode off a GPU).
     "auto": pallas on a GPU, reference elsewhere."""
     if name not in ("auto", "reference", "pallas"):
         raise ValueError(f"quantized_matmul must be one of 'auto', 'reference', 'pallas', got {name!r}")
     platform = jax.devices()[0].platform
     if name == "reference" or (name == "auto" and platform != "gpu"):
         return None
-    from pallas_kernels.quantized_matmul import quantized_matmul_pallas
+    from jaxpaged.kernels.quantized_matmul import quantized_matmul_pallas
 
     def kernel(x, w: QuantizedWeight):
         group = w.in_features // w.scale.shape[-2]   # from the shapes: a row-parallel shard's channels span its rows

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.models.batch import ForwardBatch
-from pallas_kernels import AttentionMetadata
+from jaxpaged.kernels import AttentionMetadata
 
 PREFILL_Q_TILE = 16
 

@@ -51,8 +51,8 @@ from jaxpaged.runner.persistent_batch import SlotState, SlotTable, StepLayout, a
 from jaxpaged.runner.step_results import StepResult, unpack_accepted, unpack_prompt_logprobs, unpack_sampled
 from jaxpaged.runner.structured_outputs import bitmask_words, step_bitmask
 from jaxpaged.sampling_params import MAX_LOGPROBS
-from pallas_kernels import kv_pool_shape
-from pallas_kernels.layout import is_fp8
+from jaxpaged.kernels import kv_pool_shape
+from jaxpaged.kernels.layout import is_fp8
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from jaxpaged.parallel import ShardPlan
 from jaxpaged.runner.sampler import SamplingMetadata, uses_output_tokens
-from pallas_kernels import AttentionMetadata
+from jaxpaged.kernels import AttentionMetadata
 
 # params columns
 (P_TEMPERATURE, P_TOP_K, P_TOP_P, P_MIN_P, P_PRESENCE, P_FREQUENCY, P_REPETITION, P_SEED, P_STEPS,

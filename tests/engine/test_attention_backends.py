@@ -51,8 +51,8 @@ def test_unavailable_and_unknown_backends_are_errors():
 def test_auto_measures_and_picks_the_fastest_kernel():
     import time
 
-    from pallas_kernels.backends import measure_fastest
-    from pallas_kernels.reference import ragged_paged_attention_reference as ref
+    from jaxpaged.kernels.backends import measure_fastest
+    from jaxpaged.kernels.reference import ragged_paged_attention_reference as ref
 
     def broken(*args, **kwargs):
         raise RuntimeError("cannot compile here")
@@ -77,7 +77,7 @@ def test_triton_backend_code_path_matches_reference_greedy(arch, output_keyword,
     triton_call and 0.3's (the GPU image's triton 3.6 takes only 0.3), which name the outputs apart."""
     import sys
 
-    from pallas_kernels import backends
+    from jaxpaged.kernels import backends
     from tests.kernels.triton_emulation import fake_jax_triton
 
     monkeypatch.setitem(sys.modules, "jax_triton", fake_jax_triton(output_keyword))

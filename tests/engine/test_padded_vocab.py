@@ -18,7 +18,7 @@ from starlette.testclient import TestClient
 
 from jaxpaged import LLM, AsyncLLM, BeamSearchParams, SamplingParams
 from jaxpaged.engine.arg_utils import EngineArgs
-from server import build_app
+from jaxpaged.server import build_app
 from tests.tiny_models import tiny_checkpoint
 
 NUM_TOKENS, NUM_ROWS = 320, 640

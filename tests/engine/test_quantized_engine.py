@@ -68,7 +68,7 @@ def test_n_and_beam_search_on_a_quantized_engine():
 def test_server_streams_what_the_offline_quantized_engine_generates():
     import openai
 
-    from server import build_app
+    from jaxpaged.server import build_app
     from tests.server.test_async_llm import tiny_engine_args
     from tests.server.helpers import serving
 

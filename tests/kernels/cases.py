@@ -16,8 +16,8 @@ A case is what the engine would hand a kernel in one step, made deliberately hos
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.layout import kv_pool_shape
-from pallas_kernels.metadata import AttentionMetadata
+from jaxpaged.kernels.layout import kv_pool_shape
+from jaxpaged.kernels.metadata import AttentionMetadata
 
 _GARBAGE = 1e3
 

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import cpu_attention, cpu_native
-from pallas_kernels.backends import get_attention, resolve_backend
-from pallas_kernels.reference import ragged_paged_attention_reference
+from jaxpaged.kernels import cpu_attention, cpu_native
+from jaxpaged.kernels.backends import get_attention, resolve_backend
+from jaxpaged.kernels.reference import ragged_paged_attention_reference
 from tests.kernels.cases import random_case
 from tests.kernels.test_reference import assert_close, naive_attention
 

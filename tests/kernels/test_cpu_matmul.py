@@ -13,7 +13,7 @@ from flax import nnx
 from jaxpaged.models.llama import NATIVE_MATMULS, layer_weight_shapes
 from jaxpaged.models.loader import load_model
 from jaxpaged.runner.batch_builder import SeqChunk, build_forward_batch, choose_shape
-from pallas_kernels import cpu_matmul, kv_pool_shape
+from jaxpaged.kernels import cpu_matmul, kv_pool_shape
 from tests.tiny_models import tiny_checkpoint
 
 

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from jax.sharding import use_abstract_mesh
 
-from pallas_kernels.layout import as_storage, fp8_values, kv_pool_shape, kv_storage_dtype, scaled_attention, write_kv
-from pallas_kernels.pallas_attention import ragged_paged_attention_pallas
-from pallas_kernels.reference import ragged_paged_attention_reference
+from jaxpaged.kernels.layout import as_storage, fp8_values, kv_pool_shape, kv_storage_dtype, scaled_attention, write_kv
+from jaxpaged.kernels.pallas_attention import ragged_paged_attention_pallas
+from jaxpaged.kernels.reference import ragged_paged_attention_reference
 from tests.kernels.cases import live_tokens, random_case
 from tests.kernels.test_pallas_attention import _H100
 from tests.kernels.test_triton_attention import REPO, emulate_kernel, lower_for_gpu
@@ -109,10 +109,10 @@ def test_triton_launch_reads_fp8_pools(fp8, dtype):
 
 INTERPRETER_SCRIPT = """
 import json, numpy as np, torch, jax.numpy as jnp
-from pallas_kernels import triton_attention as ta
-from pallas_kernels.reference import ragged_paged_attention_reference
+from jaxpaged.kernels import triton_attention as ta
+from jaxpaged.kernels.reference import ragged_paged_attention_reference
 from tests.kernels.cases import live_tokens
-from pallas_kernels.layout import fp8_values
+from jaxpaged.kernels.layout import fp8_values
 from tests.kernels.test_fp8_kv_cache import fp8_case
 q, stored, dequantized, layer, md, kwargs = fp8_case(4, jnp.float8_e4m3fn, sliding_window=9)
 launch, operands, out_type, meta, tokens = ta.kernel_call_args(q, stored, layer, md, **kwargs, kv_chunk_blocks=2)

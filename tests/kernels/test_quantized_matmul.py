@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import use_abstract_mesh
 
-from pallas_kernels.quantized_matmul import dequantize, quantized_matmul_pallas, quantized_matmul_reference
+from jaxpaged.kernels.quantized_matmul import dequantize, quantized_matmul_pallas, quantized_matmul_reference
 from tests.kernels.test_pallas_attention import _H100
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")

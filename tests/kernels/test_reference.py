@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.layout import write_kv
-from pallas_kernels.reference import ragged_paged_attention_reference
+from jaxpaged.kernels.layout import write_kv
+from jaxpaged.kernels.reference import ragged_paged_attention_reference
 from tests.kernels.cases import live_tokens, random_case
 
 _TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}

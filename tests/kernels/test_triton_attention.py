@@ -22,10 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.layout import kv_pool_shape
-from pallas_kernels.metadata import AttentionMetadata
-from pallas_kernels.reference import ragged_paged_attention_reference
-from pallas_kernels.triton_attention import combine_splits, kernel_call_args, ragged_paged_attention_triton
+from jaxpaged.kernels.layout import kv_pool_shape
+from jaxpaged.kernels.metadata import AttentionMetadata
+from jaxpaged.kernels.reference import ragged_paged_attention_reference
+from jaxpaged.kernels.triton_attention import combine_splits, kernel_call_args, ragged_paged_attention_triton
 from tests.kernels.cases import live_tokens, random_case
 from tests.kernels.triton_emulation import replay
 
@@ -98,8 +98,8 @@ def test_long_decodes_split_over_programs_match_reference(window):
 
 INTERPRETER_SCRIPT = """
 import json, numpy as np, torch, jax.numpy as jnp
-from pallas_kernels import triton_attention as ta
-from pallas_kernels.reference import ragged_paged_attention_reference
+from jaxpaged.kernels import triton_attention as ta
+from jaxpaged.kernels.reference import ragged_paged_attention_reference
 from tests.kernels.cases import live_tokens, random_case
 from tests.kernels.test_triton_attention import long_decode_case
 rng, errors = np.random.default_rng(0), []

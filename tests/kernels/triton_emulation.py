@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.layout import fp8_values
-from pallas_kernels.triton_attention import TritonLaunch, compute_dtype
+from jaxpaged.kernels.layout import fp8_values
+from jaxpaged.kernels.triton_attention import TritonLaunch, compute_dtype
 
 
 def replay(operands, launch: TritonLaunch, sm_scale: float):

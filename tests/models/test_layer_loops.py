@@ -16,7 +16,7 @@ from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.models.llama import layer_weight_shapes
 from jaxpaged.models.loader import load_model, resolve_scan_layers
 from jaxpaged.runner.batch_builder import BatchShape, SeqChunk, build_forward_batch, choose_shape
-from pallas_kernels import kv_pool_shape
+from jaxpaged.kernels import kv_pool_shape
 from tests.tiny_models import ARCHITECTURES, hf_logits, tiny_checkpoint
 
 NUM_BLOCKS = 48

@@ -10,7 +10,7 @@ from flax import nnx
 
 from jaxpaged.models.loader import load_model
 from jaxpaged.runner.batch_builder import BatchShape, SeqChunk, build_forward_batch, choose_shape
-from pallas_kernels import kv_pool_shape
+from jaxpaged.kernels import kv_pool_shape
 from tests.tiny_models import ARCHITECTURES, FAMILIES, hf_logits, tiny_checkpoint
 
 ALL = ARCHITECTURES + FAMILIES

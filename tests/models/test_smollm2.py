@@ -11,7 +11,7 @@ from flax import nnx
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.models.loader import load_model
 from jaxpaged.runner.batch_builder import BatchShape, SeqChunk, build_forward_batch
-from pallas_kernels import kv_pool_shape
+from jaxpaged.kernels import kv_pool_shape
 from tests.fixtures_smollm2 import (BUILTIN_LEVEL, QUICKSTART_SHAPE, smollm2_hf_on_our_tensors, smollm2_path,
                                     smollm2_tokenizer)
 

@@ -108,7 +108,7 @@ def test_the_kv_budget_is_per_device():
 
 
 def test_prometheus_reports_each_data_parallel_rank():
-    from server.metrics import MetricsExporter
+    from jaxpaged.server.metrics import MetricsExporter
 
     class Engine:
         max_model_len = 64
@@ -126,7 +126,7 @@ def test_prometheus_reports_each_data_parallel_rank():
 def test_only_rank_0_serves_http_the_others_follow(monkeypatch):
     import uvicorn
 
-    import server
+    from jaxpaged import server
     from jaxpaged.engine import dp_engine
 
     followed = []

@@ -10,7 +10,7 @@ import pytest
 
 from jaxpaged import AsyncLLM
 from jaxpaged.engine.arg_utils import EngineArgs
-from server import build_app
+from jaxpaged.server import build_app
 from tests.fixtures_smollm2 import BUILTIN_LEVEL, QUICKSTART_SHAPE
 from tests.server.helpers import serving
 from tests.server.test_tool_calls import SCHEMAS, TOOLS

@@ -12,10 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
 from jaxpaged import AsyncLLM
-from server import build_app
-from server import openai_types as T
-from server.json_body import MAX_JSON_DEPTH, default_max_request_body_bytes
-from server.openapi import openapi_schema
+from jaxpaged.server import build_app
+from jaxpaged.server import openai_types as T
+from jaxpaged.server.json_body import MAX_JSON_DEPTH, default_max_request_body_bytes
+from jaxpaged.server.openapi import openapi_schema
 from tests.server.helpers import HTTP, MODEL, gauge, metrics, serving, wait_idle
 from tests.server.test_async_llm import tiny_engine_args
 

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from server import protocol as P
-from server.json_body import MAX_JSON_DEPTH, default_max_request_body_bytes, json_depth, parse_json
+from jaxpaged.server import protocol as P
+from jaxpaged.server.json_body import MAX_JSON_DEPTH, default_max_request_body_bytes, json_depth, parse_json
 
 
 def refused(raw: bytes) -> P.APIError:

@@ -16,7 +16,7 @@ import pytest
 import uvicorn
 
 from jaxpaged import AsyncLLM
-from server import build_app, serve
+from jaxpaged.server import build_app, serve
 from tests.server.test_async_llm import tiny_engine_args
 from tests.server.helpers import MODEL, serving, wait_idle
 from tests.tiny_models import tiny_checkpoint

@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from jaxpaged import AsyncLLM, EngineArgs, LoRARequest
-from server import build_app, parse_lora_modules
+from jaxpaged.server import build_app, parse_lora_modules
 from tests.engine.test_lora import ARCH, adapter, oracle
 from tests.server.helpers import serving
 from tests.tiny_models import tiny_checkpoint, tiny_tokenizer

@@ -6,7 +6,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from jaxpaged.engine.async_llm import RequestMetrics
 from jaxpaged.outputs import CompletionOutput, RequestOutput
-from server.metrics import VLLM_NAMES, MetricsExporter
+from jaxpaged.server.metrics import VLLM_NAMES, MetricsExporter
 
 
 class FakeEngine:

@@ -11,8 +11,8 @@ import openai
 import pytest
 
 from jaxpaged import AsyncLLM
-from server import build_app
-from server import openai_types as T
+from jaxpaged.server import build_app
+from jaxpaged.server import openai_types as T
 from tests.server.helpers import MODEL, gauge, serving, wait_idle
 from tests.server.test_async_llm import tiny_engine_args
 
@@ -205,7 +205,7 @@ def test_response_format_constrains_completions_too(client):   # vLLM's: not Ope
 
 
 def test_values_that_ask_for_nothing_are_accepted_and_unknown_fields_are_logged(client, caplog):
-    caplog.set_level(logging.WARNING, logger="server.protocol")
+    caplog.set_level(logging.WARNING, logger="jaxpaged.server.protocol")
     chat = client.chat.completions.create(
         model=MODEL, messages=HI, max_tokens=2, tools=[], tool_choice="none", parallel_tool_calls=False,
         response_format={"type": "text"}, store=False, service_tier="auto", metadata={"team": "a"}, user="u1",
@@ -349,8 +349,7 @@ def test_a_client_that_hangs_up_on_a_whole_response_aborts_it(urls, engine, monk
 
 
 def test_serve_command_line_builds_the_engine_args(monkeypatch):
-    import server
-    from jaxpaged import cli
+    from jaxpaged import cli, server
 
     calls = []
     monkeypatch.delenv("JAXPAGED_API_KEY", raising=False)

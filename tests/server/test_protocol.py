@@ -7,9 +7,9 @@ import logging
 
 import pytest
 
-from server import openai_types as T
-from server import protocol as P
-from server.openapi import openapi_schema
+from jaxpaged.server import openai_types as T
+from jaxpaged.server import protocol as P
+from jaxpaged.server.openapi import openapi_schema
 
 HI = [{"role": "user", "content": "hi"}]
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
@@ -130,10 +130,10 @@ def test_response_format_is_validated_and_honoured_on_both_routes():
 
 
 def test_unknown_fields_are_logged_once_and_the_other_routes_fields_are_unknown(caplog):
-    caplog.set_level(logging.WARNING, logger="server.protocol")
+    caplog.set_level(logging.WARNING, logger="jaxpaged.server.protocol")
     P.parse_completion_request({"prompt": "hi", "tool_choice": "required", "foo_bar": 1, "user": "u"})
     P.parse_chat_request({"messages": HI, "metadata": {"team": "a"}, "store": False})
-    warnings = [r.getMessage() for r in caplog.records if r.name == "server.protocol"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "jaxpaged.server.protocol"]
     assert len(warnings) == 1 and "foo_bar" in warnings[0] and "tool_choice" in warnings[0]
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxpaged import AsyncLLM
-from server import build_app
+from jaxpaged.server import build_app
 from tests.server.test_async_llm import greedy, run_to_end, tiny_engine_args
 from tests.server.helpers import serving
 

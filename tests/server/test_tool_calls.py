@@ -10,8 +10,8 @@ import openai
 import pytest
 
 from jaxpaged import AsyncLLM
-from server import build_app
-from server.tools import ToolSettings
+from jaxpaged.server import build_app
+from jaxpaged.server.tools import ToolSettings
 from tests.server.test_async_llm import tiny_engine_args
 from tests.server.helpers import MODEL, serving
 from tests.tiny_models import tiny_checkpoint

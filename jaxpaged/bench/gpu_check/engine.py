@@ -68,7 +68,7 @@ def engine_run(ctx: Context, backend: str) -> Iterator[Row]:
     import jax
 
     from jaxpaged import LLM, SamplingParams
-    from pallas_kernels.backends import resolve_backend
+    from jaxpaged.kernels.backends import resolve_backend
 
     platform = jax.devices()[0].platform
     try:

@@ -17,9 +17,9 @@ import numpy as np
 
 from jaxpaged.bench.gpu_check.common import Context, Row, error_row, guarded, time_call
 from jaxpaged.runner.batch_builder import PREFILL_Q_TILE
-from pallas_kernels import AttentionMetadata, kv_pool_shape
-from pallas_kernels.backends import get_attention, resolve_backend
-from pallas_kernels.reference import ragged_paged_attention_reference
+from jaxpaged.kernels import AttentionMetadata, kv_pool_shape
+from jaxpaged.kernels.backends import get_attention, resolve_backend
+from jaxpaged.kernels.reference import ragged_paged_attention_reference
 
 BACKENDS = ("reference", "pallas", "triton")
 # ||out - truth|| / ||truth|| (METHOD.md): fp32 lands far under 1e-3 even with TF32 dots (~3e-4),
@@ -228,7 +228,7 @@ def quantized_matmul_timing(ctx: Context) -> Iterator[Row]:
     """The W8A16 / W4A16 kernel against the bf16 matmul (XLA) and against de-quantize-then-matmul, at
     decode-shaped row counts: median ms and the weight bytes read per second."""
     from jaxpaged.models.quantization import quantize
-    from pallas_kernels.quantized_matmul import quantized_matmul_pallas, quantized_matmul_reference
+    from jaxpaged.kernels.quantized_matmul import quantized_matmul_pallas, quantized_matmul_reference
 
     sizes = ctx.sizes
     platform = jax.devices()[0].platform

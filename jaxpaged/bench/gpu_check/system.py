@@ -16,18 +16,18 @@ import numpy as np
 
 from jaxpaged.bench.gpu_check.common import Context, Row, guarded, time_call
 from jaxpaged.runner.block_ops import HostSwapSpace
-from pallas_kernels import kv_pool_shape
+from jaxpaged.kernels import kv_pool_shape
 
 # Modules the engine, the kernels and the server need; on the GPU image some come as carried wheels.
-IMPORTS = ("pallas_kernels.pallas_attention", "pallas_kernels.triton_attention", "jax_triton", "starlette",
-           "uvicorn", "gguf", "server.app")
+IMPORTS = ("jaxpaged.kernels.pallas_attention", "jaxpaged.kernels.triton_attention", "jax_triton", "starlette",
+           "uvicorn", "gguf", "jaxpaged.server.app")
 _VERSIONS = ("jax", "jaxlib", "flax", "numpy", "transformers", "triton", "jax_triton", "torch")
 
 
 def jax_triton_keyword() -> str:
     """How this jax-triton takes the kernel's output shapes, for the table: jax-triton 0.4 calls the
     keyword `out_type`, 0.3 (the one the GPU image's triton 3.6 accepts) `out_shape`; the kernel
-    (pallas_kernels.triton_attention) passes whichever the installed one has."""
+    (jaxpaged.kernels.triton_attention) passes whichever the installed one has."""
     try:
         import jax_triton
     except Exception as exc:  # noqa: BLE001 -- not importable is an answer, reported by the env part
@@ -60,7 +60,7 @@ def environment(ctx: Context) -> Iterator[Row]:
         yield guarded("env", f"import {module}", functools.partial(_import_row, module))
     yield Row("env", "jax-triton call", "ok", {"triton_call": jax_triton_keyword()},
               note=f"PYTHONPATH first: {ctx.jax_triton_path}" if ctx.jax_triton_path else "")
-    from pallas_kernels.backends import resolve_backend
+    from jaxpaged.kernels.backends import resolve_backend
     for name in ("reference", "pallas", "triton"):
         try:
             yield Row("env", f"backend {name}", "ok", {"resolves to": resolve_backend(name)})
