@@ -193,12 +193,12 @@ def cmd_convert(ns: argparse.Namespace) -> int:
 
 
 def _bench_throughput(args: list[str]) -> int:
-    from jaxpaged.bench.throughput import main as bench_main
+    from jaxpaged.benchmarks.throughput import main as bench_main
     return bench_main(args)
 
 
 def _bench_serve(args: list[str]) -> int:
-    from jaxpaged.bench.serve import main as bench_main
+    from jaxpaged.benchmarks.serve import main as bench_main
     return bench_main(args)
 
 

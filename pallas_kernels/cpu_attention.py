@@ -9,7 +9,7 @@ first use with the machine's C++ compiler and cached). It takes f32 queries and 
 16 query heads per kv head, head_dim <= 256 and block_size <= 64; other steps (bf16 or fp8 pools,
 larger shapes) run the reference. Where no compiler builds it, `auto` stays on the reference (logged
 once) and `attention_backend="cpu"` is a ValueError. Against the reference (`python -m
-jaxpaged.bench.cpu_attention`): 2-5x faster on decode, mixed and short-prompt steps, 0.7x on one
+benchmarks.cpu_attention`): 2-5x faster on decode, mixed and short-prompt steps, 0.7x on one
 1024-token prompt (its tokens each walk their own pages)."""
 
 import jax

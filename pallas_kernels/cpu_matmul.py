@@ -4,7 +4,7 @@ In the scanned layer loop, XLA:CPU slices each layer's weights out of their [lay
 a copy before the dot (it does not fuse a dynamic slice into a matmul), so a decode step wrote the
 whole model once more before multiplying. `matmul_cpu(x, stacked, layer)` reads the layer's weights
 where they lie; its register tiles also beat XLA's dot at the few rows of a decode step. Against the
-slice and XLA's dot, the four matmuls of 30 SmolLM2 layers (`python -m jaxpaged.bench.cpu_matmul`):
+slice and XLA's dot, the four matmuls of 30 SmolLM2 layers (`python -m benchmarks.cpu_matmul`):
 see docs/results.md, "A native CPU matmul"."""
 
 from typing import NamedTuple

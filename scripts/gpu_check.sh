@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check (jaxpaged/bench/gpu_check): kernels, bandwidth, swap, the engine's start-up and step
+# The GPU check (benchmarks/gpu_check): kernels, bandwidth, swap, the engine's start-up and step
 # (issue #12: compilations after start-up, decode step time against the bytes floor) and the engine end
 # to end per backend, in one call of the device tool. See pallas_kernels/RESULTS.md.
 #
@@ -8,7 +8,7 @@
 #                                                only), then print the device call
 #   bash scripts/gpu_check.sh --print-carry      print the device call: {"carry": [...], "command": ..., ...}
 #   bash scripts/gpu_check.sh [ARGS...]          on the GPU machine (no network): install the carried wheels,
-#                                                then python -m jaxpaged.bench.gpu_check ARGS (--dry-run, ...)
+#                                                then python -m benchmarks.gpu_check ARGS (--dry-run, ...)
 #
 # Results: $OUT/gpu_check.md (the table, also printed last), gpu_check.json, gpu_check.log.
 # Environment: PYTHON (default python3), GPU_CHECK_WHEELS (default .gpu_wheels), GPU_CHECK_SITE (where
@@ -95,6 +95,6 @@ case "${1:-}" in
     install_wheels
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
     export GPU_CHECK_COMMIT=${GPU_CHECK_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-    exec "$PY" -m jaxpaged.bench.gpu_check "$@"
+    exec "$PY" -m benchmarks.gpu_check "$@"
     ;;
 esac

@@ -44,8 +44,8 @@ def main() -> None:
     os.makedirs(ns.out, exist_ok=True)
     _OUT[0] = ns.out
 
-    from jaxpaged.bench.gpu_check import engine as check_engine
-    from jaxpaged.bench.gpu_check.common import Context
+    from benchmarks.gpu_check import engine as check_engine
+    from benchmarks.gpu_check.common import Context
 
     ctx = Context(dry_run=ns.dry_run, workdir=tempfile.mkdtemp(prefix="step-profile-"))
     for row in check_engine.random_checkpoint(ctx):

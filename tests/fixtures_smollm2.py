@@ -34,7 +34,7 @@ def _folder_and_name() -> tuple[str, str]:
 @functools.cache
 def smollm2_hf_model():
     """transformers' own float32 Llama loaded from the same GGUF: the reference."""
-    from jaxpaged.bench.throughput import builtin_hf_model
+    from jaxpaged.benchmarks.throughput import builtin_hf_model
 
     return builtin_hf_model("float32")
 

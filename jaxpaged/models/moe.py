@@ -14,7 +14,7 @@ implementations with one meaning (`MOE_IMPLS`):
   ragged_dot costs more than running every expert on every token (measured on this CPU, 8 experts,
   top-2, hidden 512 x 1024, 512 pairs: ragged_dot 31 ms, all experts dense 17 ms, this loop 8 ms).
 - "dense": every expert on every token, weighted by the routing (zero where not chosen): the plain
-  reference the others are tested against, and the baseline of `python -m jaxpaged.bench.moe`.
+  reference the others are tested against, and the baseline of `python -m benchmarks.moe`.
 
 "auto" is ragged_dot on GPU and TPU, the loop elsewhere.
 

@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from jaxpaged import AsyncLLM
-from jaxpaged.bench.serve import Server, jaxpaged_body, level_work, make_workload, run_level, summarize
+from jaxpaged.benchmarks.serve import Server, jaxpaged_body, level_work, make_workload, run_level, summarize
 from jaxpaged.server import build_app
 from tests.server.test_async_llm import tiny_engine_args
 from tests.server.helpers import MODEL, start

@@ -4,7 +4,7 @@ come from: a reinstalled copy of the same file reuses the folder, a changed file
 import os
 import tempfile
 
-from jaxpaged.bench import derived_folder
+from jaxpaged.benchmarks import derived_folder
 
 
 def test_a_file_is_keyed_by_its_content_not_its_mtime(tmp_path):

@@ -161,7 +161,7 @@ def test_beam_search_with_speculation_is_refused():
 def test_builtin_model_prompt_lookup_keeps_greedy_outputs_and_stop_strings():
     """The built-in model asked to repeat passages: prompt lookup is accepted most of the time, and
     the outputs (tokens and text, with a stop string and n = 2) are those without speculation."""
-    from jaxpaged.bench.throughput import make_repeat_workload
+    from jaxpaged.benchmarks.throughput import make_repeat_workload
 
     # the quickstart notebook's CPU engine shape (the run's compilation cache shares its steps)
     opts = dict(**QUICKSTART_SHAPE, compile_on_startup=False,

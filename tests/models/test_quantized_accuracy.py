@@ -1,5 +1,5 @@
 """#16's accuracy goals on the built-in model's real weights, measured as the issue defines them: the
-perplexity of the whole shipped English text (`python -m jaxpaged.bench.quantization` adds top-1
+perplexity of the whole shipped English text (`python -m benchmarks.quantization` adds top-1
 agreement, memory, speed and every other mode). Over fp32: int8 within +1%, fp8 within +2%, the fp8
 KV cache (calibrated scales) within +1%; and the chat answer names Paris in each. (GGUF's blocks kept
 give fp32's own values: test_smollm2 compares that default path with transformers.)"""
@@ -8,7 +8,7 @@ import functools
 
 import pytest
 
-from jaxpaged.bench import quantization as bench
+from benchmarks import quantization as bench
 from tests.fixtures_smollm2 import BUILTIN_LEVEL
 
 GOALS = {"int8": 0.01, "fp8": 0.02, "fp8-kv-calibrated": 0.01}

@@ -1,4 +1,4 @@
-"""scripts/gpu_check.sh and its driver (jaxpaged/bench/gpu_check), on CPU.
+"""scripts/gpu_check.sh and its driver (benchmarks/gpu_check), on CPU.
 
 The dry run goes through the script's device path (carried wheels installed offline, jax-triton
 candidates probed, no editable install) and takes every part's code with tiny sizes, so a bug in
@@ -15,10 +15,10 @@ import zipfile
 
 import pytest
 
-from jaxpaged.bench.gpu_check import driver
-from jaxpaged.bench.gpu_check.common import DRY, Context, Row
-from jaxpaged.bench.gpu_check.engine import engine_agreement
-from jaxpaged.bench.gpu_check.step import compilations
+from benchmarks.gpu_check import driver
+from benchmarks.gpu_check.common import DRY, Context, Row
+from benchmarks.gpu_check.engine import engine_agreement
+from benchmarks.gpu_check.step import compilations
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu_check.sh"

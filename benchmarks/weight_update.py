@@ -1,6 +1,6 @@
 """What `update_weights` costs: every weight of the built-in model written in place.
 
-    python -m jaxpaged.bench.weight_update
+    python -m benchmarks.weight_update
 
 The fp32 engine (`quantization=None`) is updated with the checkpoint's own tensors (Hugging Face
 names, NumPy arrays, as a trainer would hand them over) three times; reported: seconds per full

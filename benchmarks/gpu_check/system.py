@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged.bench.gpu_check.common import Context, Row, guarded, time_call
+from benchmarks.gpu_check.common import Context, Row, guarded, time_call
 from jaxpaged.runner.block_ops import HostSwapSpace
 from jaxpaged.kernels import kv_pool_shape
 
@@ -32,7 +32,7 @@ def jax_triton_keyword() -> str:
         import jax_triton
     except Exception as exc:  # noqa: BLE001 -- not importable is an answer, reported by the env part
         return f"not importable ({type(exc).__name__})"
-    from jaxpaged.bench.gpu_check.triton_probe import output_keyword
+    from benchmarks.gpu_check.triton_probe import output_keyword
 
     return f"takes {output_keyword(jax_triton)}= (jax-triton {getattr(jax_triton, '__version__', '?')})"
 
@@ -95,7 +95,7 @@ def jax_triton_probe(ctx: Context) -> Iterator[Row]:
     except ImportError as exc:   # e.g. jax-triton 0.3 refuses a jaxlib without the CUDA plugin
         yield Row("jax-triton", "import", "error" if on_gpu else "skip", note=f"import failed: {exc}")
         return
-    from jaxpaged.bench.gpu_check.triton_probe import output_keyword, run_add
+    from benchmarks.gpu_check.triton_probe import output_keyword, run_add
     yield Row("jax-triton", "import", "ok", {"version": getattr(jax_triton, "__version__", "?"),
                                               "keyword": output_keyword(jax_triton)},
               note=os.path.dirname(jax_triton.__file__))

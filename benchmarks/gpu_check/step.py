@@ -25,8 +25,8 @@ from typing import Iterator
 
 import numpy as np
 
-from jaxpaged.bench.gpu_check.common import Context, Row, Sizes, guarded
-from jaxpaged.bench.gpu_check.engine import CHECKPOINT_DTYPE, MODEL_FOLDER
+from benchmarks.gpu_check.common import Context, Row, Sizes, guarded
+from benchmarks.gpu_check.engine import CHECKPOINT_DTYPE, MODEL_FOLDER
 
 # JAX's monitoring event for one XLA compilation (a persistent-cache hit sends it too: it still
 # builds an executable); tests/engine/test_no_compiles_after_startup.py counts the same event.

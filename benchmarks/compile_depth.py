@@ -6,7 +6,7 @@ layers, zero weights (compile time does not depend on their values), the layers 
 compiled from scratch (no compilation cache) in this process: a decode step of 32 sequences
 and a step with a prompt chunk of 256 tokens.
 
-    python -m jaxpaged.bench.compile_depth [--depths 30 60]
+    python -m benchmarks.compile_depth [--depths 30 60]
 """
 
 import argparse

@@ -1,6 +1,6 @@
 """The GPU check's driver: runs each part in its own child process under a time limit, writes one table.
 
-    python -m jaxpaged.bench.gpu_check [--dry-run] [--out DIR] [--budget-s S] [--parts a,b]
+    python -m benchmarks.gpu_check [--dry-run] [--out DIR] [--budget-s S] [--parts a,b]
 
 A part is a named function Context -> rows. Each runs in a fresh child process, which owns the
 GPU while it runs (memory freed between parts), is killed at the part's limit (its rows so far
@@ -27,12 +27,12 @@ import tempfile
 import time
 from typing import Callable, Iterable
 
-from jaxpaged.bench.gpu_check import engine, kernels, step, system
-from jaxpaged.bench.gpu_check.common import STATUSES, Context, Row, error_row
+from benchmarks.gpu_check import engine, kernels, step, system
+from benchmarks.gpu_check.common import STATUSES, Context, Row, error_row
 
 # Candidate jax-triton folders (os.pathsep-separated), tried in order; scripts/gpu_check.sh sets it.
 JAX_TRITON_ENV = "GPU_CHECK_JAX_TRITON"
-_REPO = pathlib.Path(__file__).resolve().parents[3]
+_REPO = pathlib.Path(__file__).resolve().parents[2]
 _LOG_TAIL_BYTES = 200_000
 
 
@@ -131,7 +131,7 @@ def run_in_child(part: Part, ctx: Context, limit_s: float, pythonpath_first: str
     env = dict(os.environ, PYTHONUNBUFFERED="1")   # a killed child's last words reach its log
     paths = [pythonpath_first or ctx.jax_triton_path, str(_REPO), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-    command = [sys.executable, "-m", "jaxpaged.bench.gpu_check", "--child", part.name, "--context", context_file,
+    command = [sys.executable, "-m", "benchmarks.gpu_check", "--child", part.name, "--context", context_file,
                "--rows", rows_file]
     with open(log_file, "w") as log:
         child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

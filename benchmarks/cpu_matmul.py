@@ -1,6 +1,6 @@
 """The native CPU matmul against XLA's, on the layer matmuls of SmolLM2-135M as the scan runs them.
 
-    python -m jaxpaged.bench.cpu_matmul
+    python -m benchmarks.cpu_matmul
 
 Each row is 30 layers (a `lax.scan`) of SmolLM2's four f32 layer matmuls (q/k/v 576x960, o 576x576,
 gate/up 576x3072, down 1536x576) on M token rows, from [30, K, N] stacks: XLA slices the layer's

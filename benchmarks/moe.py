@@ -7,7 +7,7 @@ after a compile): a decode step of 32 sequences and a 256-token prompt step, for
 and 8 with the grouped experts (`moe_impl`, default: "auto") and with every expert computed densely
 ("dense", which costs the same whatever k).
 
-    python -m jaxpaged.bench.moe [--impl auto] [--repeats 10]
+    python -m benchmarks.moe [--impl auto] [--repeats 10]
 """
 
 import argparse

@@ -1,9 +1,9 @@
 """What structured outputs cost: the throughput workload with half its requests JSON-schema
 constrained, against the same workload unconstrained, in one engine (same run).
 
-    python -m jaxpaged.bench.structured_outputs [--num-requests 32] [--repeats 2]
+    python -m benchmarks.structured_outputs [--num-requests 32] [--repeats 2]
 
-The 32 ShareGPT-shaped requests of `jaxpaged.bench.throughput` (greedy, default engine
+The 32 ShareGPT-shaped requests of `jaxpaged.benchmarks.throughput` (greedy, default engine
 arguments, no warm-up on the workload). In the constrained run every other request must
 produce a JSON array of integers sized to its token budget (capped at the workload's
 max_tokens). The free run gives each request exactly the number of tokens its constrained
@@ -17,7 +17,7 @@ import argparse
 import json
 import time
 
-from jaxpaged.bench.throughput import StepClock, make_workload
+from jaxpaged.benchmarks.throughput import StepClock, make_workload
 
 
 def schema_for(max_tokens: int) -> dict:

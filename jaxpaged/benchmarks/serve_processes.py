@@ -8,7 +8,7 @@ import sys
 import tempfile
 import time
 
-from jaxpaged.bench import derived_folder
+from jaxpaged.benchmarks import derived_folder
 
 
 def load_tokenizer(model: str | None):
@@ -82,7 +82,7 @@ def export_transformers_folder(model: str | None) -> str:
     """The same weights jaxpaged runs, dequantized to fp32 safetensors with the tokenizer, in a folder
     `transformers serve` loads (it cannot serve the GGUF itself: the file's config names no
     architecture). Written once under the temp dir and reused."""
-    from jaxpaged.bench.throughput import builtin_hf_model
+    from jaxpaged.benchmarks.throughput import builtin_hf_model
     from jaxpaged.models.builtin import builtin_model_path
 
     out = derived_folder("jaxpaged-bench-serve", model or builtin_model_path(), "-fp32")

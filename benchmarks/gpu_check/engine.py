@@ -14,7 +14,7 @@ from typing import Iterator
 
 import numpy as np
 
-from jaxpaged.bench.gpu_check.common import Context, Row, Sizes
+from benchmarks.gpu_check.common import Context, Row, Sizes
 
 MODEL_FOLDER = "model"
 CHECKPOINT_DTYPE = "bfloat16"   # of the saved weights; the engine's default dtype ('auto') keeps it
@@ -143,8 +143,8 @@ def speculative_step_cost(ctx: Context) -> Iterator[Row]:
     first H200 run compiled lazily and timed the compilations of shapes its warm-up had not taken,
     360 ms a verifying step); ms per step after an untimed warm-up; compilations while timed must be 0."""
     from jaxpaged import LLM, SamplingParams
-    from jaxpaged.bench.gpu_check.step import compilations
-    from jaxpaged.bench.throughput import StepClock
+    from benchmarks.gpu_check.step import compilations
+    from jaxpaged.benchmarks.throughput import StepClock
 
     path = os.path.join(ctx.workdir, MODEL_FOLDER)
     if not os.path.exists(os.path.join(path, "config.json")):

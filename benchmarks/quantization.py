@@ -1,6 +1,6 @@
 """Quantization on the built-in model: accuracy, memory and decode speed per mode, in one run.
 
-    python -m jaxpaged.bench.quantization [--skip-speed] [--text PATH] [--modes fp32,int8,...]
+    python -m benchmarks.quantization [--skip-speed] [--text PATH] [--modes fp32,int8,...]
 
 Modes: fp32 (the GGUF de-quantized, `quantization=None`), gguf (its Q4_1 / Q8_0 blocks kept: the
 default), int8 / fp8 / int4 (quantized at load from the fp32 weights, read from a `jaxpaged convert`
@@ -26,9 +26,9 @@ import time
 
 import numpy as np
 
-from jaxpaged.bench import derived_folder
+from jaxpaged.benchmarks import derived_folder
 
-TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                     "tests", "data", "english_text.txt")
 WINDOW = 1024
 AGREEMENT_TOKENS = 512

@@ -1,7 +1,7 @@
 """What multi-LoRA costs: offline throughput of the built-in model with 4 adapters mixed in one batch
 against the base model alone, in the same run.
 
-    python -m jaxpaged.bench.lora [--num-prompts 32] [--max-tokens 64] [--rank 16]
+    python -m benchmarks.lora [--num-prompts 32] [--max-tokens 64] [--rank 16]
 
 Three runs of the same prompts, each engine at default arguments plus the LoRA ones: a plain
 engine (no enable_lora: what a user without adapters gets), the LoRA engine with every request on

@@ -1,6 +1,6 @@
 """Why the quantized weight format is hand-written: one decode-shaped matmul per approach on this CPU.
 
-    pip install qwix && python -m jaxpaged.bench.quantized_matmul_cpu
+    pip install qwix && python -m benchmarks.quantized_matmul_cpu
 
 For SmolLM2's [576 x 3072] gate/up and [1536 x 576] down projections at 32 and 512 rows: fp32,
 int8 per channel (cast-then-matmul, de-quantize-then-matmul, and qwix's `dot` on its `QArray`), and

@@ -5,7 +5,7 @@ as a converted folder (both fp32, in a temporary folder); then `load_model` read
 `--repeats`, in this process, with each tensor-parallel size that fits the devices (on CPU, give
 devices with XLA_FLAGS=--xla_force_host_platform_device_count=8).
 
-    python -m jaxpaged.bench.load_time [--repeats 3] [--tp 1 3]
+    python -m benchmarks.load_time [--repeats 3] [--tp 1 3]
 """
 
 import argparse

@@ -1,6 +1,6 @@
 """The native CPU attention kernel against the jnp reference, attention alone, on SmolLM2's heads.
 
-    python -m jaxpaged.bench.cpu_attention
+    python -m benchmarks.cpu_attention
 
 Each case runs 30 layers of ragged paged attention (a `fori_loop`, each layer reading its own plane
 of one f32 pool: 9 query heads, 3 KV heads, head_dim 64, blocks of 16 tokens, pages scattered

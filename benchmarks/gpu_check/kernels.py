@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged.bench.gpu_check.common import Context, Row, error_row, guarded, time_call
+from benchmarks.gpu_check.common import Context, Row, error_row, guarded, time_call
 from jaxpaged.runner.batch_builder import PREFILL_Q_TILE
 from jaxpaged.kernels import AttentionMetadata, kv_pool_shape
 from jaxpaged.kernels.backends import get_attention, resolve_backend
