@@ -3,12 +3,9 @@
     reference  plain jnp (pallas_kernels/reference.py): ground truth, and the CPU path
     pallas     Pallas GPU kernel (Triton lowering); on CPU it runs in interpret mode (slow: tests)
     triton     a Triton kernel through jax-triton; needs a CUDA GPU
-    cpu        on a CPU: a native kernel built on first use (pallas_kernels/cpu_attention.py;
-               bf16 / fp8 pools and shapes past its scratch run the reference); the model's f32
-               layer matmuls then run the native matmul too (cpu_matmul.py, one device)
+    cpu        the reference, on a CPU (the name of an earlier native CPU kernel, kept as an alias)
     auto       on a CUDA GPU the fastest of pallas / triton measured at start-up on the model's
-               head shapes (`measure_fastest`); on a CPU `cpu` where its kernel builds (else
-               the reference, logged); reference elsewhere
+               head shapes (`measure_fastest`); the reference elsewhere
 
 An unavailable backend is an error, never a silent fallback.
 """
@@ -53,9 +50,6 @@ def resolve_backend(name: str, platform: str | None = None, head_shape: tuple[in
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
     platform = platform or jax.devices()[0].platform
     if name == "auto":
-        if platform == "cpu":
-            from jaxpaged.kernels import cpu_native
-            return "cpu" if cpu_native.available() else "reference"
         if platform != "gpu":
             return "reference"
         candidates = ["pallas"]
@@ -78,10 +72,7 @@ def resolve_backend(name: str, platform: str | None = None, head_shape: tuple[in
     if name == "cpu":
         if platform != "cpu":
             raise ValueError(f"attention_backend='cpu' runs on a CPU, not {platform}; use 'auto'")
-        from jaxpaged.kernels import cpu_native
-        if not cpu_native.available():
-            raise ValueError("attention_backend='cpu' needs its native kernel, which did not build here (the "
-                             "warning above says why; a C++ compiler as $CXX or c++); use 'reference'")
+        return "reference"
     return name
 
 
@@ -97,9 +88,6 @@ def get_attention(name: str, platform: str | None = None) -> AttentionFn:
     if name == "triton":
         from jaxpaged.kernels.triton_attention import ragged_paged_attention_triton
         return ragged_paged_attention_triton
-    if name == "cpu":
-        from jaxpaged.kernels.cpu_attention import ragged_paged_attention_cpu
-        return ragged_paged_attention_cpu
     raise ValueError(f"unknown attention backend {name!r}")
 
 

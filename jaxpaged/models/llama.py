@@ -10,11 +10,6 @@ One layer body (`_decoder_layer`) and two loops over it, chosen when the model i
   every iteration; unrolled, decode steps run 10-20% faster. Layers of different shapes (an
   MoE model's dense layers, `ModelConfig.dense_layers`) can only be unrolled.
 
-On a CPU with the `cpu` attention backend (what `auto` picks there) and one device, the f32 layer
-matmuls (`NATIVE_MATMULS`, and an untied LM head) run the native matmul (jaxpaged.kernels.cpu_matmul);
-in the scan it reads each layer's weights from their stack where they lie, so no layer's weights
-are copied out of the stack.
-
 The KV pool (one array, [num_layers, 2, ...], see `jaxpaged.kernels.layout`) is threaded
 through the layers whole: in the scan it is part of the carry, and the layer index, the
 layer's sliding window (0 = full attention; they differ per layer in Qwen2 and Gemma) and
@@ -51,11 +46,6 @@ from jaxpaged.parallel import MODEL_AXIS, ShardPlan
 from jaxpaged.kernels import write_kv
 from jaxpaged.kernels.layout import calibrated_kv_scale, is_fp8, scaled_attention
 from jaxpaged.kernels.backends import get_attention
-from jaxpaged.kernels.cpu_matmul import LayerOfStack, matmul_cpu
-from jaxpaged.kernels.cpu_matmul import supports as native_matmul_supports
-
-# The layer weights the scan hands to the native matmul whole, with the layer's index (see LayerOfStack).
-NATIVE_MATMULS = ("wqkv", "wo", "w_gate_up", "w_down")
 
 
 def layer_weight_shapes(cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, ...]]:
@@ -186,8 +176,6 @@ class LlamaFamilyForCausalLM(nnx.Module):
         self.quantized_matmul = quantized_matmul     # a quantized decode matmul's kernel (quantization.matmul_kernel)
         # an MoE layer's grouped matmul (jaxpaged.models.moe)
         self.moe_impl = resolve_moe_impl(moe_impl, shard_plan.devices[0].platform)
-        # f32 weight matmuls through jaxpaged.kernels.cpu_matmul (one device: the kernel is not partitioned)
-        self.native_matmul = attention_backend == "cpu" and shard_plan.mesh is None
         self.dtype = weights["final_norm"].dtype   # the activations' (norms are never quantized)
         self.embed = nnx.Param(weights["embed"])   # [vocab, hidden], or a QuantizedWeight [hidden, vocab]
         self.final_norm = nnx.Param(weights["final_norm"])
@@ -237,14 +225,8 @@ class LlamaFamilyForCausalLM(nnx.Module):
             logits = jnp.einsum("dv,td->vt", head, hidden)
         return _soft_capped(logits.astype(jnp.float32), cfg.final_softcap)
 
-    def matmul(self, x: jax.Array, w, name: str, live: jax.Array | None = None) -> jax.Array:
-        """x @ the weight `name` (plain, quantized, or a scanned `LayerOfStack`; a quantized decode step
-        through the kernel, per shard; an f32 one through the native matmul where `native_matmul`, which
-        multiplies only x's first `live` rows: a step's tokens, not its padding)."""
-        if isinstance(w, LayerOfStack):
-            return matmul_cpu(x, w.stack, w.layer, live)
-        if self.native_matmul and not isinstance(w, QuantizedWeight) and native_matmul_supports(x, w):
-            return matmul_cpu(x, w, live=live)
+    def matmul(self, x: jax.Array, w, name: str) -> jax.Array:
+        """x @ the weight `name` (plain or quantized; a quantized decode step through the kernel, per shard)."""
         kernel = matmul_kernel(self.quantized_matmul)
         if kernel is not None and isinstance(w, QuantizedWeight):
             kernel = self.shard_plan.matmul(kernel, self.shard_plan.weight_spec(name, False))
@@ -267,24 +249,16 @@ class LlamaFamilyForCausalLM(nnx.Module):
         if lora is not None:
             slots = lora["q_a"].shape[1]
             onehot = (batch.lora_index[:, None] == jnp.arange(slots, dtype=jnp.int32)[None, :]).astype(self.dtype)
-        # the batch's tokens come first, its padding after (ForwardBatch): the native matmul skips the padding
-        matmul = functools.partial(self.matmul, live=md.cu_q_lens[-1]) if self.native_matmul else self.matmul
         layer_fn = functools.partial(_decoder_layer, cfg, self.shard_plan, get_attention(self.attention_backend),
-                                     matmul, self.moe_impl, batch, rope, local_rope, onehot)
+                                     self.matmul, self.moe_impl, batch, rope, local_rope, onehot)
         if self.scan_layers:
             weights = {k: v.get_value() for k, v in self.layers.items()}
-            # the native matmul's weights stay whole (closed over, not scanned: no per-layer slice)
-            whole = {k: weights.pop(k) for k in NATIVE_MATMULS
-                     if k in weights and self.native_matmul and isinstance(weights[k], jax.Array)
-                     and weights[k].dtype == hidden.dtype == jnp.float32}
             xs = (weights, jnp.arange(cfg.num_layers, dtype=jnp.int32),
                   jnp.asarray(cfg.sliding_windows, jnp.int32), jnp.asarray(cfg.local_rope_layers, jnp.bool_),
                   self.kv_scales[...], lora)
 
             def scan_step(carry, xs):
-                w, layer, *rest = xs
-                w = {**w, **{k: LayerOfStack(v, layer) for k, v in whole.items()}}
-                hidden, kv_pool, kv_scale = layer_fn(cfg.is_moe, *carry, w, layer, *rest)
+                hidden, kv_pool, kv_scale = layer_fn(cfg.is_moe, *carry, *xs)
                 return (hidden, kv_pool), kv_scale
 
             (hidden, kv_pool), kv_scales = jax.lax.scan(scan_step, (hidden, kv_pool), xs)
