@@ -30,7 +30,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", default=d.attention_backend)
     parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=d.scan_layers,
                         help="lax.scan over stacked layer weights (compile time flat in depth) or an unrolled "
-                             "layer loop (faster steps on XLA CPU, 5x slower compiles); default: scan")
+                             "layer loop (steps about as fast on XLA CPU, start-up twice as long); default: scan")
     parser.add_argument("--optimization-level", "-O", type=int, default=None, choices=[0, 1, 2, 3],
                         help="vLLM's -O0..-O3: 0 compiles the step fastest (XLA's code generation unoptimized), "
                              "2 (default) runs it fastest; 3 is 2")

@@ -20,7 +20,7 @@ Layout (global view, our [in, out] weights):
 
 The fused q/k/v and gate/up columns are stored shard-major (`fuse_columns`), so each device's
 columns are contiguous and the layer splits them locally after a [tokens, tp, per shard]
-reshape. At tp 1 that layout is today's [q | k | v] and [gate | up].
+reshape. At tp 1 that layout is the plain [q | k | v] and [gate | up].
 
 When tp exceeds the KV heads (GQA/MQA), each KV head is repeated tp / kv_heads times at load
 (`kv_head_replicas`): the model then has tp KV heads, one per device, and query head h still
@@ -110,8 +110,8 @@ class ShardPlan:
     """One engine's devices and how its arrays lie on them.
 
     `mesh`: tensor parallelism over the mesh's `model` axis. Without one, everything lives on
-    `device`, or uncommitted on JAX's default device when that is None too (one replica: the
-    single-device path as it always was)."""
+    `device`, or uncommitted on JAX's default device when that is None too (one replica on one
+    device: nothing is placed or sharded)."""
 
     mesh: Mesh | None = None
     device: Any = None

@@ -3,7 +3,7 @@
     reference  plain jnp (pallas_kernels/reference.py): ground truth, and the CPU path
     pallas     Pallas GPU kernel (Triton lowering); on CPU it runs in interpret mode (slow: tests)
     triton     a Triton kernel through jax-triton; needs a CUDA GPU
-    cpu        the reference, on a CPU (the name of an earlier native CPU kernel, kept as an alias)
+    cpu        the reference, on a CPU (an alias, kept for configurations that name it)
     auto       on a CUDA GPU the fastest of pallas / triton measured at start-up on the model's
                head shapes (`measure_fastest`); the reference elsewhere
 
@@ -96,7 +96,7 @@ def measure_fastest(kernels: dict, num_heads: int, kv_heads: int, head_dim: int,
     """Time each kernel on a decode batch (num_seqs x context tokens); returns the fastest name.
 
     At this size a call takes ~0.15 ms on an H200, near the cost of dispatching it from Python: with 5
-    calls the first H200 start-up picked Pallas, which the GPU check's medians put 20% slower here
+    calls an H200 start-up can pick Pallas, which the GPU check's medians put 20% slower at this size
     (0.162 against Triton's 0.134 ms); 30 calls average the dispatch out.
 
     A kernel that fails to compile or run is skipped (and logged); if all fail, the first is returned

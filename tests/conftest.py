@@ -27,10 +27,10 @@ import threading
 
 import pytest
 
-# Where PYTHONDONTWRITEBYTECODE is set (this machine's shell sets it), no process kept the bytecode of the
+# Where PYTHONDONTWRITEBYTECODE is set (a shell may set it), no process keeps the bytecode of the
 # repo's modules nor pytest its rewritten test modules: every test process and every subprocess (notebook
-# kernels, servers, workers: dozens) compiled them again, and in a fresh clone there was none to read.
-# Collection took 12.5 s against 8.8 s with it kept (a fresh clone, one core). The suite keeps it (in the
+# kernels, servers, workers: dozens) compiles them again, and in a fresh clone there is none to read.
+# Collection takes 12.5 s against 8.8 s with it kept (a fresh clone, one core). The suite keeps it (in the
 # __pycache__ folders git ignores; imports before this point, pytest's plugins, are not cached).
 sys.dont_write_bytecode = False
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
@@ -50,7 +50,7 @@ if SUITE_XLA_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + SUITE_XLA_FLAG).strip()
 
 # Each test process on cores of its own (every process it starts inherits them): XLA sizes its thread
-# pools from the process's affinity, so the two processes' pools no longer both spread over both cores.
+# pools from the process's affinity, so the two processes' pools do not both spread over both cores.
 # Measured on 2 cores: the run's CPU seconds 1,651 -> 1,394 (the notebooks' 215 -> 128), pytest 14:36 -> 12:25.
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 if _WORKER.startswith("gw") and hasattr(os, "sched_setaffinity"):
@@ -64,7 +64,7 @@ if _WORKER.startswith("gw") and hasattr(os, "sched_setaffinity"):
 # pytest-xdist hands whole files to the test processes as they free up, in collection order
 # (pyproject: --dist loadfile --no-loadscope-reorder), and with the longest started first the last
 # files handed out are short ones, so both processes finish together (its own order, most tests
-# first, left the one-test notebook and GPU-check files to the end: one process ran 36 s longer).
+# first, leaves the one-test notebook and GPU-check files to the end: one process runs 36 s longer).
 LONGEST_FILES = [
     "tests/notebooks/test_notebooks.py", "tests/models/test_quantized_accuracy.py",
     "tests/engine/test_spec_decode.py", "tests/scripts/test_gpu_check.py", "tests/engine/test_attention_backends.py",
@@ -86,7 +86,7 @@ def pytest_collection_modifyitems(items):
 
 
 # Python's cyclic garbage collector: a test process holds millions of objects (jax, torch, transformers,
-# the test modules), and each full collection walked them all (0.2-0.35 s, several a file). Collections
+# the test modules), and each full collection walks them all (0.2-0.35 s, several a file). Collections
 # are rarer here (a young generation of 10,000 objects, not 700), what was imported before the first
 # test is frozen out of them (pytest_collection_finish), and a module's end collects once, not twice.
 # test_llama_family + test_llm_generate + test_beam_search on one core: the collector's time 3.8 -> 0.9 s,
@@ -101,13 +101,13 @@ def pytest_collection_finish(session):
 
 
 # XLA:CPU (jaxlib 0.11) hands each fusion of a program to its compile threads with an MLIR context from a
-# pool, and builds a new context (every dialect loaded, every pass set up) when none is free. The thread
-# emitting the fusions (a test's, or engine start-up's compile threads, which inherit its priority) ran ahead
-# of the compile threads, and nearly every fusion got a new context (perf probes: 68 of 74). So each test
-# process starts XLA's compile threads at its own priority (they start with its first compile), then puts its
-# test thread at a low one: XLA's threads then run whenever they have work and hand their contexts back.
+# pool, and builds a new context (every dialect loaded, every pass set up) when none is free. At one priority
+# the thread emitting the fusions (a test's, or engine start-up's compile threads, which inherit its priority)
+# runs ahead of the compile threads, and nearly every fusion gets a new context (perf probes: 68 of 74). So
+# each test process starts XLA's compile threads at its own priority (they start with its first compile), then
+# puts its test thread at a low one: XLA's threads then run whenever they have work and hand their contexts back.
 # test_llama_family + test_llm_generate + test_beam_search on one core (-n 0), alternated: 77.5 and 73.3 s ->
-# 52.5 and 50.6 s (with engine start-up's threads yielding too, as the product then did). This is the suite's
+# 52.5 and 50.6 s (measured with engine start-up's threads yielding too). This is the suite's
 # concern only: the product's threads keep the priority their caller gives them.
 TEST_THREAD_NICE = 18
 

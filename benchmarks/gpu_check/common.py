@@ -83,6 +83,8 @@ class Sizes:
     step_max_tokens: tuple[int, int]      # (short, long) runs: their difference is (long - short) decode steps
     qmm_rows: tuple[int, ...] = (1, 16, 256)   # quantized matmul timing: activation rows
     qmm_shape: tuple[int, int] = (4096, 14336)  # its weight [K, N] (an 8B model's gate projection)
+    sampler_rows: tuple[int, ...] = (32, 256)     # sampler layouts: sample rows (decode sequences)
+    sampler_shape: tuple[int, int] = (896, 151936)   # their LM head [hidden, vocab] (Qwen2.5-0.5B's)
     block_size: int = 16
 
 
@@ -117,7 +119,7 @@ DRY = Sizes(
     # 2 step variants instead of the defaults' 35: this CPU compiles each for ~10 s
     step_engine_args=dict(max_num_seqs=4, max_num_batched_tokens=16), step_workload_lens=(1, 5, 17, 40, 70),
     step_workload_tokens=6, step_decode_seqs=(1, 2, 4), step_prompt_len=8, step_max_tokens=(4, 20),
-    qmm_rows=(1, 5), qmm_shape=(64, 128),
+    qmm_rows=(1, 5), qmm_shape=(64, 128), sampler_rows=(4,), sampler_shape=(64, 512),
 )
 
 

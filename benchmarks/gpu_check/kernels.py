@@ -261,3 +261,44 @@ def quantized_matmul_timing(ctx: Context) -> Iterator[Row]:
                            data={"kernel_s": kernel_s, "bf16_s": bf16_s, "dequant_s": deq_s, "weight_bytes": q_bytes})
 
             yield guarded("qmatmul", case, run)
+
+
+def sampler_layout_timing(ctx: Context) -> Iterator[Row]:
+    """The sampler's two layouts (jaxpaged.runner.sampler.SamplerLayout): the default (XLA's argmax and
+    float sort over [rows, vocab] logits) against the one XLA:CPU runs faster (a vocabulary-major LM
+    head and greedy, the masked argmax, integer sort keys), at decode-sized row counts: median ms of a
+    plain-greedy step's LM head + greedy, and of a full descending sort, each way. `for_platform`
+    takes the faster where these rows say so."""
+    from jaxpaged.runner.sampler import SamplerLayout, plain_greedy
+
+    sizes = ctx.sizes
+    hidden_size, vocab = sizes.sampler_shape
+    head = jnp.asarray(np.random.default_rng(0).standard_normal((vocab, hidden_size)) * 0.02, jnp.bfloat16)
+    layouts = {"default": SamplerLayout(), "cpu-measured": SamplerLayout.for_platform("cpu")}
+
+    def greedy(layout, h, e):
+        if layout.vocab_major_greedy:
+            return plain_greedy((e @ h.T).astype(jnp.float32), 0, layout=layout).token_ids
+        return plain_greedy((h @ e.T).astype(jnp.float32), 1, layout=layout).token_ids
+
+    for rows in sizes.sampler_rows:
+        h = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, hidden_size)), jnp.bfloat16)
+        logits = jnp.asarray(np.random.default_rng(rows + 1).standard_normal((rows, vocab)), jnp.float32)
+        for name, layout in layouts.items():
+            case = f"{name} layout, {rows} rows x {vocab} vocab"
+
+            def run(case=case, layout=layout, h=h, logits=logits):
+                greedy_fn = jax.jit(functools.partial(greedy, layout))
+                sort_fn = jax.jit(layout.sort_descending)
+                greedy_s = time_call(greedy_fn, h, head, rounds=sizes.timing_rounds, round_s=sizes.timing_round_s)
+                sort_s = time_call(sort_fn, logits, rounds=sizes.timing_rounds, round_s=sizes.timing_round_s)
+                # the same logits each way (the two matmul layouts may round a near-tie apart)
+                axis = 0 if layout.vocab_major_greedy else 1
+                ours = plain_greedy(logits.T if axis == 0 else logits, axis, layout=layout).token_ids
+                same = bool(jnp.all(ours == plain_greedy(logits, 1).token_ids))
+                status = "ok" if same else "fail"
+                return Row("sampler", case, status, {"greedy ms": greedy_s * 1e3, "sort ms": sort_s * 1e3},
+                           note="" if same else "greedy tokens differ from the default layout's",
+                           data={"greedy_s": greedy_s, "sort_s": sort_s})
+
+            yield guarded("sampler", case, run)

@@ -1,4 +1,4 @@
-"""Alias of jaxpaged.benchmarks.serve (the earlier import path)."""
+"""Alias of jaxpaged.benchmarks.serve (kept for commands that name jaxpaged.bench)."""
 
 from jaxpaged.benchmarks.serve import *  # noqa: F401,F403
 from jaxpaged.benchmarks.serve import main

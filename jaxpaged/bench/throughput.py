@@ -1,4 +1,4 @@
-"""Alias of jaxpaged.benchmarks.throughput (the earlier import path)."""
+"""Alias of jaxpaged.benchmarks.throughput (kept for commands that name jaxpaged.bench)."""
 
 from jaxpaged.benchmarks.throughput import *  # noqa: F401,F403
 from jaxpaged.benchmarks.throughput import main

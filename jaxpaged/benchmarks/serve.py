@@ -122,7 +122,7 @@ async def run_level(server: Server, work: list[tuple[str | list[int], int]], con
                                                               timeout=timeout_s))
     # The client's own first-use costs stay out of the level (vLLM's benchmark_serving sends a test prompt
     # first for the same reason): httpcore imports its concurrency backend lazily on its first connection,
-    # ~0.23 s of this CPU that delayed every request of the 64-stream level. A model listing touches no
+    # ~0.23 s on a 2-core CPU that would delay every request of the 64-stream level. A model listing touches no
     # engine and no cache; whatever it answers, the client is warm.
     try:
         await client.models.list()
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(rows, ns, prompts, lengths, counts) -> None:
-    """The issue's two goals at 64 streams: against transformers serve, and against the offline step."""
+    """The goals at 64 streams: against transformers serve, and against the offline step."""
     at_64 = {r.server.split(",")[0]: r for r, _ in rows if r.concurrency == 64}
     ours = next((r for name, r in at_64.items() if not name.startswith("transformers")), None)
     theirs = at_64.get("transformers serve")
@@ -339,7 +339,7 @@ def report(rows, ns, prompts, lengths, counts) -> None:
         for what, summary, ms in offline_step_ms(ns.model, prompts, work):
             print(f"offline engine, {what}: {ms:.1f} ms ({summary})")
             print(f"server mean ITL at 64 streams {ours.mean_itl_ms:.1f} ms = {ours.mean_itl_ms / ms:.2f}x that "
-                  f"(#15's goal: within 15%)", flush=True)
+                  f"(goal: within 15%)", flush=True)
 
 
 if __name__ == "__main__":

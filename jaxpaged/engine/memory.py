@@ -17,11 +17,11 @@ The activations come from the compiled step's own memory analysis at the largest
 compiled against a 2-block pool: the pool is updated in place (donated), so the step's
 temporary bytes do not depend on the pool's size (tests/engine/test_memory_sizing.py checks it).
 
-The headroom is for what the analysis does not see. The first H200 run (Qwen2.5-0.5B shape,
-default arguments) sized the pool to leave exactly the analysed 1.24 GiB, and its first step
-failed to allocate the sampler's 890 MiB: something the analysis does not count (allocator
-fragmentation, a program's runtime buffers; not yet known which) held the difference. The GPU
-check's start-up row reports the allocator's statistics after start-up to find out.
+The headroom is for what the analysis does not see. On an H200 (Qwen2.5-0.5B shape, default
+arguments), a pool that leaves exactly the analysed 1.24 GiB fails the first step, which cannot
+allocate the sampler's 890 MiB: something the analysis does not count (allocator fragmentation,
+a program's runtime buffers; which one is unknown) holds the difference. The GPU check's start-up
+row reports the allocator's statistics after start-up to tell them apart.
 """
 
 import ctypes

@@ -4,11 +4,11 @@ mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE): one layer body and its switc
 One layer body (`_decoder_layer`) and two loops over it, chosen when the model is loaded:
 
 - scan: each layer weight stacked on a leading [num_layers] axis and a `lax.scan` over the
-  stack. One layer is compiled whatever the depth: the default on GPU and TPU.
+  stack. One layer is compiled whatever the depth: the default on every platform.
 - unrolled: each layer owns its arrays and a Python loop unrolls in the jitted step. Compile
-  time grows with depth, but XLA on CPU copies each layer's weights out of a scanned stack at
-  every iteration; unrolled, decode steps run 10-20% faster. Layers of different shapes (an
-  MoE model's dense layers, `ModelConfig.dense_layers`) can only be unrolled.
+  time grows with depth (start-up about twice as long); on XLA CPU with jaxlib 0.11.2 its steps
+  are about even with the scan's (docs/features.md, `scan_layers`). Layers of different shapes
+  (an MoE model's dense layers, `ModelConfig.dense_layers`) can only be unrolled.
 
 The KV pool (one array, [num_layers, 2, ...], see `jaxpaged.kernels.layout`) is threaded
 through the layers whole: in the scan it is part of the carry, and the layer index, the

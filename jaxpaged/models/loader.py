@@ -58,11 +58,10 @@ def resolve_dtype(dtype: str, checkpoint_dtype: str) -> str:
 def resolve_scan_layers(scan_layers: bool | None, cfg: ModelConfig | None = None) -> bool:
     """None = the scan wherever the layers are alike (`cfg.uniform_layers`), the unrolled loop for an MoE
     model with dense layers among its expert ones (scan_layers=True is then a ValueError): the scan's
-    compile time is flat in depth. On XLA CPU the unrolled
-    loop runs decode steps 25-40% faster (XLA copies each layer's weights out of a scanned
-    stack, see `jaxpaged.models.llama`) but compiles 5x slower per variant (10 s against 2 s for
-    SmolLM2's 30 layers): start-up with the default buckets took 7 min cold against 142 s, so
-    the unrolled loop is opt-in (`scan_layers=False`) for long CPU runs."""
+    compile time is flat in depth, and on XLA CPU with jaxlib 0.11.2's YNNPACK matmuls the unrolled
+    loop's decode steps are about as fast while its start-up takes twice as long (the throughput
+    benchmark's workload, float32, no compilation cache: 152.8 against 155.1 ms/step, start-up
+    155.5 against 78.4 s; docs/features.md). The unrolled loop is opt-in (`scan_layers=False`)."""
     uniform = cfg is None or cfg.uniform_layers
     if scan_layers and not uniform:
         raise ValueError(f"scan_layers=True needs layers of one shape; this {cfg.architecture} has dense layers "

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpaged.runner.batch_builder import PREFILL_Q_TILE, BatchShape, bucket_sizes
 from jaxpaged.runner.block_ops import warm_up_block_moves
 from jaxpaged.runner.persistent_batch import StepLayout, warm_up_updates
-from jaxpaged.runner.sampler import uses_output_tokens
+from jaxpaged.runner.sampler import SamplerLayout, uses_output_tokens
 from jaxpaged.runner.step import (LOGIT_ROW_CHUNK, SAMPLER_KINDS, PromptStatics, SampleStatics, StepStatics,
                                   forward_fn, prompt_logprobs_fn, sample_fn)
 from jaxpaged.sampling_params import GREEDY_EPS
@@ -37,10 +37,10 @@ logger = logging.getLogger(__name__)
 TOKEN_FLOOR = 16      # the smallest token bucket of a step with a prompt chunk
 SEQ_FLOOR = 4         # the smallest sequence bucket (of a decode-only step)
 # Where the host picks a step's branches (step.py): XLA:GPU reads a conditional's predicate on the host,
-# after everything queued before it, so a `lax.cond` in the step kept the host from running ahead of
-# the device. This costs three samplers per sample-row count (SAMPLER_KINDS; a prompt bucket's sampler
-# then computes its padding rows' logits too, whose skip was a loop of run-time length, and so shares
-# the decode bucket's); on a CPU the conditionals are cheap and those stay unneeded.
+# after everything queued before it, so a `lax.cond` in the step would keep the host from running ahead
+# of the device. This costs three samplers per sample-row count (SAMPLER_KINDS; a prompt bucket's sampler
+# then computes its padding rows' logits too, since skipping them takes a loop of run-time length, and so
+# shares the decode bucket's); on a CPU the conditionals are cheap and those stay unneeded.
 HOST_BRANCH_PLATFORMS = ("gpu",)
 
 
@@ -127,7 +127,7 @@ class CompiledStep:
             key = self._sampler_key(shape, kind)
             if key not in self._samplers:
                 statics = SampleStatics(self.graphdef, key[1], self.max_logprobs, self.max_num_seqs, self.plan,
-                                        key[2])
+                                        key[2], SamplerLayout.for_platform(self.plan.local_device.platform))
                 bitmask = like(jax.ShapeDtypeStruct((shape.num_logits, self.bitmask_words), jnp.int32))
                 self._samplers[key] = sample_fn.lower(statics, self.state, self.slot_state,
                                                       jax.tree.map(like, forward.out_info[2]),

@@ -70,7 +70,7 @@ class _Pending:
     lp_rows: list[tuple[str, int, int, int]]          # (request_id, first flat token, count, start position)
     num_logprobs: int
     sampler_kind: str | None = None                   # the sampler the host picked (None: the step's cond picks)
-    packed: jax.Array | None = None                   # f32[S * (3 + 2K)]: one row per sample row (once sampled)
+    packed: jax.Array | None = None                   # f32[S * (4 + 2K)]: one row per sample row (step_results.py; once sampled)
     tokens: jax.Array | None = None                   # i32[MAX_ROWS]: sampled tokens, for the next step
 
     @property
@@ -107,7 +107,7 @@ class ModelRunner(CompiledStep, DeviceMemory):
         dtype = kv_dtype or model.dtype
         # The pool's memory is taken at its first use (kv_pool), after start-up's compilations: XLA's
         # GPU autotuner times each matmul on copies of its operands while it compiles, and a pool
-        # already holding the memory budget left it none (the first H200 start-up ran out of memory
+        # already holding the memory budget leaves it none (an H200 start-up runs out of memory
         # compiling its first step variant so). The steps compile against this description of it.
         self._kv_pool = None
         self.kv_pool_spec = jax.ShapeDtypeStruct(

@@ -23,6 +23,40 @@ from jaxpaged.sampling_params import GREEDY_EPS
 NUM_CANDIDATES = 1024
 
 
+@dataclasses.dataclass(frozen=True)
+class SamplerLayout:
+    """How the sampler lays out its reductions: the same results (tested), platform-specific speed.
+    The default is XLA's own ops in the [rows, vocab] layout; `for_platform` is the one place a
+    platform gets another, with the measurement that justifies it."""
+
+    vocab_major_greedy: bool = False   # plain-greedy steps take f32[V, S] logits (one column a row)
+    masked_argmax: bool = False        # argmax as the max, then the smallest index equal to it
+    integer_sort_keys: bool = False    # a full sort orders i32 keys with the floats' order
+
+    @classmethod
+    def for_platform(cls, platform: str) -> "SamplerLayout":
+        """XLA:CPU (a 2-core CPU, SmolLM2's 49152-token vocabulary, decode-sized S): a [V, S] LM head
+        and column reductions run about a third faster than [S, V]; its argmax is a two-operand
+        reduction it does not vectorise (7 ms over [49152, 64], the masked form 1 ms); its sort is ~8x
+        faster on integers than on floats, whose comparator must also order NaNs. A GPU runs the
+        default until the GPU check's `sampler` rows (benchmarks/gpu_check, both layouts) say otherwise."""
+        if platform == "cpu":
+            return cls(vocab_major_greedy=True, masked_argmax=True, integer_sort_keys=True)
+        return cls()
+
+    def argmax(self, x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+        """(the first index of each maximum along `axis` as i32, the maximum)."""
+        if self.masked_argmax:
+            return first_argmax(x, axis)
+        return jnp.argmax(x, axis=axis).astype(jnp.int32), jnp.max(x, axis=axis)
+
+    def sort_descending(self, logits: jax.Array) -> jax.Array:
+        """f32[S, V] with each row in descending order."""
+        if self.integer_sort_keys:
+            return _sort_descending(logits)
+        return -jax.lax.sort(-logits, dimension=1, is_stable=False)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingMetadata:
@@ -147,8 +181,7 @@ def _apply_penalties(logits, md):
 
 
 def _flip_negatives(bits):
-    """i32 bits of an f32 <-> an i32 with the float's order (its own inverse). XLA's CPU sort
-    is ~8x faster on integers than on floats, whose comparator must also order NaNs."""
+    """i32 bits of an f32 <-> an i32 with the float's order (its own inverse; SamplerLayout.integer_sort_keys)."""
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
@@ -178,7 +211,8 @@ def _cutoff(ordered, row_max, k, top_p, vocab, full_mass):
     return cutoff, decided
 
 
-def _apply_top_k_top_p(logits, top_k, top_p, active, num_candidates=NUM_CANDIDATES):
+def _apply_top_k_top_p(logits, top_k, top_p, active, num_candidates=NUM_CANDIDATES,
+                       layout: SamplerLayout = SamplerLayout()):
     """Mask everything below each row's cut-off value to -inf. The cut-off is looked for among
     the row's `num_candidates` largest values first (lax.top_k is ~10x cheaper than a full sort
     on CPU); only when some active row's cut-off lies beyond them is every row sorted."""
@@ -193,7 +227,7 @@ def _apply_top_k_top_p(logits, top_k, top_p, active, num_candidates=NUM_CANDIDAT
     cutoff = jax.lax.cond(
         jnp.all(decided | ~active),
         lambda: cutoff,
-        lambda: _cutoff(_sort_descending(logits), row_max, k, top_p, vocab, None)[0],
+        lambda: _cutoff(layout.sort_descending(logits), row_max, k, top_p, vocab, None)[0],
     )
     # Ties with the cut-off value are kept (vLLM keeps them for top_k, drops some for top_p).
     return jnp.where(logits < cutoff[:, None], -jnp.inf, logits)
@@ -206,8 +240,7 @@ def _row_gumbel(seed, step, vocab):
 
 def first_argmax(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
     """(jnp.argmax(x, axis) as i32, jnp.max(x, axis)): the first index of each maximum, found as the
-    smallest index equal to it. XLA:CPU's argmax is a two-operand reduction it does not vectorise (7 ms
-    over [49152, 64] on this CPU, against 1 ms for this); the barrier keeps XLA from fusing the max
+    smallest index equal to it (SamplerLayout.masked_argmax); the barrier keeps XLA from fusing the max
     into its consumers (recomputed there, it cost more than it saved). A NaN row gives its last index
     (argmax: the first NaN's)."""
     n = x.shape[axis]
@@ -218,7 +251,7 @@ def first_argmax(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
     return first, top
 
 
-def _random_sample(logits, md, truncation: bool = True):
+def _random_sample(logits, md, truncation: bool = True, layout: SamplerLayout = SamplerLayout()):
     """Gumbel-max draws of every row (greedy rows' are discarded by the caller). truncation False:
     no row has top-k or top-p (the caller knows), and their skip's conditional is left out."""
     is_greedy = md.temperature < GREEDY_EPS
@@ -231,13 +264,13 @@ def _random_sample(logits, md, truncation: bool = True):
         truncated = ~is_greedy & ((md.top_k > 0) | (md.top_p < 1.0))
         logits = jax.lax.cond(
             jnp.any(truncated),
-            lambda x: _apply_top_k_top_p(x, md.top_k, md.top_p, truncated),
+            lambda x: _apply_top_k_top_p(x, md.top_k, md.top_p, truncated, layout=layout),
             lambda x: x,
             logits,
         )
     # Gumbel-max: the noise of a row depends only on its (seed, step), never on the batch.
     noise = jax.vmap(_row_gumbel, in_axes=(0, 0, None))(md.seeds, md.steps, logits.shape[-1])
-    return first_argmax(logits + noise, -1)[0]
+    return layout.argmax(logits + noise, -1)[0]
 
 
 def uses_output_tokens(params) -> bool:
@@ -254,22 +287,21 @@ def is_plain_greedy(md: SamplingMetadata) -> jax.Array:
     return plain if md.ban_active is None else plain & ~jnp.any(md.ban_active)
 
 
-def greedy_from_transposed(logits_t: jax.Array, num_logprobs: int = 0,
-                           draft_tokens: jax.Array | None = None) -> SamplerOutput:
-    """The plain-greedy sampler on f32[V, S] logits (one column per row); top-K left as zeros.
-    A row's draft token (speculative decoding) is accepted when it is the argmax.
-
-    On CPU a [V, S] matmul and column reductions run about a third faster than the [S, V] layout
-    for decode-sized S. The argmax has rank 1; its logprob is max - logsumexp.
-    """
-    tokens, col_max = first_argmax(logits_t, 0)
-    lse = col_max + jnp.log(jnp.sum(jnp.exp(logits_t - col_max[None, :]), axis=0))
-    empty = jnp.zeros((logits_t.shape[1], num_logprobs), jnp.int32)
+def plain_greedy(logits: jax.Array, vocab_axis: int, num_logprobs: int = 0, draft_tokens: jax.Array | None = None,
+                 layout: SamplerLayout = SamplerLayout()) -> SamplerOutput:
+    """The plain-greedy sampler (is_plain_greedy) on f32 logits with the vocabulary on `vocab_axis`
+    ([S, V]: 1; [V, S], SamplerLayout.vocab_major_greedy: 0); top-K left as zeros. A row's draft
+    token (speculative decoding) is accepted when it is the argmax. The argmax has rank 1; its
+    logprob is max - logsumexp."""
+    tokens, top = layout.argmax(logits, vocab_axis)
+    lse = top + jnp.log(jnp.sum(jnp.exp(logits - jnp.expand_dims(top, vocab_axis)), axis=vocab_axis))
+    empty = jnp.zeros((tokens.shape[0], num_logprobs), jnp.int32)
     accepted = None if draft_tokens is None else tokens == draft_tokens
-    return SamplerOutput(tokens, col_max - lse, jnp.ones_like(tokens), empty, empty.astype(jnp.float32), accepted)
+    return SamplerOutput(tokens, top - lse, jnp.ones_like(tokens), empty, empty.astype(jnp.float32), accepted)
 
 
-def sample(logits: jax.Array, md: SamplingMetadata, branch_free: bool = False) -> SamplerOutput:
+def sample(logits: jax.Array, md: SamplingMetadata, branch_free: bool = False,
+           layout: SamplerLayout = SamplerLayout()) -> SamplerOutput:
     """Turn f32[S, V] logits into one token per row; pure, meant to run inside a jit.
 
     Speculative decoding (`md.draft_tokens`): a row verifies its draft token d by drawing its own
@@ -284,13 +316,14 @@ def sample(logits: jax.Array, md: SamplingMetadata, branch_free: bool = False) -
     top-p): every row-masked part runs, and the top-K logprobs are taken for every row."""
     logits = logits.astype(jnp.float32)
     processed = _apply_bias_and_penalties(logits, md, branch_free)
-    tokens = first_argmax(processed, -1)[0]
+    tokens = layout.argmax(processed, -1)[0]
     if not md.all_greedy:
         is_random = md.temperature >= GREEDY_EPS
         if branch_free:
-            random_tokens = _random_sample(processed, md, truncation=False)
+            random_tokens = _random_sample(processed, md, truncation=False, layout=layout)
         else:
-            random_tokens = jax.lax.cond(jnp.any(is_random), lambda: _random_sample(processed, md), lambda: tokens)
+            random_tokens = jax.lax.cond(jnp.any(is_random), lambda: _random_sample(processed, md, layout=layout),
+                                         lambda: tokens)
         tokens = jnp.where(is_random, random_tokens, tokens)
     accepted = None if md.draft_tokens is None else tokens == md.draft_tokens
     lp, ranks, topk_ids, topk_lp = token_logprobs(logits, tokens, md.num_logprobs,

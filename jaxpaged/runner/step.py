@@ -8,8 +8,8 @@ one forward per shape bucket and one sampler per sample-row count; the third run
 whose requests ask for prompt logprobs (one per step token count, compiled at start-up with the
 rest unless the runner is greedy_only). The split lets the host fill a structured-output bitmask
 while the forward runs (vLLM V1's execute_model / sample_tokens). Prompt logprobs are their own
-program on every platform: as a `lax.cond` inside the forward they were a fifth of its compile time,
-which an engine compiling its steps as they come (compile_on_startup=False) now spends only when asked.
+program on every platform: as a `lax.cond` inside the forward they would be a fifth of its compile
+time, which an engine compiling its steps as they come (compile_on_startup=False) spends only when asked.
 
 Branches: on a CPU the sampler skips the work a batch does not need with `lax.cond` (the
 plain-greedy fast path). XLA:GPU evaluates a conditional's predicate on the host, which waits for
@@ -37,7 +37,7 @@ from jaxpaged.parallel import POOL_SPEC, ShardPlan
 from jaxpaged.runner.persistent_batch import (SlotState, StepLayout, apply_step_updates, attention_metadata,
                                               count_sampled, emitted_rows, forward_batch_arrays,
                                               sampling_metadata)
-from jaxpaged.runner.sampler import greedy_from_transposed, is_plain_greedy, sample, token_logprobs
+from jaxpaged.runner.sampler import SamplerLayout, is_plain_greedy, plain_greedy, sample, token_logprobs
 
 
 def _pack(*arrays: jax.Array) -> jax.Array:
@@ -110,6 +110,7 @@ class SampleStatics:
     max_rows: int            # the next step's in-flight tokens: i32[max_rows]
     plan: ShardPlan
     kind: str | None = None  # one of SAMPLER_KINDS, picked by the host; None: lax.cond picks the greedy path
+    layout: SamplerLayout = SamplerLayout()   # the platform's (SamplerLayout.for_platform)
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2, 3))
@@ -164,17 +165,21 @@ def sample_fn(statics: SampleStatics, state, slots: SlotState, rows: SampleRows,
                             jnp.arange(S, dtype=jnp.int32) - rows.first)
     # decode buckets are at most half padding; a prompt step's many padding rows skip the matmul
     num_rows = jnp.sum(rows.row_slots != slots.params.shape[0] - 1) if statics.skip_padding else None
-    def plain_greedy(h):   # the common decode case, in the CPU-friendly layout
-        return greedy_from_transposed(_row_logits(model.compute_logits_transposed, h, num_rows, 1), K,
-                                      smd.draft_tokens)
+    layout = statics.layout
+
+    def greedy(h):   # the common decode case
+        if layout.vocab_major_greedy:
+            return plain_greedy(_row_logits(model.compute_logits_transposed, h, num_rows, 1), 0, K,
+                                smd.draft_tokens, layout)
+        return plain_greedy(_row_logits(model.compute_logits, h, num_rows, 0), 1, K, smd.draft_tokens, layout)
 
     def general(h, branch_free=False):
-        return sample(_row_logits(model.compute_logits, h, num_rows, 0), smd, branch_free)
+        return sample(_row_logits(model.compute_logits, h, num_rows, 0), smd, branch_free, layout)
 
     if statics.kind is None:
-        out = jax.lax.cond(is_plain_greedy(smd), plain_greedy, general, rows.hidden)
+        out = jax.lax.cond(is_plain_greedy(smd), greedy, general, rows.hidden)
     elif statics.kind == "greedy":
-        out = plain_greedy(rows.hidden)
+        out = greedy(rows.hidden)
     else:
         out = general(rows.hidden, branch_free=statics.kind == "untruncated")
     emitted = emitted_rows(rows.drafts, out.accepted, rows.first)

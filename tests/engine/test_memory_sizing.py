@@ -209,8 +209,8 @@ def test_engine_started_after_jax_sizes_to_the_pool_and_warns(fake_gpu, monkeypa
 
 def test_start_up_compiles_before_the_pool_takes_its_memory(fake_gpu, monkeypatch):
     """XLA's GPU autotuner times each matmul on copies of its operands while it compiles: with the
-    pool (the whole memory budget) already allocated, the first H200 start-up ran out of memory at
-    its first step variant. Every start-up compilation runs with no pool on the device; the pool
+    pool (the whole memory budget) already allocated, an H200 start-up runs out of memory at its
+    first step variant. Every start-up compilation runs with no pool on the device; the pool
     is there when LLM() returns."""
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
     total, in_use = 96 * MiB, 16 * MiB

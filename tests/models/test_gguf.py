@@ -300,7 +300,7 @@ def test_llama3_rope_freqs_match_transformers_beyond_the_original_context(llama3
     np.testing.assert_allclose(greedy_logprobs, expected[len(prompt) - 1:], atol=1e-4)
     np.testing.assert_allclose(prompt_logprobs[long_positions], expected[long_positions], atol=1e-4)
 
-    # Dropping the factors (the loader's old behaviour) is far outside that tolerance.
+    # Dropping the factors (a loader that ignores them) is far outside that tolerance.
     _, ignored = run(without_factors)
     assert np.abs(ignored[long_positions] - expected[long_positions]).max() > 0.1
 

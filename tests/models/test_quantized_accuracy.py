@@ -1,4 +1,4 @@
-"""#16's accuracy goals on the built-in model's real weights, measured as the issue defines them: the
+"""The quantization modes' accuracy goals on the built-in model's real weights, measured as the
 perplexity of the whole shipped English text (`python -m benchmarks.quantization` adds top-1
 agreement, memory, speed and every other mode). Over fp32: int8 within +1%, fp8 within +2%, the fp8
 KV cache (calibrated scales) within +1%; and the chat answer names Paris in each. (GGUF's blocks kept
@@ -18,8 +18,8 @@ GOALS = {"int8": 0.01, "fp8": 0.02, "fp8-kv-calibrated": 0.01}
 def measured(name: str) -> tuple[float, str]:
     # One window a step and few sequences: each engine compiles the steps of one window and of the chat
     # answer, not the buckets of up to 2048 tokens and many sequences the defaults would pick; the text's
-    # perplexity is the same (fp32, int8, fp8 to the last digit; the calibrated fp8 KV 26.22 -> 26.24, its
-    # scales now taken from one window's first step, not two), the four engines' time 94 -> 77 s on a core.
+    # perplexity is the same (fp32, int8, fp8 to the last digit; the calibrated fp8 KV 26.24 against 26.22,
+    # its scales taken from one window's first step, not two), the four engines' time 77 s of a core against 94 s.
     llm = bench.make_llm(bench.MODES[name], compile_on_startup=False, max_model_len=1100,
                          max_num_batched_tokens=bench.WINDOW, max_num_seqs=2, optimization_level=BUILTIN_LEVEL)
     return bench.perplexity(llm, bench.text_tokens(llm)), bench.chat_answer(llm)

@@ -17,7 +17,7 @@ SHARDED = ("wqkv", "wo", "w_gate_up", "w_down", "embed", "lm_head", "bqkv", "b_g
            "w_experts_gate_up", "w_experts_down")   # experts: expert parallelism
 
 # arch, config overrides, layouts (tp, dp): MHA, GQA with q/k/v bias, MQA with q/k norm
-# every layout of #13 for llama; the tensor-parallel ones for the others (data parallelism runs
+# every layout for llama; the tensor-parallel ones for the others (data parallelism runs
 # whole replicas, whatever the architecture); then the layouts a `jaxpaged convert` folder is
 # restored into, and those run with the Pallas kernel (interpret mode on CPU) under shard_map
 LAYOUTS = [[1, 1], [2, 1], [4, 1], [1, 2], [2, 2]]

@@ -30,8 +30,8 @@ def test_every_layout_gives_the_single_device_tokens_and_logprobs(results):
     config, runs = results
     base = runs["1x1"]
     # An fp8 KV pool rounds each K/V value to 3 mantissa bits: a last-bit difference in a sharded
-    # projection's sum can land one value on the next fp8 step (~6% of it). On the machine of
-    # 2026-12-04 that moved 2 of 112 logprobs by 1.8e-4 (at every commit tried); a layout bug moves
+    # projection's sum can land one value on the next fp8 step (~6% of it). That moves 2 of 112
+    # logprobs by 1.8e-4 (measured 2026-12-04, the same at every commit tried); a layout bug moves
     # tokens, or logprobs by far more.
     atol = 1e-3 if config.get("kv_cache_dtype") == "fp8" else 1e-4
     for layout, result in runs.items():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxpaged.runner.sampler import _apply_top_k_top_p, sample, token_logprobs
+from jaxpaged.runner.sampler import SamplerLayout, _apply_top_k_top_p, sample, token_logprobs
 from tests.runner.sampler_helpers import build_sampling_metadata
 
 V = 16
@@ -267,20 +267,45 @@ def test_build_sampling_metadata_rejects_bad_input(call, name):
         call()
 
 
-def test_greedy_on_transposed_logits_equals_the_general_sampler():
+@pytest.mark.parametrize("layout", [SamplerLayout(), SamplerLayout.for_platform("cpu")], ids=["default", "cpu"])
+def test_plain_greedy_equals_the_general_sampler_in_either_layout(layout):
     from types import SimpleNamespace
 
-    from jaxpaged.runner.sampler import greedy_from_transposed, is_plain_greedy
+    from jaxpaged.runner.sampler import is_plain_greedy, plain_greedy
 
     g = SimpleNamespace(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, presence_penalty=0.0,
                         frequency_penalty=0.0, repetition_penalty=1.0, logit_bias=None, logprobs=None)
     logits = jax.random.normal(jax.random.key(3), (5, 40)) * 4
     md = build_sampling_metadata([g] * 5, [0] * 5, [0] * 5, [[]] * 5, [[]] * 5, [None] * 5, 40, 5)
     assert is_plain_greedy(md)
-    fast, ref = greedy_from_transposed(logits.T), sample(logits, md)
-    np.testing.assert_array_equal(np.asarray(fast.token_ids), np.asarray(ref.token_ids))
-    np.testing.assert_allclose(np.asarray(fast.logprobs), np.asarray(ref.logprobs), atol=1e-5)
-    np.testing.assert_array_equal(np.asarray(fast.ranks), np.asarray(ref.ranks))
+    ref = sample(logits, md)
+    for fast in (plain_greedy(logits.T, 0, layout=layout), plain_greedy(logits, 1, layout=layout)):
+        np.testing.assert_array_equal(np.asarray(fast.token_ids), np.asarray(ref.token_ids))
+        np.testing.assert_allclose(np.asarray(fast.logprobs), np.asarray(ref.logprobs), atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(fast.ranks), np.asarray(ref.ranks))
+
+
+def test_the_cpu_layout_samples_what_the_default_samples():
+    """Seeded top-k / top-p draws past the candidates (a full sort), ties and greedy rows: the same tokens
+    and logprobs whichever SamplerLayout (argmax form, sort keys) runs them."""
+    from types import SimpleNamespace
+
+    def params(**kw):
+        base = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, presence_penalty=0.0, frequency_penalty=0.0,
+                    repetition_penalty=1.0, logit_bias=None, logprobs=3)
+        return SimpleNamespace(**{**base, **kw})
+
+    rows = [params(temperature=0.0), params(top_k=1500), params(top_p=0.999), params(top_k=3, top_p=0.5),
+            params()]
+    vocab = 2048
+    logits = jax.random.normal(jax.random.key(9), (len(rows), vocab)) * 3
+    logits = logits.at[0, [11, 900]].set(50.0)   # a tie: the first index wins
+    md = build_sampling_metadata(rows, [1, 2, 3, 4, 5], [0] * 5, [[]] * 5, [[]] * 5, [None] * 5, vocab, 5)
+    ref = sample(logits, md, layout=SamplerLayout())
+    cpu = sample(logits, md, layout=SamplerLayout.for_platform("cpu"))
+    assert int(ref.token_ids[0]) == 11
+    for name in ("token_ids", "logprobs", "ranks", "topk_ids", "topk_logprobs"):
+        np.testing.assert_array_equal(np.asarray(getattr(ref, name)), np.asarray(getattr(cpu, name)), err_msg=name)
 
 
 def test_first_argmax_is_argmax_with_ties_and_masked_rows():

@@ -86,6 +86,8 @@ def test_kernel_rows_pass_and_timings_are_measured(dry_run):
     matmuls = [r for r in rows if r.part == "qmatmul"]   # W8A16 and W4A16 at each row count, against bf16
     assert len(matmuls) == 2 * len(DRY.qmm_rows) and all(r.status == "ok" for r in matmuls), matmuls
     assert all(r.metrics["bf16 ms"] > 0 and r.metrics["max diff vs dequant"] < 0.05 for r in matmuls)
+    layouts = [r for r in rows if r.part == "sampler"]   # both sampler layouts timed, the same greedy tokens
+    assert len(layouts) == 2 * len(DRY.sampler_rows) and all(r.status == "ok" for r in layouts), layouts
 
 
 def test_step_rows_report_start_up_no_compiles_after_it_and_decode_time_against_the_floor(dry_run):

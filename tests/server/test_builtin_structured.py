@@ -1,4 +1,4 @@
-"""#14's "valid by construction" over HTTP on the built-in model (real weights) at temperature 1.0,
+"""Structured outputs "valid by construction" over HTTP on the built-in model (real weights) at temperature 1.0,
 with the official client: response_format JSON schemas, tool_choice "required" (parallel calls
 allowed) and a named function; every output valid, every choice closed."""
 
