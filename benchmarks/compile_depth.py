@@ -1,4 +1,4 @@
-"""Compile time of one step variant against model depth, for each layer loop (#12 item 3).
+"""Compile time of one step variant against model depth, for each layer loop.
 
 The built-in model's width (SmolLM2-135M: hidden 576, 9/3 heads, vocab 49152) at 30 and 60
 layers, zero weights (compile time does not depend on their values), the layers scanned

@@ -1,5 +1,5 @@
 """Step time of a mixture-of-experts model: experts run on their routed tokens only, against every
-expert on every token (#19 item 2).
+expert on every token.
 
 A Mixtral-shaped model with random weights (8 experts, hidden 512, expert intermediate 1024,
 4 layers, 8 query / 4 KV heads, vocab 4096, fp32), one forward step timed (median of repeats,
@@ -57,7 +57,8 @@ def _forward(cfg, impl: str, seed: int = 0):
 def _batches(cfg, block_size: int = 16):
     import numpy as np
 
-    from jaxpaged.runner.batch_builder import PREFILL_Q_TILE, BatchShape, SeqChunk, build_forward_batch
+    from jaxpaged.runner.batch_builder import PREFILL_Q_TILE, BatchShape, SeqChunk
+    from tests.forward_batch import build_forward_batch
 
     rng = np.random.default_rng(1)
     decode = [SeqChunk([int(rng.integers(3, cfg.vocab_size))], 100, list(range(1 + 8 * i, 9 + 8 * i)),

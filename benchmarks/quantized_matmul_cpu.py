@@ -1,4 +1,4 @@
-"""Why the quantized weight format is hand-written: one decode-shaped matmul per approach on this CPU.
+"""Why the quantized weight format is hand-written: one decode-shaped matmul per approach on a CPU.
 
     pip install qwix && python -m benchmarks.quantized_matmul_cpu
 

@@ -60,6 +60,6 @@ def smollm2_ours():
 def smollm2_hf_on_our_tensors():
     """transformers' float32 Llama on our `load_gguf` tensors (~3 s, against ~13 s for smollm2_hf_model);
     test_gguf proves them transformers' own, tensor by tensor."""
-    from jaxpaged.models.gguf_loader import load_gguf_as_transformers
+    from jaxpaged.benchmarks.throughput import load_gguf_as_transformers
 
     return load_gguf_as_transformers(smollm2_path())

@@ -116,7 +116,7 @@ DRY = Sizes(
                num_key_value_heads=2, vocab_size=512, max_position_embeddings=256, bos_token_id=1, eos_token_id=2),
     engine_prompts=3, engine_prompt_len=(4, 12), engine_max_tokens=5, engine_agree_tokens=4,
     engine_max_model_len=64, engine_batched_tokens=16,
-    # 2 step variants instead of the defaults' 35: this CPU compiles each for ~10 s
+    # 2 step variants instead of the defaults' 35: a 2-core CPU compiles each for ~10 s
     step_engine_args=dict(max_num_seqs=4, max_num_batched_tokens=16), step_workload_lens=(1, 5, 17, 40, 70),
     step_workload_tokens=6, step_decode_seqs=(1, 2, 4), step_prompt_len=8, step_max_tokens=(4, 20),
     qmm_rows=(1, 5), qmm_shape=(64, 128), sampler_rows=(4,), sampler_shape=(64, 512),

@@ -80,10 +80,10 @@ def select_jax_triton(ctx: Context, limit_s: float) -> list[Row]:
 
 
 PROBE = Part("jax-triton:probe", system.jax_triton_probe, 90)
-# Estimated seconds on the H200 (no GPU run yet), against the 450 s budget: jax-triton ~20 (two
+# Estimated seconds on an H200, against the 450 s budget: jax-triton ~20 (two
 # probes), env ~10, kernels ~60, copy ~5, swap ~10, attention ~40, checkpoint ~30, step ~150 (a cold
 # start-up compiling 15 variants, see step.py), engine:* ~30 each (a few shapes compiled as they
-# come, 64 x 128 tokens): about 420 s. The step part (issue #12) runs before the per-backend engine
+# come, 64 x 128 tokens): about 420 s. The step part runs before the per-backend engine
 # parts: if the budget runs short, the last of those is skipped, not the start-up measurement.
 PARTS = (
     Part("jax-triton", select_jax_triton, 150, in_driver=True),
@@ -100,7 +100,7 @@ PARTS = (
     Part("engine:triton", functools.partial(engine.engine_run, backend="triton"), 90),
     Part("engine:reference", functools.partial(engine.engine_run, backend="reference"), 90),
     Part("engine:agreement", lambda ctx, limit_s: engine.engine_agreement(ctx), 10, in_driver=True),
-    Part("spec", engine.speculative_step_cost, 150),   # issue #17: last, skipped first when time runs short
+    Part("spec", engine.speculative_step_cost, 150),   # last: skipped first when time runs short
 )
 _CHILD_PARTS = {p.name: p for p in (*PARTS, PROBE) if not p.in_driver}
 

@@ -30,7 +30,7 @@ def random_checkpoint(ctx: Context) -> Iterator[Row]:
     torch.manual_seed(0)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(getattr(torch, CHECKPOINT_DTYPE))   # half the memory and time of an fp32 model
-    try:   # built on the GPU where there is one: its random init took 55 s of the H200 machine's CPU
+    try:   # built on the GPU where there is one: its random init takes ~55 s of an H200 machine's CPU
         with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
             model = transformers.Qwen2ForCausalLM(config).eval()
     finally:
@@ -137,11 +137,11 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def speculative_step_cost(ctx: Context) -> Iterator[Row]:
-    """Issue #17's premise on the GPU: a step verifying k drafts per sequence costs little more than a
+    """Speculative decoding's premise on the GPU: a step verifying k drafts per sequence costs little more than a
     decode step. The engine without and with speculative_config (k = 4, a proposer that always drafts
-    k tokens, so every decode step verifies), each compiling its steps at start-up (the default: the
-    first H200 run compiled lazily and timed the compilations of shapes its warm-up had not taken,
-    360 ms a verifying step); ms per step after an untimed warm-up; compilations while timed must be 0."""
+    k tokens, so every decode step verifies), each compiling its steps at start-up (the default: compiled
+    lazily, the timing would include the compilations of shapes a warm-up had not taken: 360 ms a
+    verifying step on an H200); ms per step after an untimed warm-up; compilations while timed must be 0."""
     from jaxpaged import LLM, SamplingParams
     from benchmarks.gpu_check.step import compilations
     from jaxpaged.benchmarks.throughput import StepClock

@@ -1,4 +1,4 @@
-"""The step part (issue #12): start-up with the default engine arguments, nothing compiled after
+"""The step part: start-up with the default engine arguments, nothing compiled after
 it, and the decode step's time against the bytes it has to read.
 
     start-up        LLM(model) with default arguments and a cold compilation cache: seconds,
@@ -55,9 +55,9 @@ def compilations():
 def step_check(ctx: Context) -> Iterator[Row]:
     """Start-up, compilations after it, decode step time vs the bytes floor (rows as each is known).
 
-    Estimated on the H200 (no GPU run yet): imports ~10 s; start-up 90-120 s (the KV sizing
+    Estimated on an H200: imports ~10 s; start-up 90-120 s (the KV sizing
     compiles the largest bucket, `auto` times pallas against triton, then 15 step variants compile
-    on one thread per core, each with XLA's gemm autotuning; on this 2-core CPU a tiny model's step
+    on one thread per core, each with XLA's gemm autotuning; on a 2-core CPU a tiny model's step
     compiles for ~10 s); the mixed workload twice ~5 s; decode runs ~10 s (three generates per N,
     the longest 256 x 80 tokens at a few ms per step). About 150 s of the part's 200 s limit.
     """
@@ -92,7 +92,7 @@ def step_check(ctx: Context) -> Iterator[Row]:
         yield guarded("step", f"decode {num_seqs} seqs", functools.partial(
             _decode_row, llm, sizes, num_seqs, weight_bytes, copy[0] if copy else None))
     tp = _tensor_parallel_size(llm)
-    if tp > 1:   # the tensor-parallel path (#13), on more than one GPU
+    if tp > 1:   # the tensor-parallel path, on more than one GPU
         import gc
 
         import jax
@@ -122,7 +122,7 @@ def _allocator_stats() -> dict:
 
 
 def _memory_row(case: str, stats: dict | None = None) -> Row:
-    """The GPU allocator's statistics: the first H200 run's first step ran out of memory with the
+    """The GPU allocator's statistics: on an H200 the first step can run out of memory with the
     pool sized to leave the analysed step reserve free (engine/memory.py); these say where it went."""
     stats = _allocator_stats() if stats is None else stats
     if not stats:
@@ -178,7 +178,7 @@ def _workload_prompts(rng, lengths, vocab_size: int) -> list[dict]:
 
 
 def _workload_row(llm, sizes: Sizes) -> Row:
-    """Every sampling feature of issue #12's list over prompts of many lengths, twice (the second
+    """Every sampling feature over prompts of many lengths, twice (the second
     time the prompts come from the prefix cache, so the steps take other shapes), counting XLA
     compilations."""
     from jaxpaged import SamplingParams

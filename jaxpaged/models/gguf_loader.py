@@ -239,23 +239,6 @@ def _tokenizer_cache_dir(path: str) -> str:
                         f"{os.path.basename(path)}-{stat.st_size}-{stat.st_mtime_ns}-v2")
 
 
-def load_gguf_as_transformers(path: str, dtype: str = "float32"):
-    """transformers' own model class on this file's de-quantized tensors (`load_gguf`'s): the model
-    `AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)` builds, in ~3 s against ~13 s for the
-    built-in model on a CPU (transformers' GGUF reader parses the tokenizer's string arrays, twice).
-    tests/models/test_gguf compares these tensors and config with transformers' own. Needs torch."""
-    import torch
-
-    config, tensors = load_gguf(path)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    missing, unexpected = model.load_state_dict({name: torch.from_numpy(t) for name, t in tensors.items()},
-                                                strict=False)
-    if unexpected or not set(missing) <= {"lm_head.weight"}:   # a tied LM head is the embedding itself
-        raise ValueError(f"{path!r}: tensors transformers' {type(model).__name__} does not take: "
-                         f"missing={missing}, unexpected={unexpected}")
-    return model.eval()
-
-
 def load_gguf_tokenizer(path: str):
     """Return the tokenizer of a GGUF file (chat template included), built without torch.
 

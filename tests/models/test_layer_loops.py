@@ -15,7 +15,8 @@ from jaxpaged.cli import add_engine_args, engine_kwargs
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.models.llama import layer_weight_shapes
 from jaxpaged.models.loader import load_model, resolve_scan_layers
-from jaxpaged.runner.batch_builder import BatchShape, SeqChunk, build_forward_batch, choose_shape
+from jaxpaged.runner.batch_builder import BatchShape, SeqChunk, choose_shape
+from tests.forward_batch import build_forward_batch
 from jaxpaged.kernels import kv_pool_shape
 from tests.tiny_models import ARCHITECTURES, hf_logits, tiny_checkpoint
 

@@ -9,7 +9,8 @@ import pytest
 from flax import nnx
 
 from jaxpaged.models.loader import load_model
-from jaxpaged.runner.batch_builder import BatchShape, SeqChunk, build_forward_batch, choose_shape
+from jaxpaged.runner.batch_builder import BatchShape, SeqChunk, choose_shape
+from tests.forward_batch import build_forward_batch
 from jaxpaged.kernels import kv_pool_shape
 from tests.tiny_models import ARCHITECTURES, FAMILIES, hf_logits, tiny_checkpoint
 

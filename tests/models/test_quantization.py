@@ -43,7 +43,8 @@ def dequantized_checkpoint(arch: str, mode: str) -> str:
 def forward_logits(path: str, tokens: list[int], quantized_matmul: str = "auto", **load_kwargs) -> np.ndarray:
     from flax import nnx
 
-    from jaxpaged.runner.batch_builder import SeqChunk, build_forward_batch
+    from jaxpaged.runner.batch_builder import SeqChunk
+    from tests.forward_batch import build_forward_batch
 
     loaded = load_model(path, dtype="float32", **load_kwargs)
     loaded.model.quantized_matmul = quantized_matmul

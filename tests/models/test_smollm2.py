@@ -10,7 +10,8 @@ from flax import nnx
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.models.loader import load_model
-from jaxpaged.runner.batch_builder import BatchShape, SeqChunk, build_forward_batch
+from jaxpaged.runner.batch_builder import BatchShape, SeqChunk
+from tests.forward_batch import build_forward_batch
 from jaxpaged.kernels import kv_pool_shape
 from tests.fixtures_smollm2 import (BUILTIN_LEVEL, QUICKSTART_SHAPE, smollm2_hf_on_our_tensors, smollm2_path,
                                     smollm2_tokenizer)

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from jaxpaged.runner.batch_builder import BatchShape, SeqChunk, build_forward_batch, choose_shape
+from jaxpaged.runner.batch_builder import BatchShape, SeqChunk, choose_shape
+from tests.forward_batch import build_forward_batch
 
 
 def _batch(chunks, shape=None):

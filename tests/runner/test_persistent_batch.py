@@ -12,7 +12,8 @@ import pytest
 
 from jaxpaged.core.request import Request
 from jaxpaged.runner import persistent_batch as pb
-from jaxpaged.runner.batch_builder import SeqChunk, build_forward_batch, choose_shape
+from jaxpaged.runner.batch_builder import SeqChunk, choose_shape
+from tests.forward_batch import build_forward_batch
 from jaxpaged.runner.sampler import sample
 from jaxpaged.sampling_params import SamplingParams
 from tests.runner.sampler_helpers import build_sampling_metadata
