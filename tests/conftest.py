@@ -106,9 +106,10 @@ def pytest_collection_finish(session):
 # runs ahead of the compile threads, and nearly every fusion gets a new context (perf probes: 68 of 74). So
 # each test process starts XLA's compile threads at its own priority (they start with its first compile), then
 # puts its test thread at a low one: XLA's threads then run whenever they have work and hand their contexts back.
-# test_llama_family + test_llm_generate + test_beam_search on one core (-n 0), alternated: 77.5 and 73.3 s ->
-# 52.5 and 50.6 s (measured with engine start-up's threads yielding too). This is the suite's
-# concern only: the product's threads keep the priority their caller gives them.
+# `taskset -c 0 pytest -q -n 0 tests/models/test_llama_family.py tests/engine/test_llm_generate.py
+# tests/engine/test_beam_search.py` with this (start-up's threads inherit the test thread's 18) against
+# TEST_THREAD_NICE = 0, alternated (2026-12-06): 62.3 and 58.1 s against 83.9 and 83.9 s. This is the
+# suite's concern only: the product's threads keep the priority their caller gives them.
 TEST_THREAD_NICE = 18
 
 
