@@ -4,7 +4,7 @@ from pydantic.json_schema import models_json_schema
 
 import jaxpaged
 from jaxpaged.server.openai_types import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-                                 CompletionRequest, CompletionResponse, ErrorResponse, ModelList)
+                                          CompletionRequest, CompletionResponse, ErrorResponse, ModelList)
 
 _REF = "#/components/schemas/{model}"
 

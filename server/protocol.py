@@ -18,8 +18,8 @@ from pydantic import BaseModel, ValidationError
 from jaxpaged.outputs import Logprob
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.server.openai_types import (_UNSUPPORTED, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-                                 CompletionRequest, CompletionResponse, ErrorInfo, ErrorResponse, Message,
-                                 NamedToolChoice, Tool, _Request)
+                                          CompletionRequest, CompletionResponse, ErrorInfo, ErrorResponse, Message,
+                                          NamedToolChoice, Tool, _Request)
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jaxpaged.benchmarks.serve_processes import (Subprocess, export_transformers_folder, free_port, jaxpaged_command,
-                                           load_tokenizer, served_model, transformers_command)
+                                                 load_tokenizer, served_model, transformers_command)
 from jaxpaged.benchmarks.throughput import StepClock, make_workload
 
 OUTPUT_CAPS = {1: 64, 16: 64, 64: 64, 256: 16}   # streams -> max output tokens (256: short, to stay affordable)

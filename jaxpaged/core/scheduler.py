@@ -300,10 +300,11 @@ class Scheduler:
         token more than it verifies)."""
         if not request.spec_token_ids or num_new != 1 or request.num_placeholders:
             return 0
-        # drafts stop where a LongRoPE sequence outgrows its factors: past it, all is recomputed
-        rope_room = self.kv_cache.rope_switch_len - request.num_tokens if \
-            self.kv_cache.outgrows_rope(request.rope_len, self.config.max_model_len) else len(request.spec_token_ids)
-        return max(0, min(len(request.spec_token_ids), budget - 1, rope_room,
+        num_drafts = len(request.spec_token_ids)
+        if self.kv_cache.outgrows_rope(request.rope_len, request.num_tokens + num_drafts):
+            # drafts stop where a LongRoPE sequence outgrows its factors: past it, all is recomputed
+            num_drafts = self.kv_cache.rope_switch_len - request.num_tokens
+        return max(0, min(num_drafts, budget - 1,
                           self.config.max_model_len - request.num_tokens - 1,
                           request.max_tokens - request.num_output_tokens - 1))
 

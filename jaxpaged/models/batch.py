@@ -21,8 +21,8 @@ class ForwardBatch:
     slot_mapping: jax.Array    # i32[num_tokens]  pool slot (block_id * block_size + offset) or -1
     logits_indices: jax.Array  # i32[num_logits]  which tokens to return logits for
     attn: AttentionMetadata
-    lora_index: jax.Array | None = None   # i32[num_tokens]  each token's LoRA slot (-1: base model); None: no LoRA
     # i32[num_tokens]  the sequence length a length-dependent rope (dynamic NTK, LongRoPE) is chosen for at
     # each token: max(the length its sequence had when its K/V began, the token's kv length), so that a
-    # prompt's chunks all use what one forward of the whole prompt would; None: each token's kv length
-    rope_lens: jax.Array | None = None
+    # prompt's chunks all use what one forward of the whole prompt would
+    rope_lens: jax.Array
+    lora_index: jax.Array | None = None   # i32[num_tokens]  each token's LoRA slot (-1: base model); None: no LoRA

@@ -234,16 +234,11 @@ class LlamaFamilyForCausalLM(nnx.Module):
 
     def hidden_states(self, kv_pool: jax.Array, batch: ForwardBatch) -> tuple[jax.Array, jax.Array]:
         cfg = self.config
-        md = batch.attn
         hidden = embedding_lookup(self.embed.get_value(), batch.input_ids, self.dtype)
         if cfg.embed_scale != 1.0:
             hidden = hidden * jnp.asarray(cfg.embed_scale, hidden.dtype)
-        seq_lens = batch.rope_lens
-        if cfg.rope_type in ("dynamic", "longrope") and seq_lens is None:
-            token_seq = jnp.searchsorted(md.cu_q_lens[1:], jnp.arange(batch.input_ids.shape[0]), side="right")
-            seq_lens = md.kv_lens[jnp.clip(token_seq, 0, md.kv_lens.shape[0] - 1)]
-        rope = rotary_cos_sin(cfg, batch.positions, seq_lens)
-        local_rope = rotary_cos_sin(cfg, batch.positions, seq_lens, local=True) if cfg.local_rope_theta else rope
+        rope = rotary_cos_sin(cfg, batch.positions, batch.rope_lens)
+        local_rope = rotary_cos_sin(cfg, batch.positions, batch.rope_lens, local=True) if cfg.local_rope_theta else rope
         lora = None if self.lora is None else {k: v.get_value() for k, v in self.lora.items()}
         onehot = None
         if lora is not None:

@@ -21,9 +21,9 @@ the logits are `linear(hidden, embed)` and a lookup de-quantizes the gathered co
 
 Only the matmul weights of the layers are quantized by `quantization=`; the embedding, the LM head
 and the norms stay in the model dtype, as vLLM does. This module chose a small hand-written format
-over qwix's `QArray` (docs/results.md, "Why a hand-written format rather than qwix", has the measurements): qwix requires
-an integer zero point of the values' dtype, so Q4_1's float minimums cannot be held exactly, and
-its int4 values take one byte each in the live arrays.
+over qwix's `QArray` (docs/results.md, "Why a hand-written format rather than qwix", has the
+measurements): qwix requires an integer zero point of the values' dtype, so Q4_1's float minimums
+cannot be held exactly, and its int4 values take one byte each in the live arrays.
 """
 
 import dataclasses

@@ -70,7 +70,7 @@ class _Pending:
     lp_rows: list[tuple[str, int, int, int]]          # (request_id, first flat token, count, start position)
     num_logprobs: int
     sampler_kind: str | None = None                   # the sampler the host picked (None: the step's cond picks)
-    packed: jax.Array | None = None                   # f32[S * (4 + 2K)]: one row per sample row (step_results.py; once sampled)
+    packed: jax.Array | None = None                   # f32[S * (4 + 2K)], a row per sample row (step_results.py)
     tokens: jax.Array | None = None                   # i32[MAX_ROWS]: sampled tokens, for the next step
 
     @property

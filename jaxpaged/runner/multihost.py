@@ -108,7 +108,9 @@ class StepChannel:
     def receive(self) -> tuple[int, tuple[int, ...], np.ndarray]:
         header = self._broadcast(np.zeros(HEADER_SIZE, np.int32))
         size = int(header[-1])
-        payload = self._broadcast(np.zeros(next_bucket(size, PAYLOAD_FLOOR), np.int32))[:size] if size else np.zeros(0, np.int32)
+        payload = np.zeros(0, np.int32)
+        if size:
+            payload = self._broadcast(np.zeros(next_bucket(size, PAYLOAD_FLOOR), np.int32))[:size]
         return int(header[0]), tuple(int(x) for x in header[1:-1]), payload
 
 

@@ -330,12 +330,11 @@ class StepLayout:
         return out
 
 
-def forward_batch_arrays(fields: dict, block_tables: jax.Array, block_size: int, params: jax.Array | None = None):
+def forward_batch_arrays(fields: dict, block_tables: jax.Array, block_size: int, params: jax.Array):
     """Traced: positions, slot mapping and attention metadata from the packed per-sequence
-    fields and the persistent block tables (and `params`, the slots' parameter rows). Returns
-    (positions, slot_mapping, kv_lens, tables, lora_index, rope_lens): lora_index, each token's
-    LoRA slot (-1: the base model; padding tokens too); rope_lens, ForwardBatch.rope_lens (None
-    without `params`)."""
+    fields and the persistent block tables and parameter rows. Returns (positions, slot_mapping,
+    kv_lens, tables, lora_index, rope_lens): lora_index, each token's LoRA slot (-1: the base model;
+    padding tokens too); rope_lens, ForwardBatch.rope_lens."""
     cu = fields["cu_q_lens"]
     start = fields["start_pos"]
     S = start.shape[0]
@@ -351,9 +350,7 @@ def forward_batch_arrays(fields: dict, block_tables: jax.Array, block_size: int,
     block = tables[seq, positions // block_size]
     slot_mapping = jnp.where(valid, block * block_size + positions % block_size, -1)
     lora_index = jnp.where(valid, fields["seq_lora"][seq], -1)
-    rope_lens = None
-    if params is not None:
-        rope_lens = jnp.maximum(params[fields["seq_slots"], P_ROPE_LEN], kv_lens)[seq]
+    rope_lens = jnp.maximum(params[fields["seq_slots"], P_ROPE_LEN], kv_lens)[seq]
     return positions, slot_mapping, kv_lens, tables, lora_index, rope_lens
 
 

@@ -132,8 +132,8 @@ def forward_fn(statics: StepStatics, state, kv_pool, slots: SlotState, buffer, p
     input_ids = f["input_ids"].at[f["prev_index"]].set(prev_tokens[f["prev_source"]], mode="drop")
     batch = ForwardBatch(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
                          logits_indices=f["logits_indices"],
-                         attn=attention_metadata(kv_lens, tables, f["cu_q_lens"], statics.q_tile), lora_index=lora_index,
-                         rope_lens=rope_lens)
+                         attn=attention_metadata(kv_lens, tables, f["cu_q_lens"], statics.q_tile),
+                         rope_lens=rope_lens, lora_index=lora_index)
     model = nnx.merge(statics.graphdef, state)
     kv_pool, hidden = model.hidden_states(kv_pool, batch)
     rows = SampleRows(hidden[batch.logits_indices], f["row_slots"], f["count_slots"], f["row_draft"],

@@ -24,7 +24,8 @@ BS, MAX_BLOCKS, SLOTS, V = 4, 8, 6, 50
 @jax.jit
 def _device_batch(state, updates, fields):
     state = pb.apply_step_updates(state, updates)
-    positions, slot_mapping, kv_lens, tables, *_ = pb.forward_batch_arrays(fields, state.block_tables, BS)
+    positions, slot_mapping, kv_lens, tables, *_ = pb.forward_batch_arrays(fields, state.block_tables, BS,
+                                                                          state.params)
     return state, positions, slot_mapping, kv_lens, tables
 
 
