@@ -1,4 +1,4 @@
-"""Command line: `jaxpaged generate`, `jaxpaged serve`, `jaxpaged bench throughput|serve`."""
+"""Command line: `jaxpaged generate`, `jaxpaged serve`, `jaxpaged bench throughput|serve|latency`."""
 
 import argparse
 import os
@@ -165,11 +165,16 @@ def main(argv: list[str] | None = None) -> int:
     sv = bench_sub.add_parser("serve", help="a running server under 1-256 concurrent streams vs transformers serve")
     sv.add_argument("args", nargs=argparse.REMAINDER)
     sv.set_defaults(func=lambda ns: _bench_serve(ns.args))
+    lat = bench_sub.add_parser("latency", help="the host's work per decode step at two batch sizes, phase by phase")
+    lat.add_argument("args", nargs=argparse.REMAINDER)
+    lat.set_defaults(func=lambda ns: _bench_latency(ns.args))
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:2] == ["bench", "throughput"]:   # its own parser takes every option (REMAINDER stops at "--x")
         return _bench_throughput(argv[2:])
     if argv[:2] == ["bench", "serve"]:
         return _bench_serve(argv[2:])
+    if argv[:2] == ["bench", "latency"]:
+        return _bench_latency(argv[2:])
     ns = parser.parse_args(argv)
     try:
         return ns.func(ns)
@@ -199,6 +204,11 @@ def _bench_throughput(args: list[str]) -> int:
 
 def _bench_serve(args: list[str]) -> int:
     from jaxpaged.benchmarks.serve import main as bench_main
+    return bench_main(args)
+
+
+def _bench_latency(args: list[str]) -> int:
+    from jaxpaged.benchmarks.latency import main as bench_main
     return bench_main(args)
 
 
