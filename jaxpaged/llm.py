@@ -170,7 +170,7 @@ class LLM:
                     lora_request=None):
         """Beam search per prompt; returns one BeamSearchOutput per prompt, `sequences` best first.
 
-        Beams share the prompt's (and each other's) KV blocks by fork and copy-on-write.
+        Each round runs every beam as a one-token request; the prefix cache shares their common blocks.
         `lora_request`: a LoRARequest for every prompt, or a list of one (or None) per prompt.
         """
         from jaxpaged.engine.beam_search import run_beam_search

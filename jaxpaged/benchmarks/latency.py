@@ -29,9 +29,12 @@ import numpy as np
 PHASES = (
     ("schedule", "scheduler", "schedule"),
     ("dispatch", "runner", "dispatch"),
+    ("inputs", "runner", "prepare_inputs"),
+    ("forward", "runner", "execute_model"),
+    ("sampler", "runner", "sample"),
     ("fetch", "runner", "fetch"),
     ("update", "scheduler", "update_from_output"),
-    ("update", "engine", "_apply"),
+    ("apply", "engine", "_apply"),
     ("outputs", "engine", "_process_text"),
     ("outputs", "engine", "_outputs"),
 )

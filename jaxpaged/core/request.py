@@ -40,6 +40,10 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids
+        # the token ids whose sampling may stop it (EOS unless ignore_eos, stop_token_ids): a step's
+        # token outside this set, the lengths and a grammar is a decision made without a call
+        self.stop_token_set = frozenset(() if getattr(sampling_params, "ignore_eos", False) else eos_token_ids) \
+            | frozenset(getattr(sampling_params, "stop_token_ids", None) or ())
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.seed = seed                      # per-request sampling seed (drawn when the user gave none)
         self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens

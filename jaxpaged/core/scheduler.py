@@ -15,10 +15,13 @@ Only host state changes here: the plan goes out as a `SchedulerOutput`.
 """
 
 import dataclasses
+import logging
 from collections import deque
 
 from jaxpaged.core.kv_cache_manager import KVCacheManager, cdiv
 from jaxpaged.core.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,24 +44,41 @@ class SchedulerConfig:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
 
 
-@dataclasses.dataclass
 class ScheduledChunk:
-    request: Request
-    start: int                 # num_computed_tokens before this step
-    num_new_tokens: int
-    block_ids: list[int]       # the request's whole block table
-    # speculative decoding: the chunk's last num_drafts tokens are request.spec_token_ids[:num_drafts]
-    num_drafts: int = 0
-    # whether this step reaches the end of the request's tokens (so a token is sampled);
-    # fixed when scheduled, before commit() adds the placeholder
-    samples: bool = dataclasses.field(init=False)
-    # n > 1: the sibling sequences that sample their first token beside the request in this
-    # step, from the same logits (commit() forks them off the request)
-    forks: list[Request] = dataclasses.field(init=False)
+    """One request's share of a step: `num_new_tokens` tokens from position `start`.
 
-    def __post_init__(self):
-        self.samples = self.start + self.num_new_tokens - self.num_drafts == self.request.num_tokens_with_placeholders
-        self.forks = list(self.request.pending_forks) if self.samples else []
+    `block_ids` is the request's whole block table, the KV cache manager's own list (not a copy:
+    a step in flight reads it when dispatched). Speculative decoding: the chunk's last `num_drafts`
+    tokens are request.spec_token_ids[:num_drafts]. `samples`: whether the step reaches the end of
+    the request's tokens (so a token is sampled), fixed when scheduled, before commit() adds the
+    placeholder. `forks` (n > 1): the sibling sequences that sample their first token beside the
+    request in this step, from the same logits (commit() forks them off the request)."""
+
+    __slots__ = ("request", "start", "num_new_tokens", "block_ids", "num_drafts", "samples", "forks")
+
+    def __init__(self, request: Request, start: int, num_new_tokens: int, block_ids: list[int], num_drafts: int = 0):
+        self.request = request
+        self.start = start
+        self.num_new_tokens = num_new_tokens
+        self.block_ids = block_ids
+        self.num_drafts = num_drafts
+        self.samples = start + num_new_tokens - num_drafts == request.num_tokens_with_placeholders
+        self.forks = list(request.pending_forks) if self.samples else []
+
+    @classmethod
+    def decode(cls, request: Request, start: int, block_ids: list[int]) -> "ScheduledChunk":
+        """A plain decode (one token, sampled; no drafts, no forks), made without the checks."""
+        chunk = cls.__new__(cls)
+        chunk.request, chunk.start, chunk.num_new_tokens, chunk.block_ids = request, start, 1, block_ids
+        chunk.num_drafts, chunk.samples, chunk.forks = 0, True, _NO_FORKS
+        return chunk
+
+    def __repr__(self) -> str:
+        return (f"ScheduledChunk({self.request.request_id!r}, start={self.start}, new={self.num_new_tokens}, "
+                f"drafts={self.num_drafts}, samples={self.samples})")
+
+
+_NO_FORKS: tuple = ()
 
 
 @dataclasses.dataclass
@@ -70,11 +90,50 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)   # (device, host)
     swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)    # (host, device)
     copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)     # (src, dst) copy-on-write
+    # requests finished (stopped, aborted) since the last plan: the runner frees their slots
+    finished: list[Request] = dataclasses.field(default_factory=list)
     committed: bool = False    # see Scheduler.commit
 
     @property
     def is_empty(self) -> bool:
         return not self.chunks
+
+
+@dataclasses.dataclass
+class StepUpdate:
+    """What update_from_output did: the requests that got tokens, each with its index in the
+    step's result (its first token's row there), and how many tokens they got in all."""
+    progressed: list[tuple[Request, int]]
+    num_tokens: int
+    num_kept: dict[str, int] = dataclasses.field(default_factory=dict)   # speculative decoding: tokens kept after the first
+
+
+def token_stop(request: Request, max_model_len: int) -> tuple[RequestStatus, int | None] | None:
+    """Stop decided by the last token alone: (status, stop_reason) or None to go on."""
+    params = request.sampling_params
+    token = request.output_token_ids[-1]
+    if request.num_output_tokens >= params.min_tokens:
+        if not params.ignore_eos and token in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED, None
+        if token in (params.stop_token_ids or ()):
+            return RequestStatus.FINISHED_STOPPED, token
+    if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH, None
+    return None
+
+
+def _advance_grammar(request: Request, stop):
+    """Feed a constrained request's new token to its matcher; a grammar that admits nothing more
+    (a choice made, a closed JSON value) ends the request as a stop, also on its last allowed
+    token (the output is whole: not "length")."""
+    token = request.output_token_ids[-1]
+    eos = token in request.eos_token_ids
+    if not eos and not request.matcher.consume_token(token):
+        logger.error("request %s: token %d is outside its grammar (%s)", request.request_id, token,
+                     request.matcher.get_error())
+    if (stop is None or stop[0] == RequestStatus.FINISHED_LENGTH) and request.matcher.is_stopped():
+        return RequestStatus.FINISHED_STOPPED, None
+    return stop
 
 
 class Scheduler:
@@ -84,8 +143,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
-        self.parked: dict[str, Request] = {}   # running, but left out of scheduling (beam search)
         self.requests: dict[str, Request] = {}
+        self.finished: list[Request] = []      # finished since the last plan (it hands them to the runner)
         self.num_preemptions = 0
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
@@ -125,9 +184,7 @@ class Scheduler:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
-        if request.request_id in self.parked:
-            del self.parked[request.request_id]
-        elif request.status == RequestStatus.RUNNING:
+        if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status == RequestStatus.WAITING:
             self.waiting.remove(request)
@@ -135,6 +192,7 @@ class Scheduler:
             self.swapped.remove(request)
         request.status = status
         self.kv_cache.free(request)
+        self.finished.append(request)
         return request
 
     def fork(self, parent: Request, child: Request) -> None:
@@ -149,17 +207,6 @@ class Scheduler:
         self.requests[child.request_id] = child
         self.running.append(child)
 
-    def park(self, request: Request) -> None:
-        """Take a running request out of scheduling (beam search, until its group selects); it keeps its
-        blocks and cannot be preempted. (Not LLMEngine.paused, which stops every step.)"""
-        self.running.remove(request)
-        self.parked[request.request_id] = request
-
-    def unpark(self, request: Request) -> None:
-        """Return a parked request to the running list (no-op if it is not parked)."""
-        if self.parked.pop(request.request_id, None) is not None:
-            self.running.append(request)
-
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
@@ -171,9 +218,30 @@ class Scheduler:
         swap_out: list[tuple[int, int]] = []
         swap_in: list[tuple[int, int]] = []
 
+        # The common case first, in one tight pass: a plain decode (one new token; no drafts, forks
+        # to start or LongRoPE) inside a block it holds alone, neither starting nor filling a block: nothing to
+        # allocate, share or register. Every other request takes the general path below.
+        bs = self.kv_cache.block_size
+        req_blocks, ref_cnt = self.kv_cache.req_blocks, self.kv_cache.pool.ref_cnt
+        max_len = self.config.max_model_len
+        plain = not self.kv_cache.rope_switch_len
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            start = request.num_computed_tokens
+            length = len(request.all_token_ids) + request.num_placeholders
+            if (plain and length - start == 1 and 0 < start % bs < bs - 1 and not request.spec_token_ids
+                    and not request.pending_forks):
+                if request.num_placeholders and (len(request.output_token_ids) + request.num_placeholders
+                                                 >= request.max_tokens or length >= max_len):
+                    i += 1   # the step in flight samples its last token
+                    continue
+                blocks = req_blocks[request.request_id]
+                if ref_cnt[blocks[start // bs]] == 1:
+                    chunks.append(ScheduledChunk.decode(request, start, blocks))
+                    budget -= 1
+                    i += 1
+                    continue
             num_new = 0 if self._ends_in_flight(request) else \
                 self._num_new_tokens(request, request.num_computed_tokens, budget)
             if num_new == 0:
@@ -258,8 +326,9 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(passed))
 
+        finished, self.finished = self.finished, []
         return SchedulerOutput(chunks, preempted, self.config.max_num_batched_tokens - budget,
-                               swap_out, swap_in, self.kv_cache.take_pending_copies())
+                               swap_out, swap_in, self.kv_cache.take_pending_copies(), finished)
 
     def _begin_rope(self, request: Request) -> None:
         """The request's K/V begins from its first token: its rope length is its length now (a
@@ -378,6 +447,68 @@ class Scheduler:
                     request.append_output_token(token)
                     got_token.append(request)
         return got_token
+
+    def update_from_output(self, output: SchedulerOutput, result) -> "StepUpdate":
+        """The step's tokens arrived: place them, decide stops, finish what stopped (freeing its
+        blocks). The one place where a step changes requests after it ran.
+
+        `result` holds, per sampled request: `requests` and `token_ids` (its first token, same
+        order), and `kept` (speculative decoding: request id -> the token ids kept after the first,
+        accepted drafts then the recovered or bonus token). Stops: EOS (unless ignore_eos) and
+        stop_token_ids once min_tokens are out, max_tokens, max_model_len, and a grammar that admits
+        no more tokens (structured outputs: each token advances the request's matcher). Stop
+        strings are text: the caller finds them and calls finish_request.
+
+        Requests finished meanwhile are skipped; requests preempted after the plan was made keep
+        their token."""
+        self.commit(output)
+        progressed, num_tokens, kept_counts = [], 0, {}
+        max_len = self.config.max_model_len
+        kept = result.kept
+        drafted = {c.request.request_id: c for c in output.chunks if c.num_drafts} if kept else {}
+        for index, (request, token) in enumerate(zip(result.requests, result.token_ids)):
+            if request.num_placeholders == 0 or request.status.is_finished:
+                continue
+            request.num_placeholders -= 1
+            chunk = drafted.get(request.request_id)
+            # speculative decoding: the drafts' slots are taken back; each token kept re-adds one
+            if chunk is not None and request.num_computed_tokens == chunk.start + chunk.num_new_tokens:
+                request.num_computed_tokens -= chunk.num_drafts
+            output_ids = request.output_token_ids
+            output_ids.append(token)
+            request.all_token_ids.append(token)
+            num_tokens += 1
+            if (token in request.stop_token_set or len(output_ids) >= request.max_tokens
+                    or len(request.all_token_ids) >= max_len or request.matcher is not None or chunk is not None):
+                num_kept = self._update_one(request, kept.get(request.request_id, ()))
+                if num_kept:
+                    num_tokens += num_kept
+                    kept_counts[request.request_id] = num_kept
+            progressed.append((request, index))
+        return StepUpdate(progressed, num_tokens, kept_counts)
+
+    def _update_one(self, request: Request, kept) -> int:
+        """update_from_output past the plain case (a stop candidate, a grammar, drafts verified):
+        the tokens kept after the first, one at a time, until one stops. Returns how many it kept."""
+        num_kept = 0
+        for token in kept:
+            if self._stop(request):
+                return num_kept
+            self.accept_draft(request, token)
+            num_kept += 1
+        self._stop(request)
+        return num_kept
+
+    def _stop(self, request: Request) -> bool:
+        """Decide on the request's last token: finish it (True) or let it go on (False)."""
+        stop = token_stop(request, self.config.max_model_len)
+        if request.matcher is not None:
+            stop = _advance_grammar(request, stop)
+        if stop is None:
+            return False
+        status, request.stop_reason = stop
+        self.finish_request(request.request_id, status)
+        return True
 
     @staticmethod
     def accept_draft(request: Request, token: int) -> None:

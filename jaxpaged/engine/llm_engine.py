@@ -37,7 +37,7 @@ from jaxpaged.engine.metrics import PREFIX, EngineMetrics
 from jaxpaged.engine.spec_decode import SpeculativeConfig, Speculator
 from jaxpaged.engine.research import ResearchMixin
 from jaxpaged.engine.output_processor import (RequestState, SequenceState, detokenize, record_logprobs,
-                                              record_prompt_logprobs, token_stop)
+                                              record_prompt_logprobs)
 from jaxpaged.engine.startup import build_draft_proposer, build_runner, load_draft_model, load_model_and_tokenizer
 from jaxpaged.runner.structured_outputs import GrammarCompiler
 from jaxpaged.outputs import RequestOutput
@@ -241,8 +241,9 @@ class LLMEngine(ResearchMixin):
         if proposing:
             spec.propose(self.scheduler.running)
         plan = self.scheduler.schedule()
-        verifies = any(chunk.num_drafts for chunk in plan.chunks)
+        verifies = False
         if spec is not None:
+            verifies = any(chunk.num_drafts for chunk in plan.chunks)
             spec.end_step()
         self.metrics.num_preemptions_total += len(plan.preempted)
         self.metrics.swapped_out_blocks_total += len(plan.swap_out)
@@ -325,48 +326,35 @@ class LLMEngine(ResearchMixin):
         return StepFailedError(f"engine step failed: {type(cause).__name__}: {cause}", request_ids)
 
     def _apply(self, plan, result) -> None:
-        sampled = {rid: s.token_id for rid, s in result.sampled.items()}
-        got_token = self.scheduler.update_after_step(plan, sampled)
-        planned = {c.request.request_id: c.request for c in plan.chunks} if result.prompt_logprobs else {}
-        for rid, lps in result.prompt_logprobs.items():
-            seq = self._seqs.get(rid)
-            # the plan's own request: an id aborted and reused while the step was in flight is another one
-            if seq is not None and seq.index == 0 and seq.request is planned.get(rid):
-                record_prompt_logprobs(self._states[seq.parent_id], lps, self.tokenizer)
-        for request in got_token:
-            seq = self._seqs[request.request_id]
-            rid = request.request_id
-            kept = result.accepted.get(rid, ())   # speculative decoding: the tokens after the first
-            seq.step_logprobs = []
-            if rid in result.num_drafts:
-                self.speculator.observe(rid, result.num_drafts[rid], len(kept))
-            for i, token in enumerate((result.sampled[rid], *kept)):
-                if i:
-                    self.scheduler.accept_draft(request, token.token_id)
-                record_logprobs(seq, token, self.tokenizer)
-                self.metrics.generation_tokens_total += 1
-                stop = token_stop(request, self.max_model_len)
-                if request.matcher is not None:
-                    stop = self._advance_grammar(request, stop)
-                if stop is not None:
-                    status, seq.stop_reason = stop
-                    seq.finish_reason = status.finish_reason
-                    self.scheduler.finish_request(rid, status)
-                    break
-            self._to_detokenize.append(seq)
-
-    def _advance_grammar(self, request, stop):
-        """Feed a constrained request's new token to its matcher; a grammar that admits nothing
-        more (a choice made, a closed JSON value) ends the request as a stop, also on its last
-        allowed token (the output is whole: not "length")."""
-        token = request.output_token_ids[-1]
-        eos = token in request.eos_token_ids
-        if not eos and not request.matcher.consume_token(token):
-            logger.error("request %s: token %d is outside its grammar (%s)", request.request_id, token,
-                         request.matcher.get_error())
-        if (stop is None or stop[0] == RequestStatus.FINISHED_LENGTH) and request.matcher.is_stopped():
-            return RequestStatus.FINISHED_STOPPED, None
-        return stop
+        """A fetched step: the scheduler places its tokens and decides token stops
+        (`update_from_output`); here, what users see of them: logprobs, speculative decoding's
+        acceptance, and which sequences need text now (the rest wait for their end)."""
+        update = self.scheduler.update_from_output(plan, result)
+        self.metrics.generation_tokens_total += update.num_tokens
+        if result.prompt_logprobs:
+            planned = {c.request.request_id: c.request for c in plan.chunks}
+            for rid, lps in result.prompt_logprobs.items():
+                seq = self._seqs.get(rid)
+                # the plan's own request: an id aborted and reused while the step was in flight is another one
+                if seq is not None and seq.index == 0 and seq.request is planned.get(rid):
+                    record_prompt_logprobs(self._states[seq.parent_id], lps, self.tokenizer)
+        for rid, num_drafts in result.num_drafts.items():
+            self.speculator.observe(rid, num_drafts, len(result.kept[rid]))
+        seqs, logprobs, text_now = self._seqs, result.logprobs, self._to_detokenize
+        for request, index in update.progressed:
+            seq = seqs[request.request_id]
+            num_kept = update.num_kept.get(request.request_id, 0) if update.num_kept else 0
+            if seq.logprobs is None and not num_kept:
+                seq.cumulative_logprob += logprobs[index]
+            else:
+                seq.step_logprobs = []
+                for row in (result.rows[index], *result.kept_rows.get(request.request_id, ())[:num_kept]):
+                    record_logprobs(seq, result.token(row), self.tokenizer)
+            if request.is_finished:
+                seq.finish_reason, seq.stop_reason = request.status.finish_reason, request.stop_reason
+                text_now.append(seq)
+            elif seq.text_each_step:
+                text_now.append(seq)
 
     def _process_text(self) -> list[RequestOutput]:
         """Detokenize the last step's tokens, apply stop strings, build the outputs each request's

@@ -1,9 +1,10 @@
 """Turn sampled tokens into what users see: text, logprobs, stop decisions, RequestOutputs.
 
-Token-level stops (EOS, stop_token_ids, max_tokens, max_model_len) are decided as soon as
-a token arrives, before the next step is scheduled. Text-level work (detokenization, stop
-strings) runs while the device computes the next step; a stop string found there
-finishes the request one step late and the extra token is dropped.
+Token-level stops (EOS, stop_token_ids, max_tokens, max_model_len, grammars) are the
+scheduler's (`Scheduler.update_from_output`), decided as soon as a token arrives, before the
+next step is scheduled. Text-level work (detokenization, stop strings) runs while the device
+computes the next step; a stop string found there finishes the request one step late and the
+extra token is dropped. A FINAL_ONLY sequence without stop strings is detokenized once, at its end.
 
 Each request gets the outputs its `SamplingParams.output_kind` asks for: CUMULATIVE copies
 everything so far every step; DELTA slices off only what earlier outputs did not carry
@@ -11,7 +12,7 @@ everything so far every step; DELTA slices off only what earlier outputs did not
 FINAL_ONLY builds one cumulative output, at the end.
 """
 
-from jaxpaged.core.request import Request, RequestStatus
+from jaxpaged.core.request import Request
 from jaxpaged.engine.detokenizer import IncrementalDetokenizer, decode_token
 from jaxpaged.engine.stop_checker import check_stop_strings, stop_hold_back
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
@@ -46,6 +47,9 @@ class SequenceState:
         self.num_sent_chars = 0
         self.num_sent_logprobs = 0
         self.text_hold_back = stop_hold_back(params.stop, params.include_stop_str_in_output)
+        # text after every step: for outputs each step, or stop strings to look for; else (FINAL_ONLY
+        # without stop strings) the sequence is detokenized once, when it finishes
+        self.text_each_step = params.output_kind != RequestOutputKind.FINAL_ONLY or bool(params.stop)
 
     def completion(self) -> CompletionOutput:
         """Everything so far (copies the token list); changes nothing."""
@@ -125,20 +129,6 @@ class RequestState:
         return self.prompt_logprobs[sent:] or None
 
 
-def token_stop(request: Request, max_model_len: int) -> tuple[RequestStatus, int | None] | None:
-    """Stop decided by the last token alone: (status, stop_reason) or None to go on."""
-    params = request.sampling_params
-    token = request.output_token_ids[-1]
-    if request.num_output_tokens >= params.min_tokens:
-        if not params.ignore_eos and token in request.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED, None
-        if token in (params.stop_token_ids or ()):
-            return RequestStatus.FINISHED_STOPPED, token
-    if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
-        return RequestStatus.FINISHED_LENGTH, None
-    return None
-
-
 def record_logprobs(seq: SequenceState, sampled: SampledToken, tokenizer) -> None:
     seq.cumulative_logprob += sampled.logprob
     seq.step_logprobs.append(sampled.logprob)
@@ -184,7 +174,9 @@ def detokenize(seq: SequenceState) -> tuple[str, int] | None:
     params = request.sampling_params
     new_ids = request.output_token_ids[seq.num_detokenized:]
     seq.num_dropped = 0
-    if len(new_ids) > 1 and params.stop and seq.detokenizer is not None:
+    # one token at a time: to find where a stop string completes, or (a sequence detokenized at its
+    # end) to give the text the steps would have given
+    if len(new_ids) > 1 and (params.stop or not seq.text_each_step) and seq.detokenizer is not None:
         for i in range(len(new_ids)):
             seq.num_detokenized += 1
             last = i == len(new_ids) - 1

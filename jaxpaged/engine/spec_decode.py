@@ -267,10 +267,13 @@ class DraftModelProposer:
         self.block_size = block_size
         self.greedy = SamplingParams(temperature=0.0)
         self._seqs: dict[str, _DraftSequence] = {}
+        self._released: list[_DraftSequence] = []   # to free their runner slots in the next draft step
 
     def _sequence(self, request) -> _DraftSequence:
         seq = self._seqs.get(request.request_id)
         if seq is None or seq.target is not request or seq.is_finished or seq.preemptions != request.num_preemptions:
+            if seq is not None:
+                self._released.append(seq)
             seq = self._seqs[request.request_id] = _DraftSequence(request, self.greedy)
         return seq
 
@@ -278,8 +281,12 @@ class DraftModelProposer:
         """Write the drafts of every verifying chunk of `plan` into its request's spec_token_ids."""
         from jaxpaged.core.scheduler import ScheduledChunk, SchedulerOutput
 
-        if len(self._seqs) > 2 * len(plan.chunks) + 64:   # finished requests' entries
-            self._seqs = {rid: seq for rid, seq in self._seqs.items() if not seq.target.is_finished}
+        # sequences of finished or preempted targets give their runner slots back in the next draft step
+        for rid, seq in list(self._seqs.items()):
+            if seq.is_finished:
+                self._released.append(seq)
+                if seq.target.is_finished:
+                    del self._seqs[rid]
         work = []
         for chunk in plan.chunks:
             if not chunk.num_drafts:
@@ -312,7 +319,8 @@ class DraftModelProposer:
                     continue
                 chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n, seq.block_ids))
                 left -= n
-            plan_d = SchedulerOutput(chunks, [], budget - left)
+            plan_d = SchedulerOutput(chunks, [], budget - left, finished=self._released)
+            self._released = []
             result = self.runner.fetch(self.runner.dispatch(plan_d))
             for chunk in chunks:
                 chunk.request.num_computed_tokens += chunk.num_new_tokens

@@ -63,15 +63,24 @@ def choose_shape(chunks: list[SeqChunk], token_floor: int = 8, seq_floor: int = 
     then hold up to `max_decode_seqs` one-token queries (default: max_seqs)."""
     total = sum(len(c.token_ids) for c in chunks)
     decode_only = all(len(c.token_ids) == 1 for c in chunks)
+    return shape_for(total, len(chunks), decode_only, token_floor, seq_floor, max_tokens, max_seqs, num_sample_rows,
+                     row_per_token, max_decode_seqs)
+
+
+def shape_for(num_tokens: int, num_seqs: int, decode_only: bool, token_floor: int = 8, seq_floor: int = 4,
+              max_tokens: int | None = None, max_seqs: int | None = None, num_sample_rows: int = 0,
+              row_per_token: bool = False, max_decode_seqs: int | None = None) -> BatchShape:
+    """choose_shape from counts: `num_tokens` new tokens in `num_seqs` sequences (each one token
+    when `decode_only`)."""
     # n > 1: forks sample beside their parent; the scheduler counts their seats in max_num_seqs
-    rows = max(len(chunks), num_sample_rows)
+    rows = max(num_seqs, num_sample_rows)
     if decode_only:
-        num_seqs = next_bucket(rows, seq_floor, max_decode_seqs or max_seqs)
-        return BatchShape(num_seqs, num_seqs, num_seqs, 1)
+        bucket = next_bucket(rows, seq_floor, max_decode_seqs or max_seqs)
+        return BatchShape(bucket, bucket, bucket, 1)
     # A step with a prompt chunk has one sequence bucket per token bucket, as many rows as it
     # could hold sequences: one compiled variant per token bucket. Padding rows cost no logits
     # matmul (the runner computes logits for the rows in use only).
-    num_tokens = next_bucket(max(total, rows), token_floor, max_tokens)
-    seqs = len(chunks) if row_per_token else rows   # (rows have their own bucket then)
-    num_seqs = num_tokens if max_seqs is None else min(num_tokens, max(max_seqs, seqs))
-    return BatchShape(num_tokens, num_seqs, num_tokens if row_per_token else num_seqs, PREFILL_Q_TILE)
+    bucket = next_bucket(max(num_tokens, rows), token_floor, max_tokens)
+    seqs = num_seqs if row_per_token else rows   # (rows have their own bucket then)
+    seq_bucket = bucket if max_seqs is None else min(bucket, max(max_seqs, seqs))
+    return BatchShape(bucket, seq_bucket, bucket if row_per_token else seq_bucket, PREFILL_Q_TILE)

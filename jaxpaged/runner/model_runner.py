@@ -40,7 +40,7 @@ from jax.sharding import SingleDeviceSharding
 from jaxpaged.core.kv_cache_manager import cdiv
 from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.parallel import POOL_SPEC
-from jaxpaged.runner.batch_builder import BatchShape, SeqChunk, choose_shape, next_bucket
+from jaxpaged.runner.batch_builder import BatchShape, next_bucket, shape_for
 from jaxpaged.runner.block_ops import HostSwapSpace, committed, copy_blocks
 from jaxpaged.runner.compiled_step import (HOST_BRANCH_PLATFORMS, SAMPLER_KINDS, SEQ_FLOOR, TOKEN_FLOOR, CompiledStep,
                                            max_decode_queries, sampler_kind)
@@ -48,7 +48,7 @@ from jaxpaged.runner.device_memory import DeviceMemory
 from jaxpaged.runner.multihost import (OP_MOVE, OP_SAMPLE, OP_STEP, OP_STOP, OP_UPDATES, StepChannel, follow,
                                        is_multihost, pairs_payload)
 from jaxpaged.runner.persistent_batch import SlotState, SlotTable, StepLayout, apply_updates, pack_updates
-from jaxpaged.runner.step_results import StepResult, unpack_accepted, unpack_prompt_logprobs, unpack_sampled
+from jaxpaged.runner.step_results import StepResult, unpack_prompt_logprobs
 from jaxpaged.runner.structured_outputs import bitmask_words, step_bitmask
 from jaxpaged.sampling_params import MAX_LOGPROBS
 from jaxpaged.kernels import kv_pool_shape
@@ -60,22 +60,43 @@ KV_CHUNK_BLOCKS = 8   # attention walks the context 8 blocks at a time
 
 
 @dataclasses.dataclass
-class _Pending:
+class InputBatch:
+    """One step's inputs as the host builds them from a plan: the packed buffer (StepLayout) and
+    which request each sample row serves."""
     shape: BatchShape
-    sample_rows: object | None                        # SampleRows on the device until the sampler is queued
+    buffer: np.ndarray                                # i32[StepLayout.size]
+    requests: list                                    # per sampled request (n > 1 forks too), its first sample row:
+    rows: list[int]                                   #   the request and the row, in row order
     constrained: list[tuple[int, object]]             # (sample row, Request with a grammar matcher)
-    prompt_packed: jax.Array | None                   # f32[T * (2 + 2K)]; None: no prompt logprobs asked
-    rows: list[tuple[str, int]]                       # (request_id, sample row)
     spec_rows: list[tuple[str, int, int]]             # (request_id, first sample row, drafts verified)
     lp_rows: list[tuple[str, int, int, int]]          # (request_id, first flat token, count, start position)
-    num_logprobs: int
+    from_prev: bool                                   # some input token is the step in flight's sample
     sampler_kind: str | None = None                   # the sampler the host picked (None: the step's cond picks)
+
+
+@dataclasses.dataclass
+class _Pending:
+    inputs: InputBatch
+    sample_rows: object | None                        # SampleRows on the device until the sampler is queued
+    prompt_packed: jax.Array | None                   # f32[T * (2 + 2K)]; None: no prompt logprobs asked
+    num_logprobs: int
     packed: jax.Array | None = None                   # f32[S * (4 + 2K)], a row per sample row (step_results.py)
     tokens: jax.Array | None = None                   # i32[MAX_ROWS]: sampled tokens, for the next step
+    _row_of: dict | None = None
+
+    @property
+    def shape(self) -> BatchShape:
+        return self.inputs.shape
 
     @property
     def is_sampled(self) -> bool:
         return self.sample_rows is None
+
+    def row_of(self, request) -> int | None:
+        """The sample row of `request`'s first token in this step (None: it samples none here)."""
+        if self._row_of is None:
+            self._row_of = dict(zip(map(id, self.inputs.requests), self.inputs.rows))
+        return self._row_of.get(id(request))
 
 
 class ModelRunner(CompiledStep, DeviceMemory):
@@ -144,7 +165,7 @@ class ModelRunner(CompiledStep, DeviceMemory):
     def run_without_step(self, plan: SchedulerOutput) -> None:
         """A plan with nothing to compute: its block moves, and the slots of requests it preempted
         (they take a fresh slot, parameters seeded anew, when they run again)."""
-        self.slot_table.begin_step(plan.preempted)
+        self.slot_table.begin_step(plan.preempted, plan.finished)
         self.move_blocks(plan)
 
     def move_blocks(self, plan: SchedulerOutput) -> None:
@@ -171,8 +192,9 @@ class ModelRunner(CompiledStep, DeviceMemory):
 
     # ---- one step ----------------------------------------------------------------------------
     def dispatch(self, plan: SchedulerOutput, prev: _Pending | None = None) -> _Pending:
-        """Queue the plan's step on the device; returns without waiting. Host work is proportional
-        to what changed: new tokens, appended blocks, requests taking a slot.
+        """Queue the plan's step on the device; returns without waiting: block moves, the step's
+        inputs (`prepare_inputs`), its forward (`execute_model`) and, unless a sample row is
+        constrained, its sampler.
 
         `prev` is the step still in flight, if any: a request whose last token it is sampling
         (a placeholder) reads that token from prev's device output, inside this step (prev's
@@ -184,74 +206,133 @@ class ModelRunner(CompiledStep, DeviceMemory):
         if prev is not None and not prev.is_sampled:
             self.sample(prev)
         self.move_blocks(plan)
+        self.slot_table.begin_step(plan.preempted, plan.finished)
+        inputs = self.prepare_inputs(plan, prev)
+        pending = self.execute_model(inputs, prev)
+        if not inputs.constrained:
+            self.sample(pending)
+        return pending
+
+    def prepare_inputs(self, plan: SchedulerOutput, prev: _Pending | None = None) -> InputBatch:
+        """The step's input batch: one pass over the plan's chunks appending to per-sequence and
+        per-sample-row columns, written into the packed buffer as whole arrays. A plain decode
+        (one token, no drafts, no forks) costs a few list appends; its slot's block table changes
+        only when its blocks did (StepLayout's TABLE updates)."""
         slots = self.slot_table
-        slots.begin_step(plan.preempted)
-        prev_rows = dict(prev.rows) if prev is not None else {}
-        from_prev = []      # (flat token index, sample row of prev)
+        slot_of, bs = slots.slot_of, self.block_size
+        input_ids, start_pos, q_lens, seq_slots, seq_lora = [], [], [], [], []
+        logits_at, row_slots, count_slots, row_draft, row_first = [], [], [], [], []
+        requests, rows, constrained, spec_rows, lp_rows, lp_targets = [], [], [], [], [], []
+        prev_index, prev_source = [], []   # (flat token index, prev's sample row): tokens prev is sampling
+        chunk_rows = []                    # per chunk: its (first) sample row
         flat = 0
-        chunks, rows, lp_rows, lp_targets, spec_rows = [], [], [], [], []
-        seq_slots, seq_lora, row_slots, count_slots, row_draft, row_first = [], [], [], [], [], []
-        sample_tokens = []  # per sample row: the flat index of the token whose logits it samples from
-        chunk_rows = []     # per chunk: its (first) sample row
-        constrained = []    # (sample row, request with a grammar matcher): structured outputs
         # only decodes and verifications: each verified token is a query of its own (a decode step)
         one_token_queries = all(c.num_new_tokens - c.num_drafts == 1 for c in plan.chunks)
         for chunk in plan.chunks:
             request = chunk.request
             n = chunk.num_new_tokens
-            slot = slots.slot_for(request)
-            slots.sync_blocks(slot, chunk.block_ids, chunk.start // self.block_size)
+            start = chunk.start
+            blocks = chunk.block_ids
+            slot = slot_of.get(request)
+            if slot is None:
+                slot = slots.slot_for(request)
+                slots.sync_blocks(slot, blocks, 0)
+            else:
+                mirror = slots.tables[slot]
+                j = start // bs
+                if len(mirror) != len(blocks) or mirror[j] != blocks[j]:
+                    slots.sync_blocks(slot, blocks, j)
+            row = len(logits_at)
+            chunk_rows.append(row)
+            if n == 1 and not chunk.num_drafts:   # a decode (or a prompt's last token): the common case
+                known = request.all_token_ids
+                if start < len(known):
+                    input_ids.append(known[start])
+                else:   # a placeholder: the step in flight samples it
+                    source = prev.row_of(request) if prev is not None else None
+                    if source is None:
+                        raise RuntimeError(f"{request}: its input token is not known yet")
+                    prev_index.append(flat)
+                    prev_source.append(source)
+                    input_ids.append(0)
+                start_pos.append(start)
+                q_lens.append(1)
+                seq_slots.append(slot)
+                seq_lora.append(request.lora_slot)
+                logits_at.append(flat)
+                row_slots.append(slot)
+                row_draft.append(-1)
+                row_first.append(row)
+                if chunk.samples:
+                    count_slots.append(slot)
+                    requests.append(request)
+                    rows.append(row)
+                    if request.matcher is not None:
+                        constrained.append((row, request))
+                else:
+                    count_slots.append(slots.no_slot)
+                if request.sampling_params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
+                    lp_rows.append((request.request_id, flat, 1, start))
+                    lp_targets.append((flat, request.all_token_ids[start + 1:start + 2]))
+                flat += 1
+                continue
             d = chunk.num_drafts   # speculative decoding: the chunk ends with d draft tokens to verify
             drafts = request.spec_token_ids[:d]
-            tokens = request.all_token_ids[chunk.start:chunk.start + n - d]
+            tokens = request.all_token_ids[start:start + n - d]
             if len(tokens) < n - d:   # the last token is a placeholder: the step in flight samples it
-                if d or len(tokens) != n - 1 or request.request_id not in prev_rows:
+                source = prev.row_of(request) if prev is not None else None
+                if d or len(tokens) != n - 1 or source is None:
                     raise RuntimeError(f"{request}: {n - d - len(tokens)} input tokens are not known yet")
-                from_prev.append((flat + n - 1, prev_rows[request.request_id]))
+                prev_index.append(flat + n - 1)
+                prev_source.append(source)
                 tokens = tokens + [0]
             tokens = tokens + drafts
-            if request.sampling_params.prompt_logprobs is not None and chunk.start < request.num_prompt_tokens - 1:
-                count = min(n, request.num_prompt_tokens - 1 - chunk.start)
-                lp_rows.append((request.request_id, flat, count, chunk.start))
-                lp_targets.append((flat, request.all_token_ids[chunk.start + 1:chunk.start + 1 + count]))
-            first = len(sample_tokens)
-            chunk_rows.append(first)
+            if request.sampling_params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
+                count = min(n, request.num_prompt_tokens - 1 - start)
+                lp_rows.append((request.request_id, flat, count, start))
+                lp_targets.append((flat, request.all_token_ids[start + 1:start + 1 + count]))
             if chunk.samples:
-                rows.append((request.request_id, first))
+                requests.append(request)
+                rows.append(row)
                 if request.matcher is not None:
-                    constrained.append((first, request))
+                    constrained.append((row, request))
                 if d:
-                    spec_rows.append((request.request_id, first, d))
+                    spec_rows.append((request.request_id, row, d))
             for j in range(d + 1):   # rows for the last known token and each draft
-                sample_tokens.append(flat + n - 1 - d + j)
+                logits_at.append(flat + n - 1 - d + j)
                 row_slots.append(slot)
                 count_slots.append(slot if chunk.samples else slots.no_slot)
                 row_draft.append(drafts[j] if j < d else -1)
-                row_first.append(first)
-            flat += n
+                row_first.append(row)
+            input_ids += tokens
             if d and one_token_queries:
-                for j, token in enumerate(tokens):
-                    chunks.append(SeqChunk([token], chunk.start + j, chunk.block_ids))
+                for j in range(n):
+                    start_pos.append(start + j)
+                    q_lens.append(1)
                     seq_slots.append(slot)
                     seq_lora.append(request.lora_slot)
             else:
-                chunks.append(SeqChunk(tokens, chunk.start, chunk.block_ids))
+                start_pos.append(start)
+                q_lens.append(n)
                 seq_slots.append(slot)
                 seq_lora.append(request.lora_slot)
+            flat += n
         for i, chunk in enumerate(plan.chunks):   # n > 1: siblings sample their first token from the same logits
             for child in chunk.forks:
                 slot = slots.slot_for(child)
-                rows.append((child.request_id, len(sample_tokens)))
+                row = len(logits_at)
+                requests.append(child)
+                rows.append(row)
                 if child.matcher is not None:
-                    constrained.append((len(sample_tokens), child))
+                    constrained.append((row, child))
                 row_draft.append(-1)
-                row_first.append(len(sample_tokens))
-                sample_tokens.append(sample_tokens[chunk_rows[i]])
+                row_first.append(row)
+                logits_at.append(logits_at[chunk_rows[i]])
                 row_slots.append(slot)
                 count_slots.append(slot)
-        shape = choose_shape(chunks, token_floor=TOKEN_FLOOR, seq_floor=SEQ_FLOOR, max_tokens=self.max_num_batched_tokens,
-                             max_seqs=self.max_num_seqs, num_sample_rows=len(sample_tokens),
-                             row_per_token=self.speculative, max_decode_seqs=self.max_decode_seqs)
+        num_seqs, num_rows = len(q_lens), len(logits_at)
+        shape = shape_for(flat, num_seqs, flat == num_seqs, TOKEN_FLOOR, SEQ_FLOOR, self.max_num_batched_tokens,
+                          self.max_num_seqs, num_rows, self.speculative, self.max_decode_seqs)
         layout = StepLayout.of(shape)
         before, in_step = slots.take_updates(layout.num_updates)
         if before:   # requests with penalties, bias or min_tokens joined, or more updates than fit
@@ -259,43 +340,43 @@ class ModelRunner(CompiledStep, DeviceMemory):
                 self.channel.send(OP_UPDATES, (len(before),), np.asarray(before, np.int32))
             self.slot_state = apply_updates(self.slot_state, before, self.plan)
         buffer, v = layout.empty(slots.pad_slot)
-        v["input_ids"][:flat] = [t for c in chunks for t in c.token_ids]
+        v["input_ids"][:flat] = input_ids
         for first, targets in lp_targets:
             v["prompt_targets"][first:first + len(targets)] = targets
-        num_seqs, num_rows = len(chunks), len(sample_tokens)
         v["seq_slots"][:num_seqs] = seq_slots
         v["seq_lora"][:num_seqs] = seq_lora
-        v["start_pos"][:num_seqs] = [c.start_pos for c in chunks]
-        np.cumsum([len(c.token_ids) for c in chunks], out=v["cu_q_lens"][1:num_seqs + 1])
+        v["start_pos"][:num_seqs] = start_pos
+        np.cumsum(q_lens, out=v["cu_q_lens"][1:num_seqs + 1])
         v["cu_q_lens"][num_seqs + 1:] = flat
-        v["logits_indices"][:num_rows] = sample_tokens
+        v["logits_indices"][:num_rows] = logits_at
         v["row_slots"][:num_rows] = row_slots
         v["count_slots"][:num_rows] = count_slots
         v["row_draft"][:num_rows] = row_draft
         v["row_first"][:num_rows] = row_first
-        if from_prev:
-            v["prev_index"][:len(from_prev)], v["prev_source"][:len(from_prev)] = zip(*from_prev)
+        v["prev_index"][:len(prev_index)] = prev_index
+        v["prev_source"][:len(prev_source)] = prev_source
         pack_updates(in_step, layout.num_updates, v["updates"])
-        prev_tokens = prev.tokens if prev is not None else self._no_prev_tokens
         kind = None
         if self.host_branches:
-            kind = sampler_kind([chunk.request for chunk in plan.chunks if chunk.samples]
-                                + [child for chunk in plan.chunks for child in chunk.forks])
+            kind = sampler_kind(requests)
             if kind not in self._sampler_kinds:
                 raise RuntimeError(f"this runner compiles only the {self._sampler_kinds} samplers (greedy_only); "
-                                 f"its step needs the {kind!r} one")
+                                   f"its step needs the {kind!r} one")
+        return InputBatch(shape, buffer, requests, rows, constrained, spec_rows, lp_rows, bool(prev_index), kind)
+
+    def execute_model(self, inputs: InputBatch, prev: _Pending | None = None) -> _Pending:
+        """Queue the step's forward (its sampler waits for `sample`)."""
+        shape = inputs.shape
+        kind = inputs.sampler_kind
         if self.channel is not None:
             # an unconstrained step's sampler follows at once with the all-ones mask: no OP_SAMPLE
             self.channel.send(OP_STEP, (shape.num_tokens, shape.num_seqs, shape.num_logits, shape.q_tile,
-                                        int(prev is not None), int(not constrained),
-                                        -1 if kind is None else SAMPLER_KINDS.index(kind), int(bool(lp_rows))),
-                              buffer)
-        sample_rows, prompt_packed = self.run_forward(shape, buffer, prev_tokens, bool(lp_rows))
-        pending = _Pending(shape, sample_rows, constrained, prompt_packed if lp_rows else None, rows, spec_rows,
-                           lp_rows, self.max_logprobs, kind)
-        if not constrained:
-            self.sample(pending)
-        return pending
+                                        int(prev is not None), int(not inputs.constrained),
+                                        -1 if kind is None else SAMPLER_KINDS.index(kind), int(bool(inputs.lp_rows))),
+                              inputs.buffer)
+        prev_tokens = prev.tokens if prev is not None else self._no_prev_tokens
+        sample_rows, prompt_packed = self.run_forward(shape, inputs.buffer, prev_tokens, bool(inputs.lp_rows))
+        return _Pending(inputs, sample_rows, prompt_packed if inputs.lp_rows else None, self.max_logprobs)
 
     def run_forward(self, shape: BatchShape, buffer: np.ndarray, prev_tokens: jax.Array,
                     prompt_logprobs: bool = False):
@@ -318,10 +399,11 @@ class ModelRunner(CompiledStep, DeviceMemory):
         A row whose request finished meanwhile allows everything (its token is dropped)."""
         if pending.is_sampled:
             return
-        bitmask = step_bitmask(pending.constrained, pending.shape.num_logits, self.bitmask_words)
-        if self.channel is not None and pending.constrained:   # a held-back sampler: its mask goes along
+        constrained = pending.inputs.constrained
+        bitmask = step_bitmask(constrained, pending.shape.num_logits, self.bitmask_words)
+        if self.channel is not None and constrained:   # a held-back sampler: its mask goes along
             self.channel.send(OP_SAMPLE, (), bitmask)
-        _, sampler = self._executables(pending.shape, pending.sampler_kind)
+        _, sampler = self._executables(pending.shape, pending.inputs.sampler_kind)
         self.slot_state, pending.packed, pending.tokens = sampler(
             self.state, self.slot_state, pending.sample_rows, self._bitmask_arg(pending.shape, bitmask))
         pending.sample_rows = None
@@ -352,12 +434,10 @@ class ModelRunner(CompiledStep, DeviceMemory):
         """Block on the step's device->host copy (two with prompt logprobs) and unpack it (its
         sampler is queued first if it was not)."""
         self.sample(pending)
+        inputs = pending.inputs
         K = pending.num_logprobs
-        packed = _to_host(pending.packed)
-        sampled = unpack_sampled(packed, pending.rows, pending.shape.num_logits, K)
-        prompt = unpack_prompt_logprobs(_to_host(pending.prompt_packed), pending.lp_rows, K) if pending.lp_rows else {}
-        accepted = unpack_accepted(packed, pending.spec_rows, pending.shape.num_logits, K)
-        return StepResult(sampled, prompt, accepted, {rid: d for rid, _, d in pending.spec_rows})
+        prompt = unpack_prompt_logprobs(_to_host(pending.prompt_packed), inputs.lp_rows, K) if inputs.lp_rows else {}
+        return StepResult(inputs.requests, inputs.rows, _to_host(pending.packed), K, prompt, inputs.spec_rows)
 
 
 def _to_host(x: jax.Array) -> np.ndarray:

@@ -2,8 +2,8 @@
 InputBatch), changed by sparse updates, and the packed buffer that carries a step's metadata.
 
 Each running request holds a *slot* (a row of every state array) from its first step until it
-finishes, is preempted, or (more live sequences than slots, beam search only) is evicted as
-the least recently used; it then gets a fresh slot, rebuilt from the host, when it runs again.
+finishes or is preempted (the plan that follows names it: SchedulerOutput.finished, .preempted);
+it then gets a fresh slot, rebuilt from the host, when it runs again.
 
     block_tables    i32[R + 1, max_blocks_per_seq]   a request's blocks; grows by appended blocks
     params          i32[R + 1, NUM_PARAMS]           sampling parameters (floats bit-cast), step count,
@@ -165,54 +165,43 @@ class SlotTable:
         self.pad_slot = num_slots          # the padding row
         self.no_slot = num_slots + 1       # out of bounds: a row whose token is not counted
         self.vocab_size = vocab_size
-        self._slot_of: dict[object, int] = {}          # Request (by identity) -> slot
+        self.slot_of: dict[object, int] = {}           # Request (by identity) -> slot
         self._owner: list = [None] * num_slots
         self._free = list(range(num_slots - 1, -1, -1))
-        self._tables: list[list[int]] = [[] for _ in range(num_slots)]   # mirror of block_tables rows
-        self._last_used = [0] * num_slots
-        self._step = 0
+        self.tables: list[list[int]] = [[] for _ in range(num_slots)]   # mirror of block_tables rows
         self.step_updates: list[tuple[int, int, int, int]] = []   # TABLE / PARAM, for the step
         self.seed_updates: list[tuple[int, int, int, int]] = []   # the rest, for apply_updates
 
-    def begin_step(self, preempted) -> None:
-        """Free the slots of finished and just-preempted requests (changes state)."""
-        self._step += 1
+    def begin_step(self, preempted, finished=()) -> None:
+        """Free the slots of requests finished or preempted since the last step (changes state)."""
         for request in preempted:
             self.release(request)
-        for owner in self._owner:
-            if owner is not None and owner.is_finished:
-                self.release(owner)
+        for request in finished:
+            self.release(request)
 
     def release(self, request) -> None:
-        slot = self._slot_of.pop(request, None)
+        slot = self.slot_of.pop(request, None)
         if slot is not None:
             self._owner[slot] = None
             self._free.append(slot)
 
     def slot_for(self, request) -> int:
         """The request's slot, taken (and its parameters queued) if it has none."""
-        slot = self._slot_of.get(request)
+        slot = self.slot_of.get(request)
         if slot is None:
             if not self._free:
-                self._evict()
+                raise RuntimeError(f"more than {self.num_slots} sequences (max_num_seqs) hold a slot")
             slot = self._free.pop()
             self._owner[slot] = request
-            self._slot_of[request] = slot
-            self._tables[slot] = []
+            self.slot_of[request] = slot
+            self.tables[slot] = []
             self._seed(slot, request)
-        self._last_used[slot] = self._step
         return slot
-
-    def _evict(self) -> None:
-        idle = [s for s in range(self.num_slots) if self._last_used[s] < self._step]
-        if not idle:
-            raise RuntimeError(f"more than {self.num_slots} sequences (max_num_seqs) in one step")
-        self.release(self._owner[min(idle, key=self._last_used.__getitem__)])
 
     def sync_blocks(self, slot: int, block_ids: list[int], first_written: int) -> None:
         """Queue TABLE updates for the blocks that changed: those from the block this step writes
         first (earlier ones never change while a slot is held), or all of them in a new slot."""
-        mirror = self._tables[slot]
+        mirror = self.tables[slot]
         del mirror[len(block_ids):]
         for j in range(min(first_written, len(mirror)), len(block_ids)):
             block = block_ids[j]

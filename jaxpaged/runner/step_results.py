@@ -29,53 +29,52 @@ class PromptLogprobs:
     top_logprobs: list[list[float]]
 
 
-@dataclasses.dataclass
 class StepResult:
-    sampled: dict[str, SampledToken]
-    prompt_logprobs: dict[str, PromptLogprobs]
-    # speculative decoding: request id -> the tokens it keeps after `sampled`'s (accepted drafts,
-    # then the recovered or bonus token), and how many drafts it verified
-    accepted: dict[str, list[SampledToken]] = dataclasses.field(default_factory=dict)
-    num_drafts: dict[str, int] = dataclasses.field(default_factory=dict)
+    """A step's sampled tokens, column by column: per sampled request (n > 1 forks included), in
+    sample-row order, its first token and that token's logprob; the rest of each row (rank,
+    top-K) is read only for the requests that ask (`token(i)`).
+
+    `kept` (speculative decoding): request id -> the token ids it keeps after its first (accepted
+    drafts, then the recovered or bonus token), `kept_rows` their sample rows, `num_drafts` how many
+    drafts it verified. `prompt_logprobs`: request id -> its prompt logprobs of this step."""
+
+    def __init__(self, requests: list, rows: list[int], packed: np.ndarray, K: int,
+                 prompt_logprobs: dict[str, "PromptLogprobs"] | None = None,
+                 spec_rows: list[tuple[str, int, int]] = ()):
+        self.requests = requests
+        self.rows = rows
+        self.K = K
+        self.packed = packed.reshape(-1, 4 + 2 * K) if packed is not None else np.zeros((0, 4 + 2 * K), np.float32)
+        picked = self.packed[rows] if rows else self.packed[:0]
+        self.token_ids: list[int] = _as_int(picked[:, 0]).tolist()
+        self.logprobs: list[float] = picked[:, 1].tolist()
+        self.prompt_logprobs = prompt_logprobs or {}
+        self.kept: dict[str, list[int]] = {}
+        self.kept_rows: dict[str, list[int]] = {}
+        self.num_drafts: dict[str, int] = {}
+        for request_id, first, num_drafts in spec_rows:
+            accepted = _as_int(self.packed[first:first + num_drafts, -1])
+            num_kept = int(np.argmin(accepted)) if not accepted.all() else num_drafts
+            kept_rows = list(range(first + 1, first + 1 + num_kept))
+            self.kept_rows[request_id] = kept_rows
+            self.kept[request_id] = _as_int(self.packed[kept_rows, 0]).tolist() if kept_rows else []
+            self.num_drafts[request_id] = num_drafts
+
+    def token(self, row: int) -> SampledToken:
+        """Everything sample row `row` holds (its token, logprob, rank and top-K)."""
+        (token,), (rank,) = _as_int(self.packed[row, 0:1]).tolist(), _as_int(self.packed[row, 2:3]).tolist()
+        K = self.K
+        return SampledToken(token, float(self.packed[row, 1]), rank, _as_int(self.packed[row, 3:3 + K]).tolist(),
+                            self.packed[row, 3 + K:3 + 2 * K].tolist())
+
+    @property
+    def sampled(self) -> dict[str, SampledToken]:
+        """request id -> its first token, in full (for callers off the hot path: beam search, drafters)."""
+        return {request.request_id: self.token(row) for request, row in zip(self.requests, self.rows)}
 
 
 def _as_int(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a).view(np.int32)
-
-
-def _tokens(rows: np.ndarray, K: int) -> list[SampledToken]:
-    """The SampledToken of each of `rows` (f32[n, 4 + 2K]), column by column (a decode step of 256
-    rows: one conversion per column, not per row)."""
-    tokens, ranks, top_ids = (_as_int(rows[:, c]).tolist() for c in (slice(0, 1), slice(2, 3), slice(3, 3 + K)))
-    logprobs, top_logprobs = rows[:, 1].tolist(), rows[:, 3 + K:3 + 2 * K].tolist()
-    return [SampledToken(t[0], lp, rank[0], ids, lps)
-            for t, lp, rank, ids, lps in zip(tokens, logprobs, ranks, top_ids, top_logprobs)]
-
-
-def _rows(flat: np.ndarray, num_rows: int, K: int) -> np.ndarray:
-    return flat.reshape(num_rows, 4 + 2 * K)
-
-
-def unpack_sampled(flat: np.ndarray, rows: list[tuple[str, int]], num_rows: int, K: int) -> dict[str, SampledToken]:
-    """request id -> its sampled token, for `rows` (request id, sample row) of f32[num_rows * (4 + 2K)]."""
-    if not rows:
-        return {}
-    request_ids, indices = zip(*rows)
-    return dict(zip(request_ids, _tokens(_rows(flat, num_rows, K)[list(indices)], K)))
-
-
-def unpack_accepted(flat: np.ndarray, spec_rows: list[tuple[str, int, int]], num_rows: int,
-                    K: int) -> dict[str, list[SampledToken]]:
-    """Speculative decoding: request id -> the tokens of the rows after its first one that it keeps,
-    for `spec_rows` (request id, first sample row, drafts verified): row j + 1 is kept when the
-    drafts of rows 0 .. j were all accepted."""
-    main = _rows(flat, num_rows, K)
-    out = {}
-    for request_id, first, num_drafts in spec_rows:
-        accepted = _as_int(main[first:first + num_drafts, -1])
-        kept = int(np.argmin(accepted)) if not accepted.all() else num_drafts
-        out[request_id] = _tokens(main[first + 1:first + 1 + kept], K)
-    return out
 
 
 def unpack_prompt_logprobs(flat: np.ndarray, lp_rows: list[tuple[str, int, int, int]],

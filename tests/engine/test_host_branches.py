@@ -34,14 +34,14 @@ def run(monkeypatch, host_branches: bool):
     assert runner.host_branches == host_branches
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(3, 320, n).tolist()} for n in (3, 20, 9, 40, 5, 12, 27)]
-    shapes, choose = [], model_runner.choose_shape
-    monkeypatch.setattr(model_runner, "choose_shape", lambda *a, **k: shapes.append(choose(*a, **k)) or shapes[-1])
+    shapes, choose = [], model_runner.shape_for
+    monkeypatch.setattr(model_runner, "shape_for", lambda *a, **k: shapes.append(choose(*a, **k)) or shapes[-1])
     picked = []
     if host_branches:
         sample = runner.sample
 
         def recording(pending):
-            picked.append(pending.sampler_kind)
+            picked.append(pending.inputs.sampler_kind)
             return sample(pending)
         monkeypatch.setattr(runner, "sample", recording)
     with compilations() as compiled:

@@ -54,13 +54,13 @@ def test_no_request_mix_compiles_after_startup(monkeypatch):
         SamplingParams(n=2, temperature=1.0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex="[a-z ]+")),
     ]
     from jaxpaged.runner import model_runner
-    shapes, choose = [], model_runner.choose_shape   # every step's bucket
+    shapes, choose = [], model_runner.shape_for   # every step's bucket
 
     def recorded(*args, **kwargs):
         shapes.append(choose(*args, **kwargs))
         return shapes[-1]
 
-    monkeypatch.setattr(model_runner, "choose_shape", recorded)
+    monkeypatch.setattr(model_runner, "shape_for", recorded)
     with compilations() as compiled:
         for _ in range(2):
             outs = llm.generate(prompts, params, use_tqdm=False)

@@ -111,25 +111,24 @@ def test_a_running_sequence_sends_nothing_until_it_needs_a_block():
     assert table.take_updates(1000) == ([], [])
     table.sync_blocks(slot, [7, 9], 1)
     assert table.take_updates(1000) == ([], [(pb.TABLE, slot, 1, 9)])
-    # finished: the slot goes to the next request, rebuilt from scratch
-    request.status = types.SimpleNamespace(is_finished=True)
-    table.begin_step([])
+    # finished (the plan names it): the slot goes to the next request, rebuilt from scratch
+    table.begin_step([], finished=[request])
     other = Request("b", [1], SamplingParams(temperature=0.0))
     assert table.slot_for(other) == slot
     table.sync_blocks(slot, [3], 0)
     assert (pb.TABLE, slot, 0, 3) in table.take_updates(1000)[1]
 
 
-def test_more_sequences_than_slots_evicts_the_least_recently_used():
+def test_a_freed_slot_goes_to_the_next_request_and_more_sequences_than_slots_raise():
     table = pb.SlotTable(2, V)
     a, b, c = (Request(x, [1], SamplingParams(temperature=0.0)) for x in "abc")
     table.begin_step([])
     sa, sb = table.slot_for(a), table.slot_for(b)
-    table.begin_step([])
-    assert table.slot_for(b) == sb
-    assert table.slot_for(c) == sa          # a was idle longest
     with pytest.raises(RuntimeError, match="max_num_seqs"):
-        table.slot_for(a)                    # b and c both run this step
+        table.slot_for(c)                    # a and b hold both slots
+    table.begin_step([], finished=[a])
+    assert table.slot_for(b) == sb
+    assert table.slot_for(c) == sa
 
 
 def test_sampler_reads_the_same_inputs_from_slots_as_from_host_metadata():
