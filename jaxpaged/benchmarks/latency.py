@@ -16,11 +16,13 @@ per step should not grow with the batch (#22: at 256 sequences <= 1.6x the step 
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import statistics
 import tempfile
 import time
+import types
 
 import numpy as np
 
@@ -35,6 +37,7 @@ PHASES = (
     ("fetch", "runner", "fetch"),
     ("update", "scheduler", "update_from_output"),
     ("apply", "engine", "_apply"),
+    ("device wait", "jaxpaged.runner.model_runner", "_to_host"),   # fetch blocked on the device's results
     ("outputs", "engine", "_process_text"),
     ("outputs", "engine", "_outputs"),
 )
@@ -86,7 +89,10 @@ class PhaseClock:
         self.wrapped: list[tuple[object, str, object]] = []
         self.labels: list[str] = []
         for label, where, name in PHASES:
-            owner = engine if where == "engine" else getattr(engine, where, None)
+            if "." in where:   # a module's function
+                owner = importlib.import_module(where)
+            else:
+                owner = engine if where == "engine" else getattr(engine, where, None)
             method = getattr(owner, name, None) if owner is not None else None
             if method is None or not callable(method):
                 continue
@@ -109,7 +115,10 @@ class PhaseClock:
         return out
 
     def restore(self) -> None:
-        for owner, name, _ in self.wrapped:
+        for owner, name, method in self.wrapped:
+            if isinstance(owner, types.ModuleType):
+                setattr(owner, name, method)
+                continue
             with contextlib.suppress(AttributeError):
                 delattr(owner, name)
 
@@ -150,9 +159,11 @@ def measure(engine, num_seqs: int, prompt_len: int, new_tokens: int, seed: int) 
         engine.scheduler.__dict__.pop("schedule", None)
     if not steps:
         raise RuntimeError(f"no steady decode step with {num_seqs} sequences (new_tokens={new_tokens} too few?)")
-    out = {"seqs": num_seqs, "steps": len(steps), "step_ms": 1e3 * statistics.median(w for w, _ in steps)}
+    # the host's share: the step less the time fetch waited for the device (the step's compute)
+    out = {"seqs": num_seqs, "steps": len(steps), "step_ms": 1e3 * statistics.median(w for w, _ in steps),
+           "host_ms": 1e3 * statistics.median(w - p.get("device wait", 0.0) for w, p in steps)}
     for label in clock.labels:
-        out[label + "_ms"] = 1e3 * statistics.median(p.get(label, 0.0) for _, p in steps)
+        out[label.replace(" ", "_") + "_ms"] = 1e3 * statistics.median(p.get(label, 0.0) for _, p in steps)
     return out
 
 
@@ -183,11 +194,14 @@ def main(argv: list[str] | None = None) -> int:
         keys = [k for k in runs[n][0] if k.endswith("_ms")]
         medians[n] = {k: statistics.median(run[k] for run in runs[n]) for k in keys}
         steps = ", ".join(f"{run['step_ms']:.2f}" for run in runs[n])
-        phases = "  ".join(f"{k[:-3]} {v:.2f}" for k, v in medians[n].items() if k != "step_ms")
-        print(f"{n:4d} seqs: step {medians[n]['step_ms']:.2f} ms (runs {steps})  host phases ms: {phases}")
+        hosts = ", ".join(f"{run['host_ms']:.2f}" for run in runs[n])
+        phases = "  ".join(f"{k[:-3]} {v:.2f}" for k, v in medians[n].items() if k not in ("step_ms", "host_ms"))
+        print(f"{n:4d} seqs: step {medians[n]['step_ms']:.2f} ms (runs {steps}); host {medians[n]['host_ms']:.2f} ms "
+              f"(runs {hosts})\n           phases ms: {phases}")
     if len(sizes) > 1:
         lo, hi = min(sizes), max(sizes)
-        print(f"step at {hi} / step at {lo}: {medians[hi]['step_ms'] / medians[lo]['step_ms']:.2f}x")
+        print(f"at {hi} / at {lo}: step {medians[hi]['step_ms'] / medians[lo]['step_ms']:.2f}x, "
+              f"host {medians[hi]['host_ms'] / medians[lo]['host_ms']:.2f}x")
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump({"runs": runs, "medians": medians}, f, indent=1)

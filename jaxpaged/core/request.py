@@ -15,12 +15,15 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self.value.startswith("finished")
+        return self in FINISHED
 
     @property
     def finish_reason(self) -> str | None:
         return {"finished_stopped": "stop", "finished_length": "length",
                 "finished_aborted": "abort"}.get(self.value)
+
+
+FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED})
 
 
 class Request:
@@ -100,7 +103,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status in FINISHED
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -19,7 +19,7 @@ import logging
 from collections import deque
 
 from jaxpaged.core.kv_cache_manager import KVCacheManager, cdiv
-from jaxpaged.core.request import Request, RequestStatus
+from jaxpaged.core.request import FINISHED, Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +92,9 @@ class SchedulerOutput:
     copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)     # (src, dst) copy-on-write
     # requests finished (stopped, aborted) since the last plan: the runner frees their slots
     finished: list[Request] = dataclasses.field(default_factory=list)
+    # the first chunks are plain decodes (ScheduledChunk.decode: one token, sampled; no drafts, no
+    # forks; blocks unchanged since the request's last step), which a runner may take as columns
+    num_plain_decodes: int = 0
     committed: bool = False    # see Scheduler.commit
 
     @property
@@ -213,6 +216,7 @@ class Scheduler:
     # ---- the plan ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        decodes: list[ScheduledChunk] = []   # plain decodes (the plan's first chunks)
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
         swap_out: list[tuple[int, int]] = []
@@ -238,7 +242,7 @@ class Scheduler:
                     continue
                 blocks = req_blocks[request.request_id]
                 if ref_cnt[blocks[start // bs]] == 1:
-                    chunks.append(ScheduledChunk.decode(request, start, blocks))
+                    decodes.append(ScheduledChunk.decode(request, start, blocks))
                     budget -= 1
                     i += 1
                     continue
@@ -327,8 +331,8 @@ class Scheduler:
         self.waiting.extendleft(reversed(passed))
 
         finished, self.finished = self.finished, []
-        return SchedulerOutput(chunks, preempted, self.config.max_num_batched_tokens - budget,
-                               swap_out, swap_in, self.kv_cache.take_pending_copies(), finished)
+        return SchedulerOutput(decodes + chunks, preempted, self.config.max_num_batched_tokens - budget,
+                               swap_out, swap_in, self.kv_cache.take_pending_copies(), finished, len(decodes))
 
     def _begin_rope(self, request: Request) -> None:
         """The request's K/V begins from its first token: its rope length is its length now (a
@@ -413,7 +417,12 @@ class Scheduler:
         if output.committed:
             return
         output.committed = True
-        for chunk in output.chunks:
+        chunks = output.chunks
+        for chunk in chunks[:output.num_plain_decodes]:   # one token each, sampled
+            request = chunk.request
+            request.num_computed_tokens = chunk.start + 1
+            request.num_placeholders += 1
+        for chunk in chunks[output.num_plain_decodes:]:
             request = chunk.request
             request.num_computed_tokens = chunk.start + chunk.num_new_tokens
             request.spec_token_ids = []
@@ -462,29 +471,28 @@ class Scheduler:
         Requests finished meanwhile are skipped; requests preempted after the plan was made keep
         their token."""
         self.commit(output)
-        progressed, num_tokens, kept_counts = [], 0, {}
+        progressed, kept_counts = [], {}
         max_len = self.config.max_model_len
         kept = result.kept
         drafted = {c.request.request_id: c for c in output.chunks if c.num_drafts} if kept else {}
         for index, (request, token) in enumerate(zip(result.requests, result.token_ids)):
-            if request.num_placeholders == 0 or request.status.is_finished:
+            if request.num_placeholders == 0 or request.status in FINISHED:
                 continue
             request.num_placeholders -= 1
-            chunk = drafted.get(request.request_id)
+            chunk = drafted.get(request.request_id) if drafted else None
             # speculative decoding: the drafts' slots are taken back; each token kept re-adds one
             if chunk is not None and request.num_computed_tokens == chunk.start + chunk.num_new_tokens:
                 request.num_computed_tokens -= chunk.num_drafts
-            output_ids = request.output_token_ids
+            output_ids, all_ids = request.output_token_ids, request.all_token_ids
             output_ids.append(token)
-            request.all_token_ids.append(token)
-            num_tokens += 1
-            if (token in request.stop_token_set or len(output_ids) >= request.max_tokens
-                    or len(request.all_token_ids) >= max_len or request.matcher is not None or chunk is not None):
+            all_ids.append(token)
+            progressed.append((request, index))
+            if (token in request.stop_token_set or len(output_ids) >= request.max_tokens or len(all_ids) >= max_len
+                    or request.matcher is not None or chunk is not None):
                 num_kept = self._update_one(request, kept.get(request.request_id, ()))
                 if num_kept:
-                    num_tokens += num_kept
                     kept_counts[request.request_id] = num_kept
-            progressed.append((request, index))
+        num_tokens = len(progressed) + sum(kept_counts.values())
         return StepUpdate(progressed, num_tokens, kept_counts)
 
     def _update_one(self, request: Request, kept) -> int:

@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from jaxpaged.core.kv_cache_manager import KVCacheManager
-from jaxpaged.core.request import Request, RequestStatus
+from jaxpaged.core.request import FINISHED, Request, RequestStatus
 from jaxpaged.core.scheduler import Scheduler, SchedulerConfig
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.generation_config import load_generation_defaults
@@ -340,17 +340,17 @@ class LLMEngine(ResearchMixin):
                     record_prompt_logprobs(self._states[seq.parent_id], lps, self.tokenizer)
         for rid, num_drafts in result.num_drafts.items():
             self.speculator.observe(rid, num_drafts, len(result.kept[rid]))
-        seqs, logprobs, text_now = self._seqs, result.logprobs, self._to_detokenize
+        seqs, logprobs, text_now, num_kept = self._seqs, result.logprobs, self._to_detokenize, update.num_kept
         for request, index in update.progressed:
             seq = seqs[request.request_id]
-            num_kept = update.num_kept.get(request.request_id, 0) if update.num_kept else 0
-            if seq.logprobs is None and not num_kept:
+            if seq.logprobs is None and not (num_kept and request.request_id in num_kept):
                 seq.cumulative_logprob += logprobs[index]
             else:
                 seq.step_logprobs = []
-                for row in (result.rows[index], *result.kept_rows.get(request.request_id, ())[:num_kept]):
+                kept_rows = result.kept_rows.get(request.request_id, ())[:num_kept.get(request.request_id, 0)]
+                for row in (result.rows[index], *kept_rows):
                     record_logprobs(seq, result.token(row), self.tokenizer)
-            if request.is_finished:
+            if request.status in FINISHED:
                 seq.finish_reason, seq.stop_reason = request.status.finish_reason, request.stop_reason
                 text_now.append(seq)
             elif seq.text_each_step:

@@ -30,6 +30,7 @@ changes input values, never the executable.
 
 import dataclasses
 import logging
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -92,11 +93,94 @@ class _Pending:
     def is_sampled(self) -> bool:
         return self.sample_rows is None
 
-    def row_of(self, request) -> int | None:
-        """The sample row of `request`'s first token in this step (None: it samples none here)."""
+    def row_of(self) -> dict:
+        """request -> the sample row of its first token in this step (requests sampling here; requests
+        hash by identity)."""
         if self._row_of is None:
-            self._row_of = dict(zip(map(id, self.inputs.requests), self.inputs.rows))
-        return self._row_of.get(id(request))
+            self._row_of = dict(zip(self.inputs.requests, self.inputs.rows))
+        return self._row_of
+
+
+_REQUEST = operator.attrgetter("request")
+_START = operator.attrgetter("start")
+_LORA_SLOT = operator.attrgetter("lora_slot")
+_NUM_PLACEHOLDERS = operator.attrgetter("num_placeholders")
+_MATCHER = operator.attrgetter("matcher")
+
+
+class _GeneralColumns:
+    """The columns of a step's chunks other than plain decodes, appended one chunk at a time, their
+    flat tokens, sequences and sample rows numbered after `offset` plain decodes."""
+
+    def __init__(self, offset: int):
+        self.offset = offset
+        self.input_ids, self.start_pos, self.q_lens, self.seq_slots, self.seq_lora = [], [], [], [], []
+        self.logits_at, self.row_slots, self.count_slots, self.row_draft, self.row_first = [], [], [], [], []
+        self.requests, self.rows, self.constrained, self.spec_rows, self.lp_rows, self.lp_targets = [], [], [], [], [], []
+        self.prev_index, self.prev_source = [], []   # (flat token index, prev's sample row): tokens prev samples
+        self.chunk_rows = []                         # per chunk: its (first) sample row
+
+    def add(self, chunk, slots: SlotTable, block_size: int, prev, one_token_queries: bool) -> None:
+        request = chunk.request
+        n, start, blocks = chunk.num_new_tokens, chunk.start, chunk.block_ids
+        flat = self.offset + len(self.input_ids)
+        slot = slots.slot_of.get(request)
+        if slot is None:
+            slot = slots.slot_for(request)
+            slots.sync_blocks(slot, blocks, 0)
+        else:
+            slots.sync_blocks(slot, blocks, start // block_size)
+        row = self.offset + len(self.logits_at)
+        self.chunk_rows.append(row)
+        d = chunk.num_drafts   # speculative decoding: the chunk ends with d draft tokens to verify
+        drafts = request.spec_token_ids[:d]
+        tokens = request.all_token_ids[start:start + n - d]
+        if len(tokens) < n - d:   # the last token is a placeholder: the step in flight samples it
+            source = prev.row_of().get(request) if prev is not None else None
+            if d or len(tokens) != n - 1 or source is None:
+                raise RuntimeError(f"{request}: {n - d - len(tokens)} input tokens are not known yet")
+            self.prev_index.append(flat + n - 1)
+            self.prev_source.append(source)
+            tokens = tokens + [0]
+        tokens = tokens + drafts
+        if request.sampling_params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
+            count = min(n, request.num_prompt_tokens - 1 - start)
+            self.lp_rows.append((request.request_id, flat, count, start))
+            self.lp_targets.append((flat, request.all_token_ids[start + 1:start + 1 + count]))
+        if chunk.samples:
+            self.requests.append(request)
+            self.rows.append(row)
+            if request.matcher is not None:
+                self.constrained.append((row, request))
+            if d:
+                self.spec_rows.append((request.request_id, row, d))
+        for j in range(d + 1):   # rows for the last known token and each draft
+            self.logits_at.append(flat + n - 1 - d + j)
+            self.row_slots.append(slot)
+            self.count_slots.append(slot if chunk.samples else slots.no_slot)
+            self.row_draft.append(drafts[j] if j < d else -1)
+            self.row_first.append(row)
+        self.input_ids += tokens
+        # only decodes and verifications: each verified token is a query of its own (a decode step)
+        queries = [(start + j, 1) for j in range(n)] if d and one_token_queries else [(start, n)]
+        for position, length in queries:
+            self.start_pos.append(position)
+            self.q_lens.append(length)
+            self.seq_slots.append(slot)
+            self.seq_lora.append(request.lora_slot)
+
+    def add_fork(self, child, slot: int, parent_row: int) -> None:
+        """n > 1: a sibling sampling its first token from its parent's logits."""
+        row = self.offset + len(self.logits_at)
+        self.requests.append(child)
+        self.rows.append(row)
+        if child.matcher is not None:
+            self.constrained.append((row, child))
+        self.row_draft.append(-1)
+        self.row_first.append(row)
+        self.logits_at.append(self.logits_at[parent_row - self.offset])
+        self.row_slots.append(slot)
+        self.count_slots.append(slot)
 
 
 class ModelRunner(CompiledStep, DeviceMemory):
@@ -214,123 +298,30 @@ class ModelRunner(CompiledStep, DeviceMemory):
         return pending
 
     def prepare_inputs(self, plan: SchedulerOutput, prev: _Pending | None = None) -> InputBatch:
-        """The step's input batch: one pass over the plan's chunks appending to per-sequence and
-        per-sample-row columns, written into the packed buffer as whole arrays. A plain decode
-        (one token, no drafts, no forks) costs a few list appends; its slot's block table changes
-        only when its blocks did (StepLayout's TABLE updates)."""
+        """The step's input batch. The plan's plain decodes (its first `num_plain_decodes` chunks: one
+        token each, blocks unchanged) are taken as columns, whole-array operations on the packed
+        buffer; every other chunk (prompts, chunks, verifications, forks) in one pass appending to
+        per-sequence and per-sample-row lists."""
         slots = self.slot_table
-        slot_of, bs = slots.slot_of, self.block_size
-        input_ids, start_pos, q_lens, seq_slots, seq_lora = [], [], [], [], []
-        logits_at, row_slots, count_slots, row_draft, row_first = [], [], [], [], []
-        requests, rows, constrained, spec_rows, lp_rows, lp_targets = [], [], [], [], [], []
-        prev_index, prev_source = [], []   # (flat token index, prev's sample row): tokens prev is sampling
-        chunk_rows = []                    # per chunk: its (first) sample row
-        flat = 0
-        # only decodes and verifications: each verified token is a query of its own (a decode step)
-        one_token_queries = all(c.num_new_tokens - c.num_drafts == 1 for c in plan.chunks)
-        for chunk in plan.chunks:
-            request = chunk.request
-            n = chunk.num_new_tokens
-            start = chunk.start
-            blocks = chunk.block_ids
-            slot = slot_of.get(request)
-            if slot is None:
-                slot = slots.slot_for(request)
-                slots.sync_blocks(slot, blocks, 0)
-            else:
-                mirror = slots.tables[slot]
-                j = start // bs
-                if len(mirror) != len(blocks) or mirror[j] != blocks[j]:
-                    slots.sync_blocks(slot, blocks, j)
-            row = len(logits_at)
-            chunk_rows.append(row)
-            if n == 1 and not chunk.num_drafts:   # a decode (or a prompt's last token): the common case
-                known = request.all_token_ids
-                if start < len(known):
-                    input_ids.append(known[start])
-                else:   # a placeholder: the step in flight samples it
-                    source = prev.row_of(request) if prev is not None else None
-                    if source is None:
-                        raise RuntimeError(f"{request}: its input token is not known yet")
-                    prev_index.append(flat)
-                    prev_source.append(source)
-                    input_ids.append(0)
-                start_pos.append(start)
-                q_lens.append(1)
-                seq_slots.append(slot)
-                seq_lora.append(request.lora_slot)
-                logits_at.append(flat)
-                row_slots.append(slot)
-                row_draft.append(-1)
-                row_first.append(row)
-                if chunk.samples:
-                    count_slots.append(slot)
-                    requests.append(request)
-                    rows.append(row)
-                    if request.matcher is not None:
-                        constrained.append((row, request))
-                else:
-                    count_slots.append(slots.no_slot)
-                if request.sampling_params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
-                    lp_rows.append((request.request_id, flat, 1, start))
-                    lp_targets.append((flat, request.all_token_ids[start + 1:start + 2]))
-                flat += 1
-                continue
-            d = chunk.num_drafts   # speculative decoding: the chunk ends with d draft tokens to verify
-            drafts = request.spec_token_ids[:d]
-            tokens = request.all_token_ids[start:start + n - d]
-            if len(tokens) < n - d:   # the last token is a placeholder: the step in flight samples it
-                source = prev.row_of(request) if prev is not None else None
-                if d or len(tokens) != n - 1 or source is None:
-                    raise RuntimeError(f"{request}: {n - d - len(tokens)} input tokens are not known yet")
-                prev_index.append(flat + n - 1)
-                prev_source.append(source)
-                tokens = tokens + [0]
-            tokens = tokens + drafts
-            if request.sampling_params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
-                count = min(n, request.num_prompt_tokens - 1 - start)
-                lp_rows.append((request.request_id, flat, count, start))
-                lp_targets.append((flat, request.all_token_ids[start + 1:start + 1 + count]))
-            if chunk.samples:
-                requests.append(request)
-                rows.append(row)
-                if request.matcher is not None:
-                    constrained.append((row, request))
-                if d:
-                    spec_rows.append((request.request_id, row, d))
-            for j in range(d + 1):   # rows for the last known token and each draft
-                logits_at.append(flat + n - 1 - d + j)
-                row_slots.append(slot)
-                count_slots.append(slot if chunk.samples else slots.no_slot)
-                row_draft.append(drafts[j] if j < d else -1)
-                row_first.append(row)
-            input_ids += tokens
-            if d and one_token_queries:
-                for j in range(n):
-                    start_pos.append(start + j)
-                    q_lens.append(1)
-                    seq_slots.append(slot)
-                    seq_lora.append(request.lora_slot)
-            else:
-                start_pos.append(start)
-                q_lens.append(n)
-                seq_slots.append(slot)
-                seq_lora.append(request.lora_slot)
-            flat += n
-        for i, chunk in enumerate(plan.chunks):   # n > 1: siblings sample their first token from the same logits
+        k = plan.num_plain_decodes
+        decodes = plan.chunks[:k]
+        requests = list(map(_REQUEST, decodes))
+        decode_slots = list(map(slots.slot_of.get, requests))
+        if None in decode_slots or slots.unsynced:   # a fresh slot (or a fork's, taken last step): its whole table
+            for i, slot in enumerate(decode_slots):
+                if slot is None:
+                    slot = decode_slots[i] = slots.slot_for(requests[i])
+                if slot in slots.unsynced:
+                    slots.sync_blocks(slot, decodes[i].block_ids, 0)
+        # the general chunks, after the decodes
+        g = _GeneralColumns(k)
+        one_token_queries = all(c.num_new_tokens - c.num_drafts == 1 for c in plan.chunks[k:])
+        for chunk in plan.chunks[k:]:
+            g.add(chunk, slots, self.block_size, prev, one_token_queries)
+        for i, chunk in enumerate(plan.chunks[k:]):   # n > 1: siblings sample their first token from the same logits
             for child in chunk.forks:
-                slot = slots.slot_for(child)
-                row = len(logits_at)
-                requests.append(child)
-                rows.append(row)
-                if child.matcher is not None:
-                    constrained.append((row, child))
-                row_draft.append(-1)
-                row_first.append(row)
-                logits_at.append(logits_at[chunk_rows[i]])
-                row_slots.append(slot)
-                count_slots.append(slot)
-        num_seqs, num_rows = len(q_lens), len(logits_at)
+                g.add_fork(child, slots.slot_for(child), g.chunk_rows[i])
+        flat, num_seqs, num_rows = k + len(g.input_ids), k + len(g.q_lens), k + len(g.logits_at)
         shape = shape_for(flat, num_seqs, flat == num_seqs, TOKEN_FLOOR, SEQ_FLOOR, self.max_num_batched_tokens,
                           self.max_num_seqs, num_rows, self.speculative, self.max_decode_seqs)
         layout = StepLayout.of(shape)
@@ -340,29 +331,61 @@ class ModelRunner(CompiledStep, DeviceMemory):
                 self.channel.send(OP_UPDATES, (len(before),), np.asarray(before, np.int32))
             self.slot_state = apply_updates(self.slot_state, before, self.plan)
         buffer, v = layout.empty(slots.pad_slot)
-        v["input_ids"][:flat] = input_ids
-        for first, targets in lp_targets:
+        # the decodes: sequence i is sample row i, its token at flat index i
+        num_prev = 0
+        if k:
+            v["start_pos"][:k] = list(map(_START, decodes))
+            v["seq_slots"][:k] = decode_slots
+            v["row_slots"][:k] = v["seq_slots"][:k]
+            v["count_slots"][:k] = v["seq_slots"][:k]
+            v["seq_lora"][:k] = list(map(_LORA_SLOT, requests))
+            v["cu_q_lens"][1:k + 1] = np.arange(1, k + 1)
+            v["logits_indices"][:k] = np.arange(k)
+            waiting = np.fromiter(map(_NUM_PLACEHOLDERS, requests), np.int32, k) > 0
+            # a placeholder: the step in flight samples the input token; else the request's last token
+            from_prev = np.flatnonzero(waiting)
+            if len(from_prev):
+                rows_of_prev = prev.row_of() if prev is not None else {}
+                waiting_requests = requests if len(from_prev) == k else map(requests.__getitem__, from_prev.tolist())
+                sources = list(map(rows_of_prev.get, waiting_requests))
+                if None in sources:
+                    raise RuntimeError(f"{requests[from_prev[sources.index(None)]]}: its input token is not known yet")
+                num_prev = len(sources)
+                v["prev_index"][:num_prev] = from_prev
+                v["prev_source"][:num_prev] = sources
+            if num_prev < k:
+                known = np.flatnonzero(~waiting).tolist()
+                v["input_ids"][known] = [requests[i].all_token_ids[decodes[i].start] for i in known]
+        # then the general chunks
+        v["input_ids"][k:flat] = g.input_ids
+        for first, targets in g.lp_targets:
             v["prompt_targets"][first:first + len(targets)] = targets
-        v["seq_slots"][:num_seqs] = seq_slots
-        v["seq_lora"][:num_seqs] = seq_lora
-        v["start_pos"][:num_seqs] = start_pos
-        np.cumsum(q_lens, out=v["cu_q_lens"][1:num_seqs + 1])
+        v["seq_slots"][k:num_seqs] = g.seq_slots
+        v["seq_lora"][k:num_seqs] = g.seq_lora
+        v["start_pos"][k:num_seqs] = g.start_pos
+        np.cumsum(g.q_lens, out=v["cu_q_lens"][k + 1:num_seqs + 1])
+        v["cu_q_lens"][k + 1:num_seqs + 1] += k
         v["cu_q_lens"][num_seqs + 1:] = flat
-        v["logits_indices"][:num_rows] = logits_at
-        v["row_slots"][:num_rows] = row_slots
-        v["count_slots"][:num_rows] = count_slots
-        v["row_draft"][:num_rows] = row_draft
-        v["row_first"][:num_rows] = row_first
-        v["prev_index"][:len(prev_index)] = prev_index
-        v["prev_source"][:len(prev_source)] = prev_source
+        v["logits_indices"][k:num_rows] = g.logits_at
+        v["row_slots"][k:num_rows] = g.row_slots
+        v["count_slots"][k:num_rows] = g.count_slots
+        v["row_draft"][k:num_rows] = g.row_draft
+        v["row_first"][k:num_rows] = g.row_first
+        v["prev_index"][num_prev:num_prev + len(g.prev_index)] = g.prev_index
+        v["prev_source"][num_prev:num_prev + len(g.prev_source)] = g.prev_source
         pack_updates(in_step, layout.num_updates, v["updates"])
+        constrained = g.constrained
+        if k and list(map(_MATCHER, requests)).count(None) < k:   # structured outputs among the decodes
+            constrained = [(i, r) for i, r in enumerate(requests) if r.matcher is not None] + constrained
+        requests += g.requests
         kind = None
         if self.host_branches:
             kind = sampler_kind(requests)
             if kind not in self._sampler_kinds:
                 raise RuntimeError(f"this runner compiles only the {self._sampler_kinds} samplers (greedy_only); "
                                    f"its step needs the {kind!r} one")
-        return InputBatch(shape, buffer, requests, rows, constrained, spec_rows, lp_rows, bool(prev_index), kind)
+        return InputBatch(shape, buffer, requests, list(range(k)) + g.rows, constrained, g.spec_rows, g.lp_rows,
+                          num_prev + len(g.prev_index) > 0, kind)
 
     def execute_model(self, inputs: InputBatch, prev: _Pending | None = None) -> _Pending:
         """Queue the step's forward (its sampler waits for `sample`)."""

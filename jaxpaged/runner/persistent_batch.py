@@ -169,6 +169,7 @@ class SlotTable:
         self._owner: list = [None] * num_slots
         self._free = list(range(num_slots - 1, -1, -1))
         self.tables: list[list[int]] = [[] for _ in range(num_slots)]   # mirror of block_tables rows
+        self.unsynced: set[int] = set()   # slots taken whose block table row is not written yet (n > 1 forks)
         self.step_updates: list[tuple[int, int, int, int]] = []   # TABLE / PARAM, for the step
         self.seed_updates: list[tuple[int, int, int, int]] = []   # the rest, for apply_updates
 
@@ -195,6 +196,7 @@ class SlotTable:
             self._owner[slot] = request
             self.slot_of[request] = slot
             self.tables[slot] = []
+            self.unsynced.add(slot)
             self._seed(slot, request)
         return slot
 
@@ -202,6 +204,7 @@ class SlotTable:
         """Queue TABLE updates for the blocks that changed: those from the block this step writes
         first (earlier ones never change while a slot is held), or all of them in a new slot."""
         mirror = self.tables[slot]
+        self.unsynced.discard(slot)
         del mirror[len(block_ids):]
         for j in range(min(first_written, len(mirror)), len(block_ids)):
             block = block_ids[j]

@@ -149,6 +149,21 @@ def test_prompt_logprobs_match_transformers():
         assert set(np.argsort(-ref[i - 1])[:2]) <= set(entry)
 
 
+@pytest.mark.parametrize("prompt_len", [5, 8, 14])
+def test_greedy_forks_decode_what_one_sequence_decodes(prompt_len):
+    """n > 1 greedy: every fork reads its parent's K/V through its own block table (forked mid-block,
+    at a block's start and at its last slot; the parent copies its shared tail first), so each
+    sequence is transformers' greedy output, logprobs too."""
+    llm = tiny_llm()
+    prompt = list(range(7, 7 + prompt_len))
+    ref = hf_greedy("llama", prompt, MAX_TOKENS)
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(n=3, temperature=0.0, max_tokens=MAX_TOKENS,
+                                                                    ignore_eos=True, logprobs=1), use_tqdm=False)[0]
+    assert [c.token_ids for c in out.outputs] == [ref] * 3
+    first = [[lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)] for c in out.outputs]
+    np.testing.assert_allclose(first[1:], [first[0]] * 2, atol=1e-6)
+
+
 def test_n_samples_and_chat():
     llm = tiny_llm()
     out = llm.generate("Hello", SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=5, ignore_eos=True),

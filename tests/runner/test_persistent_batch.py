@@ -58,14 +58,12 @@ def test_device_batch_matches_the_host_builder_over_steps_with_slot_reuse():
     updates_sent = []
     for _ in range(40):
         # requests finish (their slots are taken by new ones, whose rows hold a stale tail)
-        for seq in list(live):
-            if seq.computed > 20 or rng.random() < 0.1:
-                seq.request.status = types.SimpleNamespace(is_finished=True)   # as finished
-                live.remove(seq)
+        finished = [seq.request for seq in live if seq.computed > 20 or rng.random() < 0.1]
+        live = [seq for seq in live if seq.request not in finished]
         while len(live) < 4:
             live.append(_Seq(rng, next_block))
         stepping = [s for s in live if rng.random() < 0.8] or live[:1]
-        table.begin_step([])
+        table.begin_step([], finished)   # as the plan names them
         chunks, slots = [], []
         for seq in stepping:
             start = seq.computed
