@@ -189,7 +189,7 @@ def profile_config(path, vocab, name, extra, seqs, dry_run):
 
 
 _PHASES = (("engine", "step"), ("scheduler", "schedule"), ("runner", "dispatch"), ("runner", "fetch"),
-           ("engine", "_apply"), ("engine", "_process_text"), ("runner", "run_forward"), ("runner", "sample"))
+           ("scheduler", "update_from_output"), ("engine", "_outputs"), ("runner", "run_forward"), ("runner", "sample"))
 
 
 def trace_steps(llm, run, name, num_seqs, max_tokens=24):

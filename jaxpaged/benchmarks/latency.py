@@ -36,9 +36,9 @@ PHASES = (
     ("sampler", "runner", "sample"),
     ("fetch", "runner", "fetch"),
     ("update", "scheduler", "update_from_output"),
-    ("apply", "engine", "_apply"),
+    ("update", "engine", "_apply"),                  # (before #22: tokens and stops applied by the engine)
     ("device wait", "jaxpaged.runner.model_runner", "_to_host"),   # fetch blocked on the device's results
-    ("outputs", "engine", "_process_text"),
+    ("outputs", "engine", "_process_text"),          # (before #22)
     ("outputs", "engine", "_outputs"),
 )
 

@@ -109,6 +109,9 @@ class StepUpdate:
     progressed: list[tuple[Request, int]]
     num_tokens: int
     num_kept: dict[str, int] = dataclasses.field(default_factory=dict)   # speculative decoding: tokens kept after the first
+    # the requests a token stopped, with their status and stop reason (as decided: a later abort
+    # changes the request, not this)
+    finished: list[tuple[Request, RequestStatus, int | None]] = dataclasses.field(default_factory=list)
 
 
 def token_stop(request: Request, max_model_len: int) -> tuple[RequestStatus, int | None] | None:
@@ -148,6 +151,7 @@ class Scheduler:
         self.swapped: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
         self.finished: list[Request] = []      # finished since the last plan (it hands them to the runner)
+        self._stopped: list = []               # update_from_output: the requests its tokens stopped
         self.num_preemptions = 0
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
@@ -472,6 +476,7 @@ class Scheduler:
         their token."""
         self.commit(output)
         progressed, kept_counts = [], {}
+        self._stopped = []
         max_len = self.config.max_model_len
         kept = result.kept
         drafted = {c.request.request_id: c for c in output.chunks if c.num_drafts} if kept else {}
@@ -493,7 +498,7 @@ class Scheduler:
                 if num_kept:
                     kept_counts[request.request_id] = num_kept
         num_tokens = len(progressed) + sum(kept_counts.values())
-        return StepUpdate(progressed, num_tokens, kept_counts)
+        return StepUpdate(progressed, num_tokens, kept_counts, self._stopped)
 
     def _update_one(self, request: Request, kept) -> int:
         """update_from_output past the plain case (a stop candidate, a grammar, drafts verified):
@@ -516,6 +521,7 @@ class Scheduler:
             return False
         status, request.stop_reason = stop
         self.finish_request(request.request_id, status)
+        self._stopped.append((request, status, request.stop_reason))
         return True
 
     @staticmethod

@@ -1,11 +1,16 @@
-"""AsyncLLM: the engine loop in one background thread, each request an async stream.
+"""AsyncLLM: the engine loop in one background thread, outputs built in another, each request an
+async stream.
 
     coroutines --(commands: add / abort, a locked list)--> engine thread: commands, then step()
-    engine thread --(loop.call_soon_threadsafe)--> the request's asyncio.Queue --> generate()
+    engine thread --(completed steps, a queue)--> output thread: text, stop strings, RequestOutputs
+    output thread --(loop.call_soon_threadsafe)--> the request's asyncio.Queue --> generate()
+    output thread --(commands: requests a stop string ended)--> engine thread
 
-Only the engine thread touches the LLMEngine: JAX dispatch, the scheduler and the
-detokenizers are not thread-safe, and a single owner keeps the step free of locks. Callers
-get a separate copy of the tokenizer for the same reason.
+Only the engine thread touches the scheduler and the runner (JAX dispatch is not thread-safe, and
+a single owner keeps the step free of locks); only the output thread touches the sequences'
+text, detokenizers and logprobs (each engine's OutputProcessor), so a step's launch never waits
+for text. The two share the GIL: the output thread runs while the engine thread waits on the
+device. Callers get a separate copy of the tokenizer.
 """
 
 import asyncio
@@ -13,6 +18,7 @@ import contextlib
 import copy
 import dataclasses
 import logging
+import queue
 import threading
 import time
 import uuid
@@ -133,6 +139,11 @@ class AsyncLLM(AsyncResearchMixin):
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._metrics = engine.get_metrics()  # replaced (never mutated) by the engine thread
         self._metrics_per_rank = engine.get_metrics_per_rank()   # likewise: one dict per data-parallel replica
+        for replica in engine.replicas():   # their outputs are built on the output thread
+            replica.defer_outputs = True
+        self._completed: queue.SimpleQueue = queue.SimpleQueue()   # (replica, steps); None: stop
+        self._output_thread = threading.Thread(target=self._run_outputs, name="jaxpaged-outputs", daemon=True)
+        self._output_thread.start()
         self._thread = threading.Thread(target=self._run, name="jaxpaged-engine", daemon=True)
         self._thread.start()
 
@@ -261,6 +272,8 @@ class AsyncLLM(AsyncResearchMixin):
             self.engine.shutdown()   # several hosts: from the thread that sent every step, release the followers
         except Exception:
             logger.exception("releasing the other hosts failed")
+        self._completed.put(None)   # the output thread builds what completed, then stops
+        self._output_thread.join(timeout=60)
         self._fail_requests(RuntimeError("AsyncLLM was shut down while the request was running"))
         with self._cond:   # commands that raced with shutdown; none can come after this
             pending, self._commands = self._commands, []
@@ -291,11 +304,17 @@ class AsyncLLM(AsyncResearchMixin):
                 self._step()
 
     def _can_step(self) -> bool:
-        """Requests to run, and no replica paused (pause_generation) or asleep."""
-        return self.engine.has_unfinished_requests() and not any(
-            r.paused or r.is_sleeping() for r in self.engine.replicas())
+        """Requests to run (or steps in flight), and no replica paused (pause_generation) or asleep."""
+        return self.engine.has_work() and not any(r.paused or r.is_sleeping() for r in self.engine.replicas())
 
     def _apply(self, command: tuple, stopping: bool) -> None:
+        if command[0] == "stopped":   # the output thread found stop strings
+            _, replica, requests = command
+            replica.finish_stopped(requests)
+            return
+        if command[0] == "fail":      # the output thread failed: every request fails
+            self._fail_requests(command[1])
+            return
         if command[0] == "call":
             _, fn, (loop, future) = command
             if stopping:
@@ -360,14 +379,14 @@ class AsyncLLM(AsyncResearchMixin):
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            self.engine.step()   # its outputs are deferred: built from take_completed() on the output thread
         except StepFailedError as exc:
             # The step ran its whole batch, so the failure can't be pinned on one request: the
             # engine aborted that step's requests; they fail, every other request keeps going.
             logger.exception("engine step failed; failing its %d request(s)", len(exc.request_ids))
             error = EngineRequestError(f"internal engine error: {exc.__cause__ or exc}")
             error.__cause__ = exc
-            self._deliver_outputs(exc.outputs)   # an earlier step's, completed in the same call
+            self._hand_over()   # the steps completed before it (their requests' outputs)
             self._fail_requests(error, exc.request_ids)
             return
         except Exception as exc:   # outside any step (a bug): the engine's state is unknown, fail all
@@ -376,15 +395,46 @@ class AsyncLLM(AsyncResearchMixin):
             error.__cause__ = exc
             self._fail_requests(error)
             return
-        self._deliver_outputs(outputs)
+        self._hand_over()
         self._publish_metrics()
         # the scheduler just planned: what it left waiting could not be taken (seats or KV blocks)
         self._saturated = self._metrics["jaxpaged:num_requests_waiting"] + \
             self._metrics["jaxpaged:num_requests_swapped"] > 0
 
+    def _hand_over(self) -> None:
+        """Engine thread: the steps each replica completed, to the output thread."""
+        for replica in self.engine.replicas():
+            steps = replica.take_completed()
+            if steps:
+                self._completed.put((replica, steps))
+
+    # ---- the output thread ----------------------------------------------------------------
+    def _run_outputs(self) -> None:
+        while True:
+            item = self._completed.get()
+            if item is None:
+                return
+            replica, steps = item
+            try:
+                outputs, stopped = replica.output_processor.process(steps)
+            except Exception as exc:   # a bug on the output side: fail every request, as a failed step would
+                logger.exception("building outputs failed; failing the %d request(s) in flight", len(self._streams))
+                error = EngineRequestError(f"internal engine error: {type(exc).__name__}: {exc}")
+                error.__cause__ = exc
+                self._send(("fail", error))
+                continue
+            if stopped:
+                self._send(("stopped", replica, stopped))
+            if any(out.finished for out in outputs):
+                self._publish_metrics()   # finished requests counted before their callers hear of it
+            self._deliver_outputs(outputs)
+
     def _deliver_outputs(self, outputs: list[RequestOutput]) -> None:
+        """Output thread: each output to its request's stream (a closed caller's request is aborted)."""
         now = time.time()
         for out in outputs:
+            if out.finished:
+                self.engine.release(out.request_id)
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
@@ -392,11 +442,11 @@ class AsyncLLM(AsyncResearchMixin):
                 stream.metrics.first_token_time = now
             if out.finished:
                 stream.metrics.finished_time = now
-                del self._streams[out.request_id]
+                self._streams.pop(out.request_id, None)
             out.metrics = dataclasses.replace(stream.metrics)
             if not self._deliver(stream, out) and not out.finished:
                 self._streams.pop(out.request_id, None)
-                self.engine.abort_request(out.request_id)
+                self._send(("abort", out.request_id, None, None))
 
     def _deliver(self, stream: _Stream, item) -> bool:
         try:

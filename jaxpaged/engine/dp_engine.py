@@ -101,6 +101,13 @@ class DataParallelEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._owner) or bool(self._held)
 
+    def has_work(self) -> bool:
+        return any(engine.has_work() for engine in self.engines)
+
+    def release(self, request_id: str) -> None:
+        """A request's last output was delivered (with deferred outputs step() does not see it)."""
+        self._owner.pop(request_id, None)
+
     def get_num_unfinished_requests(self) -> int:
         return len(self._owner)
 

@@ -29,15 +29,14 @@ import jax
 import numpy as np
 
 from jaxpaged.core.kv_cache_manager import KVCacheManager
-from jaxpaged.core.request import FINISHED, Request, RequestStatus
+from jaxpaged.core.request import Request, RequestStatus
 from jaxpaged.core.scheduler import Scheduler, SchedulerConfig
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.generation_config import load_generation_defaults
 from jaxpaged.engine.metrics import PREFIX, EngineMetrics
 from jaxpaged.engine.spec_decode import SpeculativeConfig, Speculator
 from jaxpaged.engine.research import ResearchMixin
-from jaxpaged.engine.output_processor import (RequestState, SequenceState, detokenize, record_logprobs,
-                                              record_prompt_logprobs)
+from jaxpaged.engine.output_processor import OutputProcessor, RequestState, SequenceState
 from jaxpaged.engine.startup import build_draft_proposer, build_runner, load_draft_model, load_model_and_tokenizer
 from jaxpaged.runner.structured_outputs import GrammarCompiler
 from jaxpaged.outputs import RequestOutput
@@ -84,9 +83,11 @@ class LLMEngine(ResearchMixin):
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache)
         self.metrics = EngineMetrics()
         self._rng = np.random.default_rng(args.seed)
-        self._states: dict[str, RequestState] = {}
-        self._seqs: dict[str, SequenceState] = {}       # core request id -> its sequence
-        self._to_detokenize: list[SequenceState] = []   # got tokens in the last step
+        self.output_processor = OutputProcessor(self.tokenizer)   # what users see: text, stops, RequestOutputs
+        # AsyncLLM: completed steps wait in take_completed() for its output thread, which builds their
+        # outputs off the loop that schedules and launches steps; else step() builds them itself
+        self.defer_outputs = False
+        self._completed: list[tuple] = []   # (plan, update, result) of completed steps, outputs not built
         self._in_flight = collections.deque()           # (plan, pending) dispatched, not fetched, oldest first
         self._ids = itertools.count()
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)   # structured outputs
@@ -123,7 +124,7 @@ class LLMEngine(ResearchMixin):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params = self.generation_defaults.apply(params)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        if request_id in self._states:
+        if request_id in self.output_processor.states:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
         cache_salt = self._cache_salt(prompt)
@@ -131,7 +132,7 @@ class LLMEngine(ResearchMixin):
         cache_salt = self._add_lora(lora_request, cache_salt)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
         core_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
-        clash = [c for c in core_ids if c in self._seqs or c in self.scheduler.requests]
+        clash = [c for c in core_ids if c in self.output_processor.seqs or c in self.scheduler.requests]
         if clash:
             raise ValueError(f"request_id {request_id!r} clashes with the sequence id {clash[0]!r} of a request "
                              "in flight (sequences of n > 1 requests are named '<id>#<index>')")
@@ -149,9 +150,7 @@ class LLMEngine(ResearchMixin):
         parent = sequences[0].request
         parent.pending_forks = [seq.request for seq in sequences[1:]]
         self.scheduler.add_request(parent)
-        self._states[request_id] = state
-        for seq in sequences:
-            self._seqs[seq.request.request_id] = seq
+        self.output_processor.add(state)
         self.metrics.prompt_tokens_total += len(token_ids)
         return request_id
 
@@ -205,19 +204,17 @@ class LLMEngine(ResearchMixin):
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request and free its blocks at once (unknown ids are ignored)."""
-        state = self._states.pop(request_id, None)
+        state = self.output_processor.abort(request_id)
         if state is None:
             return
         for seq in state.sequences:
             self.scheduler.finish_request(seq.request.request_id, RequestStatus.FINISHED_ABORTED)
-            self._seqs.pop(seq.request.request_id, None)
-        self._to_detokenize = [s for s in self._to_detokenize if s.request.request_id in self._seqs]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._states)
+        return bool(self.output_processor.states)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._states)
+        return len(self.output_processor.states)
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -280,7 +277,8 @@ class LLMEngine(ResearchMixin):
         return outputs
 
     def _complete(self) -> list[RequestOutput]:
-        """Fetch the oldest step in flight, apply its tokens and stops, and build the outputs.
+        """Fetch the oldest step in flight, let the scheduler place its tokens and decide its stops
+        (`update_from_output`), and build the outputs.
 
         An interrupted fetch (Ctrl-C) leaves the step queued, for the next call to fetch again;
         a failed one drops it (its requests fail with the caller, who aborts them).
@@ -294,8 +292,33 @@ class LLMEngine(ResearchMixin):
             self._in_flight.clear()
             raise self._fail_steps(plans, exc) from exc
         self._in_flight.popleft()
-        self._apply(plan, result)
-        return self._process_text()
+        update = self.scheduler.update_from_output(plan, result)
+        self.metrics.generation_tokens_total += update.num_tokens
+        for rid, num_drafts in result.num_drafts.items():
+            self.speculator.observe(rid, num_drafts, len(result.kept[rid]))
+        if self.defer_outputs:
+            self._completed.append((plan, update, result))
+            return []
+        return self._outputs([(plan, update, result)])
+
+    def take_completed(self) -> list[tuple]:
+        """defer_outputs: the steps completed since the last call, oldest first, for
+        `output_processor.process` (on any one thread) and then `finish_stopped` (on this one)."""
+        steps, self._completed = self._completed, []
+        return steps
+
+    def finish_stopped(self, requests) -> None:
+        """Finish the requests a stop string ended (the output side found it), unless gone since."""
+        for request in requests:
+            if self.scheduler.requests.get(request.request_id) is request:
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+
+    def has_work(self) -> bool:
+        """Requests the core still runs, or steps in flight (their outputs aside)."""
+        return bool(self.scheduler.requests) or bool(self._in_flight)
+
+    def release(self, request_id: str) -> None:
+        """A request's last output was delivered (a data-parallel engine forgets where it ran)."""
 
     def _fail_steps(self, plans: list, cause: Exception) -> "StepFailedError":
         """Undo what failed steps leave behind; returns the error to raise.
@@ -317,7 +340,8 @@ class LLMEngine(ResearchMixin):
                 if request.status == RequestStatus.SWAPPED:
                     failed[request.request_id] = None
             touched += [dst for _, dst in plan.swap_in] + [dst for _, dst in plan.copies]
-        request_ids = list(dict.fromkeys(self._seqs[rid].parent_id for rid in failed if rid in self._seqs))
+        seqs = [self.output_processor.seqs.get(rid) for rid in failed]
+        request_ids = list(dict.fromkeys(seq.parent_id for seq in seqs if seq is not None))
         for request_id in request_ids:
             self.abort_request(request_id)
         self.kv_cache.forget_cached_blocks(touched)
@@ -325,74 +349,15 @@ class LLMEngine(ResearchMixin):
                      len(request_ids), request_ids)
         return StepFailedError(f"engine step failed: {type(cause).__name__}: {cause}", request_ids)
 
-    def _apply(self, plan, result) -> None:
-        """A fetched step: the scheduler places its tokens and decides token stops
-        (`update_from_output`); here, what users see of them: logprobs, speculative decoding's
-        acceptance, and which sequences need text now (the rest wait for their end)."""
-        update = self.scheduler.update_from_output(plan, result)
-        self.metrics.generation_tokens_total += update.num_tokens
-        if result.prompt_logprobs:
-            planned = {c.request.request_id: c.request for c in plan.chunks}
-            for rid, lps in result.prompt_logprobs.items():
-                seq = self._seqs.get(rid)
-                # the plan's own request: an id aborted and reused while the step was in flight is another one
-                if seq is not None and seq.index == 0 and seq.request is planned.get(rid):
-                    record_prompt_logprobs(self._states[seq.parent_id], lps, self.tokenizer)
-        for rid, num_drafts in result.num_drafts.items():
-            self.speculator.observe(rid, num_drafts, len(result.kept[rid]))
-        seqs, logprobs, text_now, num_kept = self._seqs, result.logprobs, self._to_detokenize, update.num_kept
-        for request, index in update.progressed:
-            seq = seqs[request.request_id]
-            if seq.logprobs is None and not (num_kept and request.request_id in num_kept):
-                seq.cumulative_logprob += logprobs[index]
-            else:
-                seq.step_logprobs = []
-                kept_rows = result.kept_rows.get(request.request_id, ())[:num_kept.get(request.request_id, 0)]
-                for row in (result.rows[index], *kept_rows):
-                    record_logprobs(seq, result.token(row), self.tokenizer)
-            if request.status in FINISHED:
-                seq.finish_reason, seq.stop_reason = request.status.finish_reason, request.stop_reason
-                text_now.append(seq)
-            elif seq.text_each_step:
-                text_now.append(seq)
-
-    def _process_text(self) -> list[RequestOutput]:
-        """Detokenize the last step's tokens, apply stop strings, build the outputs each request's
-        output_kind asks for (DELTA: only the sequences that progressed, only what is new)."""
-        progressed: dict[str, list[SequenceState]] = {}   # request id -> its sequences that got tokens
-        for seq in self._to_detokenize:
-            if seq.request.request_id not in self._seqs:
-                continue
-            matched = detokenize(seq)
-            # a stop string inside a step's kept tokens (speculative decoding) ends the request there,
-            # whatever stopped it at a later token
-            if seq.num_dropped:
-                self.metrics.generation_tokens_total -= seq.num_dropped
-            if matched is not None and (seq.finish_reason is None or seq.num_dropped):
-                stop_str, truncate_to = matched
-                seq.text = seq.text[:truncate_to]
-                seq.finish_reason, seq.stop_reason = "stop", stop_str
-                self.scheduler.finish_request(seq.request.request_id, RequestStatus.FINISHED_STOPPED)
-            elif matched is not None:
-                seq.text = seq.text[:matched[1]]
-            progressed.setdefault(seq.parent_id, []).append(seq)
-        self._to_detokenize = []
-        outputs = []
-        for request_id, seqs in progressed.items():
-            state = self._states[request_id]
-            output = state.output(seqs)
-            if output is not None:
-                outputs.append(output)
-            if state.finished:
-                del self._states[request_id]
-                for seq in state.sequences:
-                    self._seqs.pop(seq.request.request_id, None)
-                self.metrics.requests_finished_total += 1
+    def _outputs(self, steps) -> list[RequestOutput]:
+        """The outputs of completed steps (OutputProcessor); requests a stop string ended finish."""
+        outputs, stopped = self.output_processor.process(steps)
+        self.finish_stopped(stopped)
         return outputs
 
     # ---- introspection -------------------------------------------------------------------
     def get_metrics(self) -> dict[str, float]:
-        out = self.metrics.snapshot(self.scheduler, self.kv_cache)
+        out = self.metrics.snapshot(self.scheduler, self.kv_cache, self.output_processor)
         if self.speculator is not None:
             out.update({PREFIX + k: v for k, v in self.speculator.metrics().items()})
         return out

@@ -32,6 +32,7 @@ class SequenceState:
                                                    params.skip_special_tokens,
                                                    params.spaces_between_special_tokens)
                             if params.detokenize and tokenizer is not None else None)
+        self.token_ids: list[int] = []   # the output's own copy of the sequence's generated tokens
         self.text = ""
         self.num_detokenized = 0
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
@@ -54,16 +55,15 @@ class SequenceState:
     def completion(self) -> CompletionOutput:
         """Everything so far (copies the token list); changes nothing."""
         return CompletionOutput(index=self.index, text=self.text,
-                                token_ids=list(self.request.output_token_ids),
+                                token_ids=list(self.token_ids),
                                 cumulative_logprob=self.cumulative_logprob, logprobs=self.logprobs,
                                 finish_reason=self.finish_reason, stop_reason=self.stop_reason)
 
     def delta_completion(self) -> CompletionOutput:
         """What no earlier delta carried; advances the sent offsets. cumulative_logprob stays the
         running total (as in vLLM)."""
-        output_token_ids = self.request.output_token_ids
-        token_ids = output_token_ids[self.num_sent_tokens:]
-        self.num_sent_tokens = len(output_token_ids)
+        token_ids = self.token_ids[self.num_sent_tokens:]
+        self.num_sent_tokens = len(self.token_ids)
         text_end = len(self.text)
         if self.finish_reason is None:
             text_end = max(self.num_sent_chars, text_end - self.text_hold_back)
@@ -170,9 +170,8 @@ def detokenize(seq: SequenceState) -> tuple[str, int] | None:
     Several new tokens (speculative decoding) are added one at a time while stop strings are
     asked for: the tokens after the one that completes a stop string are dropped, as they would
     never have been sampled without speculation."""
-    request = seq.request
-    params = request.sampling_params
-    new_ids = request.output_token_ids[seq.num_detokenized:]
+    params = seq.request.sampling_params
+    new_ids = seq.token_ids[seq.num_detokenized:]
     seq.num_dropped = 0
     # one token at a time: to find where a stop string completes, or (a sequence detokenized at its
     # end) to give the text the steps would have given
@@ -186,7 +185,7 @@ def detokenize(seq: SequenceState) -> tuple[str, int] | None:
                 _drop_last_tokens(seq, seq.num_dropped)
                 return matched
         return None
-    seq.num_detokenized = request.num_output_tokens
+    seq.num_detokenized = len(seq.token_ids)
     return _detokenize_ids(seq, new_ids)
 
 
@@ -194,22 +193,127 @@ def _drop_last_tokens(seq: SequenceState, n: int) -> None:
     """Take back the last n output tokens (their logprobs too); the request is finishing."""
     if n == 0:
         return
-    request = seq.request
-    del request.output_token_ids[-n:], request.all_token_ids[-n:]
+    del seq.token_ids[-n:]
     seq.cumulative_logprob -= sum(seq.step_logprobs[-n:])
     if seq.logprobs is not None:
         del seq.logprobs[-n:]
 
 
 def _detokenize_ids(seq: SequenceState, new_ids: list[int], flush: bool = True) -> tuple[str, int] | None:
-    request = seq.request
-    params = request.sampling_params
+    params = seq.request.sampling_params
     if seq.detokenizer is None or not new_ids:
         return None
     delta = seq.detokenizer.add_tokens(new_ids)
     if seq.finish_reason is not None and flush:   # a finished request's last characters
         delta += seq.detokenizer.flush()
     seq.text += delta
-    if params.stop and delta and request.num_output_tokens >= params.min_tokens:
+    if params.stop and delta and len(seq.token_ids) >= params.min_tokens:
         return check_stop_strings(seq.text, len(delta), params.stop, params.include_stop_str_in_output)
     return None
+
+
+class OutputProcessor:
+    """What users see of the engine core's steps (vLLM's OutputProcessor): each sequence's own
+    copy of its tokens, logprobs, text and stop strings, and the RequestOutputs its output_kind
+    asks for. It reads a step's results (StepResult, and the scheduler's StepUpdate) and never
+    changes a core request: a stop string it finds is handed back, for the engine to finish."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+        self.seqs: dict[str, SequenceState] = {}   # core request id -> its sequence
+        self.num_dropped_tokens = 0   # sampled after a stop string (speculative decoding), taken back
+        self.num_finished = 0         # requests finished, their last output built
+
+    def add(self, state: RequestState) -> None:
+        self.states[state.request_id] = state
+        for seq in state.sequences:
+            self.seqs[seq.request.request_id] = seq
+
+    def abort(self, request_id: str) -> RequestState | None:
+        """Forget a request (its outputs stop); returns its state, or None if unknown."""
+        state = self.states.pop(request_id, None)
+        if state is not None:
+            for seq in state.sequences:
+                self.seqs.pop(seq.request.request_id, None)
+        return state
+
+    def process(self, steps) -> tuple[list[RequestOutput], list[Request]]:
+        """The outputs of `steps`, each (plan, update, result) of a step the core completed, oldest
+        first; and the core requests a stop string ended (for the engine to finish as stopped)."""
+        outputs, stopped = [], []
+        for plan, update, result in steps:   # each step's outputs, as if they came one call each
+            text_now = []
+            self._record(plan, update, result, text_now)
+            step_outputs, step_stopped = self._outputs(text_now)
+            outputs += step_outputs
+            stopped += step_stopped
+        return outputs, stopped
+
+    def _record(self, plan, update, result, text_now: list) -> None:
+        """A step's tokens and logprobs into its sequences; those that need text now into `text_now`."""
+        if result.prompt_logprobs:
+            planned = {c.request.request_id: c.request for c in plan.chunks}
+            for rid, lps in result.prompt_logprobs.items():
+                seq = self.seqs.get(rid)
+                # the plan's own request: an id aborted and reused while the step was in flight is another one
+                if seq is not None and seq.index == 0 and seq.request is planned.get(rid):
+                    record_prompt_logprobs(self.states[seq.parent_id], lps, self.tokenizer)
+        seqs, token_ids, logprobs, num_kept = self.seqs, result.token_ids, result.logprobs, update.num_kept
+        for request, index in update.progressed:
+            seq = seqs.get(request.request_id)
+            kept = num_kept.get(request.request_id, 0) if num_kept else 0
+            if seq is None or seq.request is not request or seq.finish_reason is not None:
+                # aborted since, or stopped by a stop string in an earlier step's text: dropped
+                self.num_dropped_tokens += 1 + kept if seq is not None and seq.request is request else 0
+                continue
+            if seq.logprobs is None and not kept:
+                seq.token_ids.append(token_ids[index])
+                seq.cumulative_logprob += logprobs[index]
+            else:
+                seq.step_logprobs = []
+                rows = (result.rows[index], *result.kept_rows.get(request.request_id, ())[:kept])
+                for row in rows:
+                    token = result.token(row)
+                    seq.token_ids.append(token.token_id)
+                    record_logprobs(seq, token, self.tokenizer)
+            if seq.text_each_step:
+                text_now.append(seq)
+        for request, status, stop_reason in update.finished:
+            seq = seqs.get(request.request_id)
+            if seq is not None and seq.request is request and seq.finish_reason is None:
+                seq.finish_reason, seq.stop_reason = status.finish_reason, stop_reason
+                if not seq.text_each_step:
+                    text_now.append(seq)
+
+    def _outputs(self, text_now: list[SequenceState]) -> tuple[list[RequestOutput], list[Request]]:
+        """Detokenize, apply stop strings, build the outputs each request's output_kind asks for
+        (DELTA: only the sequences that progressed, only what is new)."""
+        progressed: dict[str, list[SequenceState]] = {}   # request id -> its sequences that got tokens
+        stopped = []
+        for seq in text_now:
+            matched = detokenize(seq)
+            # a stop string inside a step's kept tokens (speculative decoding) ends the request there,
+            # whatever stopped it at a later token
+            self.num_dropped_tokens += seq.num_dropped
+            if matched is not None and (seq.finish_reason is None or seq.num_dropped):
+                stop_str, truncate_to = matched
+                seq.text = seq.text[:truncate_to]
+                if seq.finish_reason is None:
+                    stopped.append(seq.request)
+                seq.finish_reason, seq.stop_reason = "stop", stop_str
+            elif matched is not None:
+                seq.text = seq.text[:matched[1]]
+            progressed.setdefault(seq.parent_id, []).append(seq)
+        outputs = []
+        for request_id, seqs in progressed.items():
+            state = self.states.get(request_id)
+            if state is None:
+                continue
+            output = state.output(seqs)
+            if output is not None:
+                outputs.append(output)
+            if state.finished:
+                self.abort(request_id)
+                self.num_finished += 1
+        return outputs, stopped

@@ -28,7 +28,7 @@ def test_random_workload_never_leaks_blocks(mode, seed):
             expected_lengths[rid] = (params.n, params.max_tokens)
             next_id += 1
         if engine.has_unfinished_requests() and rng.random() < 0.05:
-            victim = str(rng.choice(sorted(engine._states)))
+            victim = str(rng.choice(sorted(engine.output_processor.states)))
             engine.abort_request(victim)
             aborted.add(victim)
         for out in engine.step():

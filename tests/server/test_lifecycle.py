@@ -145,7 +145,7 @@ def test_a_dead_engine_loop_is_503_at_once_and_ends_the_process_with_1():
 
         def broken():   # a bug in the loop itself, outside any step
             raise RuntimeError("the engine loop broke")
-        engine.engine.has_unfinished_requests = broken
+        engine.engine.has_work = broken
         response = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=10)
         assert response.status_code == 503 and response.json()["error"]["code"] == "engine_dead"
         died = time.monotonic()   # the request saw the loop die
