@@ -96,6 +96,10 @@ PARTS = (
     Part("sampler", kernels.sampler_layout_timing, 45),
     Part("checkpoint", engine.random_checkpoint, 120),
     Part("step", step.step_check, 200),
+    # one graph per forward (#22): the layer loop unrolled, and the scan captured by command buffers
+    Part("layers:unrolled", functools.partial(step.layers_check, variant="unrolled"), 200),
+    Part("layers:cmdbuf", functools.partial(step.layers_check, variant="command-buffers"), 200),
+    Part("layers:choice", lambda ctx, limit_s: step.layers_choice(ctx), 10, in_driver=True),
     Part("engine:pallas", functools.partial(engine.engine_run, backend="pallas"), 90),
     Part("engine:triton", functools.partial(engine.engine_run, backend="triton"), 90),
     Part("engine:reference", functools.partial(engine.engine_run, backend="reference"), 90),

@@ -255,3 +255,70 @@ def _decode_row(llm, sizes: Sizes, num_seqs: int, weight_bytes: int, copy_gbps: 
     return Row("step", f"decode {num_seqs} seqs", "fail" if compiled else "ok", metrics, note=note,
                data={"seconds": {short: t_short, long: t_long}, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
                      "compiled": compiled})
+
+
+# ---- one graph per forward: the layer loop's variants -------------------------------------------
+# XLA's command buffers with the scanned layer loop captured whole (a WHILE thunk in one CUDA graph,
+# its iterations unrolled into it) instead of a graph re-recorded and launched per layer
+COMMAND_BUFFER_FLAGS = "--xla_gpu_enable_command_buffer=+WHILE --xla_gpu_command_buffer_unroll_loops=true"
+LAYER_VARIANTS = {"unrolled": ({"scan_layers": False}, ""), "command-buffers": ({}, COMMAND_BUFFER_FLAGS)}
+
+
+def layers_check(ctx: Context, variant: str) -> Iterator[Row]:
+    """The step part's start-up and decode rows again with another layer loop (LAYER_VARIANTS): the
+    step part's own rows (scan over stacked layers, XLA's defaults) are the baseline they are held to
+    (`layers_choice`). Runs in a child of its own: XLA reads its flags when the backend starts."""
+    engine_args, xla_flags = LAYER_VARIANTS[variant]
+    if xla_flags:
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {xla_flags}".strip()
+    os.environ["JAXPAGED_COMPILATION_CACHE"] = os.path.join(ctx.workdir, f"{_COMPILE_CACHE_FOLDER}-{variant}")
+    from jaxpaged import LLM
+
+    sizes = ctx.sizes
+    path = os.path.join(ctx.workdir, MODEL_FOLDER)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        yield Row("layers", f"{variant} start-up", "error", note=f"no model in {path}: see the checkpoint part")
+        return
+    args = {**sizes.step_engine_args, **engine_args}
+    with compilations() as startup_compiles:
+        start = time.perf_counter()
+        llm = LLM(path, **args)
+        startup = time.perf_counter() - start
+    row = _startup_row(llm, startup, startup_compiles, args)
+    yield Row("layers", f"{variant} start-up", row.status, row.metrics,
+              note=f"{variant}{' (XLA_FLAGS ' + xla_flags + ')' if xla_flags else ''}; {row.note}")
+    copy = [r.data["gbps"] for r in ctx.rows_of("copy") if "gbps" in r.data]
+    weight_bytes = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+    for num_seqs in sizes.step_decode_seqs:
+        def decode(num_seqs=num_seqs) -> Row:
+            r = _decode_row(llm, sizes, num_seqs, weight_bytes, copy[0] if copy else None)
+            return Row("layers", f"{variant} decode {num_seqs} seqs", r.status, r.metrics, note=r.note, data=r.data)
+        yield guarded("layers", f"{variant} decode {num_seqs} seqs", decode)
+
+
+def layers_choice(ctx: Context) -> list[Row]:
+    """Each variant's start-up and decode ms/step against the scanned loop's (the step part's rows),
+    and the variant that decodes fastest at the largest batch (start-up within 60 s)."""
+    scan = {r.case: r.metrics for r in ctx.rows_of("step") if r.status == "ok"}
+    runs = {r.case: r.metrics for r in ctx.rows_of("layers") if r.status == "ok"}
+    if "start-up" not in scan or not runs:
+        return [Row("layers", "choice", "skip", note="the step part or no variant ran: nothing to compare")]
+    rows, candidates = [], {"scan": (scan["start-up"]["s"], scan.get(f"decode {max(ctx.sizes.step_decode_seqs)} seqs",
+                                                                       {}).get("ms/step", float("inf")))}
+    for variant in LAYER_VARIANTS:
+        if f"{variant} start-up" not in runs:
+            continue
+        metrics = {"start-up s": runs[f"{variant} start-up"]["s"], "scan start-up s": scan["start-up"]["s"]}
+        for n in ctx.sizes.step_decode_seqs:
+            mine, base = runs.get(f"{variant} decode {n} seqs"), scan.get(f"decode {n} seqs")
+            if mine and base:
+                metrics[f"{n} seqs ms"] = mine["ms/step"]
+                metrics[f"{n} seqs vs scan"] = mine["ms/step"] / base["ms/step"]
+        largest = metrics.get(f"{max(ctx.sizes.step_decode_seqs)} seqs ms", float("inf"))
+        candidates[variant] = (metrics["start-up s"], largest)
+        rows.append(Row("layers", f"{variant} vs scan", "ok", metrics))
+    fit = {k: v for k, v in candidates.items() if v[0] <= 60.0} or candidates
+    best = min(fit, key=lambda k: fit[k][1])
+    rows.append(Row("layers", "choice", "ok", {"fastest": best, "ms/step": fit[best][1], "start-up s": fit[best][0]},
+                    note="decode ms/step at the largest batch among the variants starting within 60 s"))
+    return rows

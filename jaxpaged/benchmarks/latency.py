@@ -174,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--repeat", type=int, default=3, help="runs per batch size, alternated (median shown)")
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="the engine's (default: vLLM's 256, or the largest batch size if larger)")
     parser.add_argument("--json", default=None, help="also write the runs here")
     ns = parser.parse_args(argv)
 
@@ -182,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
 
     sizes = [int(s) for s in ns.seqs.split(",")]
     start = time.perf_counter()
-    engine = LLMEngine(EngineArgs(model=ns.model or tiny_model(), max_num_seqs=max(256, *sizes)), use_tqdm=False)
+    max_num_seqs = ns.max_num_seqs or max(256, *sizes)
+    engine = LLMEngine(EngineArgs(model=ns.model or tiny_model(), max_num_seqs=max_num_seqs), use_tqdm=False)
     print(f"start-up {time.perf_counter() - start:.1f} s; {len(sizes)} batch sizes x {ns.repeat} runs", flush=True)
     measure(engine, sizes[0], ns.prompt_len, min(ns.new_tokens, 8), seed=-1 % 2**31)   # first calls' costs
     runs = {n: [] for n in sizes}

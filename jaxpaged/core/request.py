@@ -1,8 +1,11 @@
 """A request's host-side state: its tokens, how many are in the KV pool, where they live."""
 
 import enum
+import logging
 import time
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 class RequestStatus(enum.Enum):
@@ -23,7 +26,8 @@ class RequestStatus(enum.Enum):
                 "finished_aborted": "abort"}.get(self.value)
 
 
-FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED})
+# a tuple: `status in FINISHED` compares identities (an Enum member hashes in Python)
+FINISHED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
 
 
 class Request:
@@ -112,3 +116,31 @@ class Request:
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, status={self.status.value}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens})")
+
+
+def token_stop(request: Request, max_model_len: int) -> tuple[RequestStatus, int | None] | None:
+    """Stop decided by the last token alone: (status, stop_reason) or None to go on."""
+    params = request.sampling_params
+    token = request.output_token_ids[-1]
+    if request.num_output_tokens >= params.min_tokens:
+        if not params.ignore_eos and token in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED, None
+        if token in (params.stop_token_ids or ()):
+            return RequestStatus.FINISHED_STOPPED, token
+    if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH, None
+    return None
+
+
+def advance_grammar(request: Request, stop):
+    """Feed a constrained request's new token to its matcher; a grammar that admits nothing more
+    (a choice made, a closed JSON value) ends the request as a stop, also on its last allowed
+    token (the output is whole: not "length")."""
+    token = request.output_token_ids[-1]
+    eos = token in request.eos_token_ids
+    if not eos and not request.matcher.consume_token(token):
+        logger.error("request %s: token %d is outside its grammar (%s)", request.request_id, token,
+                     request.matcher.get_error())
+    if (stop is None or stop[0] == RequestStatus.FINISHED_LENGTH) and request.matcher.is_stopped():
+        return RequestStatus.FINISHED_STOPPED, None
+    return stop

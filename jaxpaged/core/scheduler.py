@@ -15,13 +15,13 @@ Only host state changes here: the plan goes out as a `SchedulerOutput`.
 """
 
 import dataclasses
-import logging
 from collections import deque
 
 from jaxpaged.core.kv_cache_manager import KVCacheManager, cdiv
-from jaxpaged.core.request import FINISHED, Request, RequestStatus
+from jaxpaged.core.request import FINISHED, Request, RequestStatus, advance_grammar, token_stop
+from jaxpaged.core.sched_output import ScheduledChunk, SchedulerOutput, StepUpdate
 
-logger = logging.getLogger(__name__)
+__all__ = ["ScheduledChunk", "Scheduler", "SchedulerConfig", "SchedulerOutput", "StepUpdate"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,104 +42,6 @@ class SchedulerConfig:
                              f"({self.max_model_len}) when chunked prefill is off, or no long prompt could run")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
-
-
-class ScheduledChunk:
-    """One request's share of a step: `num_new_tokens` tokens from position `start`.
-
-    `block_ids` is the request's whole block table, the KV cache manager's own list (not a copy:
-    a step in flight reads it when dispatched). Speculative decoding: the chunk's last `num_drafts`
-    tokens are request.spec_token_ids[:num_drafts]. `samples`: whether the step reaches the end of
-    the request's tokens (so a token is sampled), fixed when scheduled, before commit() adds the
-    placeholder. `forks` (n > 1): the sibling sequences that sample their first token beside the
-    request in this step, from the same logits (commit() forks them off the request)."""
-
-    __slots__ = ("request", "start", "num_new_tokens", "block_ids", "num_drafts", "samples", "forks")
-
-    def __init__(self, request: Request, start: int, num_new_tokens: int, block_ids: list[int], num_drafts: int = 0):
-        self.request = request
-        self.start = start
-        self.num_new_tokens = num_new_tokens
-        self.block_ids = block_ids
-        self.num_drafts = num_drafts
-        self.samples = start + num_new_tokens - num_drafts == request.num_tokens_with_placeholders
-        self.forks = list(request.pending_forks) if self.samples else []
-
-    @classmethod
-    def decode(cls, request: Request, start: int, block_ids: list[int]) -> "ScheduledChunk":
-        """A plain decode (one token, sampled; no drafts, no forks), made without the checks."""
-        chunk = cls.__new__(cls)
-        chunk.request, chunk.start, chunk.num_new_tokens, chunk.block_ids = request, start, 1, block_ids
-        chunk.num_drafts, chunk.samples, chunk.forks = 0, True, _NO_FORKS
-        return chunk
-
-    def __repr__(self) -> str:
-        return (f"ScheduledChunk({self.request.request_id!r}, start={self.start}, new={self.num_new_tokens}, "
-                f"drafts={self.num_drafts}, samples={self.samples})")
-
-
-_NO_FORKS: tuple = ()
-
-
-@dataclasses.dataclass
-class SchedulerOutput:
-    chunks: list[ScheduledChunk]
-    preempted: list[Request]
-    num_batched_tokens: int
-    # block moves the device runs before the step, in this order:
-    swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)   # (device, host)
-    swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)    # (host, device)
-    copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)     # (src, dst) copy-on-write
-    # requests finished (stopped, aborted) since the last plan: the runner frees their slots
-    finished: list[Request] = dataclasses.field(default_factory=list)
-    # the first chunks are plain decodes (ScheduledChunk.decode: one token, sampled; no drafts, no
-    # forks; blocks unchanged since the request's last step), which a runner may take as columns
-    num_plain_decodes: int = 0
-    committed: bool = False    # see Scheduler.commit
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks
-
-
-@dataclasses.dataclass
-class StepUpdate:
-    """What update_from_output did: the requests that got tokens, each with its index in the
-    step's result (its first token's row there), and how many tokens they got in all."""
-    progressed: list[tuple[Request, int]]
-    num_tokens: int
-    num_kept: dict[str, int] = dataclasses.field(default_factory=dict)   # speculative decoding: tokens kept after the first
-    # the requests a token stopped, with their status and stop reason (as decided: a later abort
-    # changes the request, not this)
-    finished: list[tuple[Request, RequestStatus, int | None]] = dataclasses.field(default_factory=list)
-
-
-def token_stop(request: Request, max_model_len: int) -> tuple[RequestStatus, int | None] | None:
-    """Stop decided by the last token alone: (status, stop_reason) or None to go on."""
-    params = request.sampling_params
-    token = request.output_token_ids[-1]
-    if request.num_output_tokens >= params.min_tokens:
-        if not params.ignore_eos and token in request.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED, None
-        if token in (params.stop_token_ids or ()):
-            return RequestStatus.FINISHED_STOPPED, token
-    if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
-        return RequestStatus.FINISHED_LENGTH, None
-    return None
-
-
-def _advance_grammar(request: Request, stop):
-    """Feed a constrained request's new token to its matcher; a grammar that admits nothing more
-    (a choice made, a closed JSON value) ends the request as a stop, also on its last allowed
-    token (the output is whole: not "length")."""
-    token = request.output_token_ids[-1]
-    eos = token in request.eos_token_ids
-    if not eos and not request.matcher.consume_token(token):
-        logger.error("request %s: token %d is outside its grammar (%s)", request.request_id, token,
-                     request.matcher.get_error())
-    if (stop is None or stop[0] == RequestStatus.FINISHED_LENGTH) and request.matcher.is_stopped():
-        return RequestStatus.FINISHED_STOPPED, None
-    return stop
 
 
 class Scheduler:
@@ -438,29 +340,6 @@ class Scheduler:
                     child.num_placeholders = 1
                 request.pending_forks = []
 
-    def update_after_step(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """The step's tokens arrived: each replaces its placeholder (commit() first if the caller
-        has not). Requests finished meanwhile are skipped; requests preempted after the plan
-        was made keep their token. Returns the requests that got a token."""
-        self.commit(output)
-        got_token = []
-        for chunk in output.chunks:
-            if not chunk.samples:
-                continue
-            for request in (chunk.request, *chunk.forks):
-                if request.is_finished or request.num_placeholders == 0:
-                    continue
-                request.num_placeholders -= 1
-                # speculative decoding: the drafts' slots are taken back; accept_draft() re-adds
-                # each one whose token is kept
-                if request is chunk.request and request.num_computed_tokens == chunk.start + chunk.num_new_tokens:
-                    request.num_computed_tokens -= chunk.num_drafts
-                token = sampled.get(request.request_id)
-                if token is not None:
-                    request.append_output_token(token)
-                    got_token.append(request)
-        return got_token
-
     def update_from_output(self, output: SchedulerOutput, result) -> "StepUpdate":
         """The step's tokens arrived: place them, decide stops, finish what stopped (freeing its
         blocks). The one place where a step changes requests after it ran.
@@ -507,7 +386,7 @@ class Scheduler:
         for token in kept:
             if self._stop(request):
                 return num_kept
-            self.accept_draft(request, token)
+            self._accept_draft(request, token)
             num_kept += 1
         self._stop(request)
         return num_kept
@@ -516,7 +395,7 @@ class Scheduler:
         """Decide on the request's last token: finish it (True) or let it go on (False)."""
         stop = token_stop(request, self.config.max_model_len)
         if request.matcher is not None:
-            stop = _advance_grammar(request, stop)
+            stop = advance_grammar(request, stop)
         if stop is None:
             return False
         status, request.stop_reason = stop
@@ -525,7 +404,7 @@ class Scheduler:
         return True
 
     @staticmethod
-    def accept_draft(request: Request, token: int) -> None:
+    def _accept_draft(request: Request, token: int) -> None:
         """Speculative decoding: a verified step keeps one more token of `request` (an accepted draft,
         or the token after the last one), whose predecessor's K/V the step computed."""
         request.append_output_token(token)

@@ -430,6 +430,10 @@ class ModelRunner(CompiledStep, DeviceMemory):
         self.slot_state, pending.packed, pending.tokens = sampler(
             self.state, self.slot_state, pending.sample_rows, self._bitmask_arg(pending.shape, bitmask))
         pending.sample_rows = None
+        # the device->host copy starts as soon as the step ends, not when fetch asks (non-blocking)
+        for out in (pending.packed, pending.prompt_packed):
+            if out is not None and out.is_fully_addressable:
+                out.copy_to_host_async()
 
     def _bitmask_arg(self, shape: BatchShape, bitmask: np.ndarray | None):
         """The step's bitmask input: sent when some row is constrained, else kept on the device."""

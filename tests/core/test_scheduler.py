@@ -3,13 +3,13 @@ KV pool (block id -> slot -> token id) and samples a predictable token, so a tes
 user would: who ran, how many tokens, in what order, and whether every request got its output."""
 
 import random
-import types
 
 import pytest
 
 from jaxpaged.core.kv_cache_manager import KVCacheManager
 from jaxpaged.core.request import Request, RequestStatus
 from jaxpaged.core.scheduler import Scheduler, SchedulerConfig
+from tests.core.fake_step import FakeStepResult, fake_params
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=16, max_num_batched_tokens=32,
@@ -23,7 +23,7 @@ def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=16, max_num_batched
 def make_request(request_id, prompt, max_tokens=4):
     if isinstance(prompt, int):   # distinct per request id, the same in every run
         prompt = [(sum(map(ord, request_id)) * 37 + i) % 1000 for i in range(prompt)]
-    return Request(request_id, prompt, types.SimpleNamespace(max_tokens=max_tokens))
+    return Request(request_id, prompt, fake_params(max_tokens))
 
 
 def fake_token(request):
@@ -60,14 +60,15 @@ class Driver:
             seen = [self.kv.get(c.block_ids[p // bs], {}).get(p % bs) for p in range(end)]
             assert seen == c.request.all_token_ids[:end], f"{c.request} reads stale K/V"
         sampled = {c.request.request_id: fake_token(c.request) for c in out.chunks if c.samples}
-        s.update_after_step(out, sampled)
+        update = s.update_from_output(out, FakeStepResult(out, sampled))
         for c in out.chunks:
             assert c.request.all_token_ids == c.request.prompt_token_ids + c.request.output_token_ids
-        for request in list(s.running):   # the engine's length stop
-            if (request.num_output_tokens >= request.max_tokens
-                    or request.num_tokens >= s.config.max_model_len):
-                self.finished[request.request_id] = s.finish_request(request.request_id,
-                                                                     RequestStatus.FINISHED_LENGTH)
+        for request, status, _ in update.finished:   # the scheduler's length stops
+            assert status == RequestStatus.FINISHED_LENGTH and request.status == status
+            assert request.num_output_tokens >= request.max_tokens or request.num_tokens >= s.config.max_model_len
+            self.finished[request.request_id] = request
+        for request in s.running:
+            assert request.num_output_tokens < request.max_tokens and request.num_tokens < s.config.max_model_len
         s.check_invariants()
         self.outputs.append(out)
         return out
@@ -234,7 +235,7 @@ def test_abort_of_waiting_and_running_requests_frees_their_blocks():
     out = s.schedule()
     aborted = s.finish_request("run", RequestStatus.FINISHED_ABORTED)
     # a step already planned for an aborted request brings it no token
-    s.update_after_step(out, {"run": 42})
+    s.update_from_output(out, FakeStepResult(out, {"run": 42}))
     assert 42 not in aborted.output_token_ids
     assert s.running == [] and not s.has_unfinished()
     assert s.finish_request("run", RequestStatus.FINISHED_ABORTED) is None
@@ -359,15 +360,15 @@ def test_speculative_drafts_are_planned_verified_and_taken_back(budget):
             if draft != kept[-1]:
                 break
             kept.append(truth(first + j + 1))
-        s.update_after_step(out, {"a": kept[0]} if chunk.samples else {})
-        for token in kept[1:] if chunk.samples else ():
-            s.accept_draft(request, token)
+        update = s.update_from_output(out, FakeStepResult(out, {"a": kept[0]} if chunk.samples else {},
+                                                          {"a": kept[1:]} if chunk.samples else {}))
         assert request.spec_token_ids == []
+        if request.is_finished:   # max_tokens, reached with the last kept token
+            assert update.finished == [(request, RequestStatus.FINISHED_LENGTH, None)]
+            break
         if chunk.samples:
             assert request.num_computed_tokens == request.num_tokens - 1
         blocks = s.kv_cache.blocks_of("a")
         for pos in range(request.num_computed_tokens):
             assert kv[(blocks[pos // bs], pos % bs)] == request.all_token_ids[pos]
-        if request.num_output_tokens >= request.max_tokens:
-            s.finish_request("a", RequestStatus.FINISHED_LENGTH)
     assert request.output_token_ids == [truth(6 + i) for i in range(23)]

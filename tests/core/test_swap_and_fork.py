@@ -8,13 +8,13 @@ swapped one through its host blocks: a missing copy, a wrong swap pair or a bloc
 still in use shows up as a wrong token."""
 
 import random
-import types
 
 import pytest
 
 from jaxpaged.core.kv_cache_manager import KVCacheManager
 from jaxpaged.core.request import Request, RequestStatus
 from jaxpaged.core.scheduler import Scheduler, SchedulerConfig
+from tests.core.fake_step import FakeStepResult, fake_params
 
 BS = 4
 
@@ -31,7 +31,7 @@ def make_request(request_id, prompt, max_tokens, n=1):
     """Sequence 0 of a request; the other n - 1 fork off it when it samples (as the engine does)."""
     if isinstance(prompt, int):
         prompt = [(sum(map(ord, request_id)) * 37 + i) % 1000 for i in range(prompt)]
-    params = types.SimpleNamespace(max_tokens=max_tokens, n=n)
+    params = fake_params(max_tokens, n=n)
     parent = Request(request_id, prompt, params)
     parent.pending_forks = [Request(f"{request_id}#{i}", prompt, params) for i in range(1, n)]
     return parent
@@ -79,12 +79,11 @@ class Driver:
                 self.device.setdefault(c.block_ids[pos // BS], {})[pos % BS] = c.request.all_token_ids[pos]
         # n > 1: the forks sample their first token beside their parent (commit forks them)
         sampled = {r.request_id: fake_token(r) for c in out.chunks if c.samples for r in (c.request, *c.forks)}
-        for request in s.update_after_step(out, sampled):
+        update = s.update_from_output(out, FakeStepResult(out, sampled))
+        for request, _ in update.progressed:
             self.sequences[request.request_id] = request
         self.check_read_back()
-        for request in list(s.running):   # the engine's length stop
-            if request.num_output_tokens >= request.max_tokens:
-                s.finish_request(request.request_id, RequestStatus.FINISHED_LENGTH)
+        assert all(request.num_output_tokens < request.max_tokens for request in s.running)   # length stops
         s.check_invariants()
         self.outputs.append(out)
         return out

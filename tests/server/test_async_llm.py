@@ -89,6 +89,28 @@ def test_concurrent_requests_share_batches_and_match_solo_runs(llm, monkeypatch)
         assert final.metrics.first_token_time <= final.metrics.finished_time
 
 
+def test_outputs_are_built_off_the_engine_thread_and_stop_strings_still_end_requests(llm, monkeypatch):
+    """The engine thread only schedules, launches, fetches and places tokens; text, stop strings and
+    RequestOutputs are the output thread's. A stop string found there ends the request (its blocks
+    freed) with the text cut before it."""
+    import threading
+
+    threads = {"step": set(), "process": set()}
+    engine = llm.engine
+    step, process = engine.step, engine.output_processor.process
+    monkeypatch.setattr(engine, "step", lambda: threads["step"].add(threading.current_thread().name) or step())
+    monkeypatch.setattr(engine.output_processor, "process",
+                        lambda steps: threads["process"].add(threading.current_thread().name) or process(steps))
+    plain = asyncio.run(run_to_end(llm, PROMPTS[1], greedy(12)))[-1].outputs[0]
+    stop = plain.text[3:6]
+    assert len(stop) == 3, plain.text
+    stopped = asyncio.run(run_to_end(llm, PROMPTS[1], greedy(12, stop=[stop])))[-1].outputs[0]
+    assert threads == {"step": {"jaxpaged-engine"}, "process": {"jaxpaged-outputs"}}
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
+    assert stopped.text == plain.text[:plain.text.index(stop)]
+    asyncio.run(wait_until_idle(llm))
+
+
 def test_bad_input_raises_before_any_output_and_queues_nothing(llm):
     async def main():
         with pytest.raises(ValueError, match="prompt token id 999"):
