@@ -86,6 +86,11 @@ class Sizes:
     sampler_rows: tuple[int, ...] = (32, 256)     # sampler layouts: sample rows (decode sequences)
     sampler_shape: tuple[int, int] = (896, 151936)   # their LM head [hidden, vocab] (Qwen2.5-0.5B's)
     block_size: int = 16
+    # the same-run peer (#22): a ShareGPT-shaped workload, prompt lengths lognormal around a median
+    peer_requests: int = 256
+    peer_prompt_len: tuple[int, int, int] = (220, 16, 1024)   # median, shortest, longest
+    peer_new_tokens: int = 256                                 # every request (ignore_eos), both engines
+    peer_engine_args: dict[str, Any] = dataclasses.field(default_factory=dict)   # LLM(model, **these); {}: defaults
 
 
 _QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -120,6 +125,7 @@ DRY = Sizes(
     step_engine_args=dict(max_num_seqs=4, max_num_batched_tokens=16), step_workload_lens=(1, 5, 17, 40, 70),
     step_workload_tokens=6, step_decode_seqs=(1, 2, 4), step_prompt_len=8, step_max_tokens=(4, 20),
     qmm_rows=(1, 5), qmm_shape=(64, 128), sampler_rows=(4,), sampler_shape=(64, 512),
+    peer_requests=4, peer_prompt_len=(8, 3, 20), peer_new_tokens=4, peer_engine_args=dict(max_num_seqs=4),
 )
 
 

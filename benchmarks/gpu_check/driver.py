@@ -27,7 +27,7 @@ import tempfile
 import time
 from typing import Callable, Iterable
 
-from benchmarks.gpu_check import engine, kernels, step, system
+from benchmarks.gpu_check import engine, kernels, peer, step, system
 from benchmarks.gpu_check.common import STATUSES, Context, Row, error_row
 
 # Candidate jax-triton folders (os.pathsep-separated), tried in order; scripts/gpu_check.sh sets it.
@@ -100,6 +100,10 @@ PARTS = (
     Part("layers:unrolled", functools.partial(step.layers_check, variant="unrolled"), 200),
     Part("layers:cmdbuf", functools.partial(step.layers_check, variant="command-buffers"), 200),
     Part("layers:choice", lambda ctx, limit_s: step.layers_choice(ctx), 10, in_driver=True),
+    # the same-run peer (#22): transformers' continuous batching against the engine, same weights and workload
+    Part("peer:transformers", peer.transformers_run, 240),
+    Part("peer:jaxpaged", peer.engine_run, 240),
+    Part("peer:ratio", lambda ctx, limit_s: peer.peer_ratio(ctx), 10, in_driver=True),
     Part("engine:pallas", functools.partial(engine.engine_run, backend="pallas"), 90),
     Part("engine:triton", functools.partial(engine.engine_run, backend="triton"), 90),
     Part("engine:reference", functools.partial(engine.engine_run, backend="reference"), 90),

@@ -91,6 +91,8 @@ def step_check(ctx: Context) -> Iterator[Row]:
     for num_seqs in sizes.step_decode_seqs:
         yield guarded("step", f"decode {num_seqs} seqs", functools.partial(
             _decode_row, llm, sizes, num_seqs, weight_bytes, copy[0] if copy else None))
+    busiest = max(sizes.step_decode_seqs)
+    yield guarded("step", f"device busy {busiest} seqs", functools.partial(_busy_row, llm, sizes, busiest))
     tp = _tensor_parallel_size(llm)
     if tp > 1:   # the tensor-parallel path, on more than one GPU
         import gc
@@ -255,6 +257,74 @@ def _decode_row(llm, sizes: Sizes, num_seqs: int, weight_bytes: int, copy_gbps: 
     return Row("step", f"decode {num_seqs} seqs", "fail" if compiled else "ok", metrics, note=note,
                data={"seconds": {short: t_short, long: t_long}, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
                      "compiled": compiled})
+
+
+BUSY_GOAL = 0.85   # #22: the device busy at least this share of a steady decode step's span
+
+
+def _busy_row(llm, sizes: Sizes, num_seqs: int) -> Row:
+    """The share of steady decode steps' span the device spends in kernels: a jax.profiler trace of
+    one greedy run of num_seqs sequences, each LLMEngine.step annotated; over the middle steps (all
+    decodes), the union of kernel intervals against the span from the first step's start to the last's end."""
+    import glob
+    import tempfile
+
+    import jax
+    from jax.profiler import ProfileData
+
+    from jaxpaged import SamplingParams
+
+    engine = llm.llm_engine
+    step = engine.step
+
+    def annotated():
+        with jax.profiler.TraceAnnotation("phase:step"):
+            return step()
+    prompts = _workload_prompts(np.random.default_rng(num_seqs + 1), [sizes.step_prompt_len] * num_seqs,
+                                sizes.model["vocab_size"])
+    params = SamplingParams(temperature=0.0, max_tokens=sizes.step_max_tokens[1], ignore_eos=True, detokenize=False)
+    folder = tempfile.mkdtemp(prefix="busy-trace-")
+    engine.step = annotated
+    try:
+        with jax.profiler.trace(folder):
+            llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        del engine.step
+    paths = sorted(glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True))
+    share, span_s, steps = device_busy_share(ProfileData.from_file(paths[-1])) if paths else (None, 0.0, 0)
+    case = f"device busy {num_seqs} seqs"
+    if share is None:
+        return Row("step", case, "skip", note="no device kernels in the trace: a GPU trace has them")
+    return Row("step", case, "ok", {"busy %": 100 * share, "goal %": 100 * BUSY_GOAL, "meets": share >= BUSY_GOAL,
+                                     "steps": steps, "span ms": span_s * 1e3},
+               note=f"jax.profiler trace of {num_seqs} x {sizes.step_max_tokens[1]} greedy tokens; kernels' union "
+                    "over the middle decode steps' span")
+
+
+def device_busy_share(data, steps: int = 8) -> tuple[float | None, float, int]:
+    """(busy share, span s, steps) over `steps` steps from the middle of a trace's annotated engine steps
+    ("phase:step"); the share is None when the trace holds no device kernels."""
+    marks, kernels = [], []
+    for plane in data.planes:
+        on_device = plane.name.startswith("/device:")
+        for line in plane.lines:
+            for e in line.events:
+                if e.name == "phase:step":
+                    marks.append((e.start_ns, e.start_ns + e.duration_ns))
+                elif on_device and "Stream" in line.name:
+                    kernels.append((e.start_ns, e.start_ns + e.duration_ns))
+    marks.sort()
+    if not kernels or len(marks) < 3:
+        return None, 0.0, 0
+    middle = marks[max(1, len(marks) // 2 - steps // 2):][:steps]
+    t0, t1 = middle[0][0], middle[-1][1]
+    busy, end = 0, t0
+    for start, stop in sorted(kernels):
+        start, stop = max(start, end, t0), min(stop, t1)
+        if stop > start:
+            busy += stop - start
+            end = stop
+    return busy / max(t1 - t0, 1), (t1 - t0) / 1e9, len(middle)
 
 
 # ---- one graph per forward: the layer loop's variants -------------------------------------------

@@ -1,4 +1,4 @@
-"""The benchmarks behind `jaxpaged bench throughput|serve` (as vLLM keeps its own in vllm/benchmarks/); the
+"""The benchmarks behind `jaxpaged bench throughput|serve|latency` (as vLLM keeps its own in vllm/benchmarks/); the
 micro-benchmarks and the GPU check are repository tools, in the top-level benchmarks/ folder. Their figures:
 README, "Results", and docs/results.md."""
 import hashlib

@@ -123,15 +123,16 @@ class PhaseClock:
                 delattr(owner, name)
 
 
-def measure(engine, num_seqs: int, prompt_len: int, new_tokens: int, seed: int) -> dict:
+def measure(engine, num_seqs: int, prompt_len: int, new_tokens: int, seed: int, output_kind: str = "final_only") -> dict:
     """Run num_seqs greedy sequences to new_tokens tokens; medians over the steady decode steps."""
     from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
     rng = np.random.default_rng(seed)
     vocab = engine.model_config.vocab_size
-    # outputs at the end, as LLM.generate asks (a server's streams ask a DELTA each step)
+    # final_only: outputs at the end, as LLM.generate asks; delta: each step's, as a server's streams
+    # (whose outputs AsyncLLM builds on a thread of its own)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True,
-                            output_kind=RequestOutputKind.FINAL_ONLY)
+                            output_kind=RequestOutputKind[output_kind.upper()])
     for i in range(num_seqs):
         engine.add_request(f"b{seed}-{i}", {"prompt_token_ids": rng.integers(3, vocab, prompt_len).tolist()}, params)
     clock = PhaseClock(engine)
@@ -176,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3, help="runs per batch size, alternated (median shown)")
     parser.add_argument("--max-num-seqs", type=int, default=None,
                         help="the engine's (default: vLLM's 256, or the largest batch size if larger)")
+    parser.add_argument("--output-kind", default="final_only", choices=["final_only", "delta"],
+                        help="final_only (LLM.generate's) or delta (a server's streams: outputs every step)")
     parser.add_argument("--json", default=None, help="also write the runs here")
     ns = parser.parse_args(argv)
 
@@ -191,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = {n: [] for n in sizes}
     for r in range(ns.repeat):
         for n in sizes:
-            runs[n].append(measure(engine, n, ns.prompt_len, ns.new_tokens, seed=r * 1000 + n))
+            runs[n].append(measure(engine, n, ns.prompt_len, ns.new_tokens, seed=r * 1000 + n,
+                                   output_kind=ns.output_kind))
     medians = {}
     for n in sizes:
         keys = [k for k in runs[n][0] if k.endswith("_ms")]

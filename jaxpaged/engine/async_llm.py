@@ -139,8 +139,6 @@ class AsyncLLM(AsyncResearchMixin):
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._metrics = engine.get_metrics()  # replaced (never mutated) by the engine thread
         self._metrics_per_rank = engine.get_metrics_per_rank()   # likewise: one dict per data-parallel replica
-        for replica in engine.replicas():   # their outputs are built on the output thread
-            replica.defer_outputs = True
         self._completed: queue.SimpleQueue = queue.SimpleQueue()   # (replica, steps); None: stop
         self._output_thread = threading.Thread(target=self._run_outputs, name="jaxpaged-outputs", daemon=True)
         self._output_thread.start()
@@ -379,7 +377,7 @@ class AsyncLLM(AsyncResearchMixin):
 
     def _step(self) -> None:
         try:
-            self.engine.step()   # its outputs are deferred: built from take_completed() on the output thread
+            self.engine.step(defer_outputs=True)   # outputs built from take_completed() on the output thread
         except StepFailedError as exc:
             # The step ran its whole batch, so the failure can't be pinned on one request: the
             # engine aborted that step's requests; they fail, every other request keeps going.

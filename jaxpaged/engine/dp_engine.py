@@ -112,8 +112,8 @@ class DataParallelEngine:
         return len(self._owner)
 
     # ---- the loop ------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """One step of every replica; the outputs of all of them.
+    def step(self, defer_outputs: bool = False) -> list[RequestOutput]:
+        """One step of every replica; the outputs of all of them (defer_outputs: see LLMEngine.step).
 
         A replica whose step fails raises StepFailedError (its requests aborted, as LLMEngine
         does) after the other replicas have stepped; their outputs come with the next call."""
@@ -121,7 +121,7 @@ class DataParallelEngine:
         failures: list[StepFailedError] = []
         for engine in self.engines:
             try:
-                outputs += engine.step()
+                outputs += engine.step(defer_outputs)
             except StepFailedError as exc:
                 failures.append(exc)
                 outputs += exc.outputs

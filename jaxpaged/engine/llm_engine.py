@@ -84,9 +84,9 @@ class LLMEngine(ResearchMixin):
         self.metrics = EngineMetrics()
         self._rng = np.random.default_rng(args.seed)
         self.output_processor = OutputProcessor(self.tokenizer)   # what users see: text, stops, RequestOutputs
-        # AsyncLLM: completed steps wait in take_completed() for its output thread, which builds their
-        # outputs off the loop that schedules and launches steps; else step() builds them itself
-        self.defer_outputs = False
+        # step(defer_outputs=True), AsyncLLM's: completed steps wait in take_completed() for its output
+        # thread, which builds their outputs off the loop that schedules and launches steps
+        self._defer_outputs = False
         self._completed: list[tuple] = []   # (plan, update, result) of completed steps, outputs not built
         self._in_flight = collections.deque()           # (plan, pending) dispatched, not fetched, oldest first
         self._ids = itertools.count()
@@ -217,13 +217,21 @@ class LLMEngine(ResearchMixin):
         return len(self.output_processor.states)
 
     # ---- the loop ------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, defer_outputs: bool = False) -> list[RequestOutput]:
         """Run one step; returns the outputs of the requests that progressed, as each request's
         output_kind asks (CUMULATIVE: everything so far; DELTA: what is new; FINAL_ONLY: at the end).
 
         With async scheduling the outputs are those of the previous device step, whose
-        tokens are fetched while this call's step runs.
+        tokens are fetched while this call's step runs. `defer_outputs`: build none; the steps
+        completed wait in take_completed() for another thread's output_processor (AsyncLLM).
         """
+        self._defer_outputs = defer_outputs
+        try:
+            return self._step()
+        finally:
+            self._defer_outputs = False
+
+    def _step(self) -> list[RequestOutput]:
         if self.paused:
             return []
         if self.runner.is_sleeping:
@@ -296,13 +304,13 @@ class LLMEngine(ResearchMixin):
         self.metrics.generation_tokens_total += update.num_tokens
         for rid, num_drafts in result.num_drafts.items():
             self.speculator.observe(rid, num_drafts, len(result.kept[rid]))
-        if self.defer_outputs:
+        if self._defer_outputs:
             self._completed.append((plan, update, result))
             return []
         return self._outputs([(plan, update, result)])
 
     def take_completed(self) -> list[tuple]:
-        """defer_outputs: the steps completed since the last call, oldest first, for
+        """step(defer_outputs=True): the steps completed since the last call, oldest first, for
         `output_processor.process` (on any one thread) and then `finish_stopped` (on this one)."""
         steps, self._completed = self._completed, []
         return steps

@@ -257,8 +257,9 @@ class OutputProcessor:
             for rid, lps in result.prompt_logprobs.items():
                 seq = self.seqs.get(rid)
                 # the plan's own request: an id aborted and reused while the step was in flight is another one
-                if seq is not None and seq.index == 0 and seq.request is planned.get(rid):
-                    record_prompt_logprobs(self.states[seq.parent_id], lps, self.tokenizer)
+                state = self.states.get(seq.parent_id) if seq is not None else None   # (aborted meanwhile: None)
+                if state is not None and seq.index == 0 and seq.request is planned.get(rid):
+                    record_prompt_logprobs(state, lps, self.tokenizer)
         seqs, token_ids, logprobs, num_kept = self.seqs, result.token_ids, result.logprobs, update.num_kept
         for request, index in update.progressed:
             seq = seqs.get(request.request_id)

@@ -89,7 +89,7 @@ class ResearchMixin:
         return lora_cache_salt(cache_salt, lora_request)
 
     def _loras_in_use(self) -> set[int]:
-        return {seq.request.lora_int_id for seq in self.output_processor.seqs.values() if seq.request.lora_int_id}
+        return {r.lora_int_id for r in self.scheduler.requests.values() if r.lora_int_id}   # (forks: their parent)
 
     def assign_loras(self, plan) -> None:
         """Before a step: every planned request's adapter in a device slot (request.lora_slot)."""

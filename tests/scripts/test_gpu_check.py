@@ -95,9 +95,10 @@ def test_step_rows_report_start_up_no_compiles_after_it_and_decode_time_against_
     step = {r.case: r for r in rows if r.part == "step"}
     decode = [f"decode {n} seqs" for n in DRY.step_decode_seqs]
     memory = ["memory after start-up", "memory after the workload"]   # the GPU allocator's statistics
-    assert list(step) == ["start-up", memory[0], "compiles after start-up", memory[1], *decode]
-    assert all(r.status == "ok" for case, r in step.items() if case not in memory), step
-    assert all(step[case].status == "skip" for case in memory)   # a CPU has no allocator statistics
+    busy = f"device busy {max(DRY.step_decode_seqs)} seqs"               # a GPU trace's kernels
+    assert list(step) == ["start-up", memory[0], "compiles after start-up", memory[1], *decode, busy]
+    assert all(r.status == "ok" for case, r in step.items() if case not in memory + [busy]), step
+    assert all(step[case].status == "skip" for case in memory + [busy])   # a CPU has no allocator statistics
     startup = step["start-up"].metrics
     assert startup["s"] > 0 and startup["step variants"] > 0 and startup["not compiled"] == 0
     assert startup["XLA compiles"] >= startup["step variants"]   # the counter saw start-up compile
@@ -107,6 +108,21 @@ def test_step_rows_report_start_up_no_compiles_after_it_and_decode_time_against_
         m = step[case].metrics
         assert m["XLA compiles"] == 0 and math.isfinite(m["ms/step"]) and m["floor ms"] > 0
         assert m["x floor"] == pytest.approx(m["ms/step"] / m["floor ms"])
+
+
+def test_layer_variants_and_the_peer_run_and_are_compared(dry_run):
+    """#22's rows: the layer loop unrolled and captured by command buffers, each held to the scanned
+    loop; transformers' continuous batching against the engine on the same weights and workload."""
+    _, _, rows = dry_run
+    layers = {r.case: r for r in rows if r.part == "layers"}
+    for variant in ("unrolled", "command-buffers"):
+        assert layers[f"{variant} start-up"].status == "ok" and layers[f"{variant} vs scan"].status == "ok"
+        assert all(layers[f"{variant} decode {n} seqs"].metrics["ms/step"] > 0 for n in DRY.step_decode_seqs)
+    assert layers["choice"].metrics["fastest"] in ("scan", "unrolled", "command-buffers")
+    peer = {r.case: r for r in rows if r.part == "peer"}
+    assert peer["jaxpaged"].metrics["tokens out"] == peer["transformers generate_batch"].metrics["tokens out"] \
+        == DRY.peer_requests * DRY.peer_new_tokens
+    assert peer["ratio"].metrics["jaxpaged / transformers"] > 0
 
 
 def test_the_compile_counter_sees_each_compilation_inside_its_block_only():

@@ -61,9 +61,9 @@ def count_steps(llm, monkeypatch) -> list[int]:
     calls = []
     step = llm.engine.step
 
-    def counted():
+    def counted(*args, **kwargs):
         calls.append(1)
-        return step()
+        return step(*args, **kwargs)
     monkeypatch.setattr(llm.engine, "step", counted)
     return calls
 
@@ -98,7 +98,8 @@ def test_outputs_are_built_off_the_engine_thread_and_stop_strings_still_end_requ
     threads = {"step": set(), "process": set()}
     engine = llm.engine
     step, process = engine.step, engine.output_processor.process
-    monkeypatch.setattr(engine, "step", lambda: threads["step"].add(threading.current_thread().name) or step())
+    monkeypatch.setattr(engine, "step",
+                        lambda **kw: threads["step"].add(threading.current_thread().name) or step(**kw))
     monkeypatch.setattr(engine.output_processor, "process",
                         lambda steps: threads["process"].add(threading.current_thread().name) or process(steps))
     plain = asyncio.run(run_to_end(llm, PROMPTS[1], greedy(12)))[-1].outputs[0]
@@ -176,7 +177,7 @@ def test_cancelling_or_leaving_the_consumer_aborts_the_request(llm):
 def test_a_failing_step_fails_the_requests_in_flight_and_the_loop_goes_on(llm, monkeypatch):
     step = llm.engine.step
 
-    def fail_once():
+    def fail_once(*args, **kwargs):
         monkeypatch.setattr(llm.engine, "step", step)
         raise RuntimeError("injected failure")
 

@@ -41,9 +41,9 @@ def url(engine):
 def slow_steps(engine, monkeypatch):
     step = engine.engine.step
 
-    def slow_step():
+    def slow_step(*args, **kwargs):
         time.sleep(0.03)
-        return step()
+        return step(*args, **kwargs)
     monkeypatch.setattr(engine.engine, "step", slow_step)
 
 
@@ -78,11 +78,11 @@ def test_when_kv_blocks_not_seats_run_out_the_queue_still_fills(monkeypatch):
     def two_run_two_wait(m):
         return m["jaxpaged:num_requests_running"] >= 2 and m["jaxpaged:num_requests_waiting"] >= 2
 
-    def held_step():   # once two wait, no step runs until the late request is answered: no race
+    def held_step(*args, **kwargs):   # once two wait, no step runs until the late request is answered: no race
         time.sleep(0.02)
         if two_run_two_wait(engine.engine.get_metrics()) and not late_answered.is_set():
             return []
-        return step()
+        return step(*args, **kwargs)
     monkeypatch.setattr(engine.engine, "step", held_step)
     # 35 prompt tokens + 4: 5 blocks each, so two fit in the 11 usable blocks
     body = lambda i: {"prompt": [5 + i] + list(range(10, 44)), "max_tokens": 4, "ignore_eos": True,  # noqa: E731

@@ -265,7 +265,7 @@ def test_api_key_guards_v1_only_and_the_server_still_serves(urls):
 def test_an_internal_failure_is_a_500_for_that_request_only(client, urls, engine, monkeypatch):
     step = engine.engine.step
 
-    def fail_once():
+    def fail_once(*args, **kwargs):
         monkeypatch.setattr(engine.engine, "step", step)
         raise RuntimeError("injected failure")
     monkeypatch.setattr(engine.engine, "step", fail_once)
@@ -336,9 +336,9 @@ def test_64_streams_where_a_quarter_walk_away(urls):
 def test_a_client_that_hangs_up_on_a_whole_response_aborts_it(urls, engine, monkeypatch):
     step = engine.engine.step
 
-    def slow_step():   # 240 steps now take over a second, well past the client's patience
+    def slow_step(*args, **kwargs):   # 240 steps now take over a second, well past the client's patience
         time.sleep(0.005)
-        return step()
+        return step(*args, **kwargs)
     before = wait_idle(urls[0])
     monkeypatch.setattr(engine.engine, "step", slow_step)
     with pytest.raises(httpx.ReadTimeout):
