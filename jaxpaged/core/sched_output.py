@@ -16,7 +16,7 @@ class ScheduledChunk:
     placeholder. `forks` (n > 1): the sibling sequences that sample their first token beside the
     request in this step, from the same logits (commit() forks them off the request)."""
 
-    __slots__ = ("request", "start", "num_new_tokens", "block_ids", "num_drafts", "samples", "forks")
+    __slots__ = ("request", "start", "block_ids", "__dict__")   # (the rest: PlainDecode's are class constants)
 
     def __init__(self, request: Request, start: int, num_new_tokens: int, block_ids: list[int], num_drafts: int = 0):
         self.request = request
@@ -27,20 +27,22 @@ class ScheduledChunk:
         self.samples = start + num_new_tokens - num_drafts == request.num_tokens_with_placeholders
         self.forks = list(request.pending_forks) if self.samples else []
 
-    @classmethod
-    def decode(cls, request: Request, start: int, block_ids: list[int]) -> "ScheduledChunk":
-        """A plain decode (one token, sampled; no drafts, no forks), made without the checks."""
-        chunk = cls.__new__(cls)
-        chunk.request, chunk.start, chunk.num_new_tokens, chunk.block_ids = request, start, 1, block_ids
-        chunk.num_drafts, chunk.samples, chunk.forks = 0, True, _NO_FORKS
-        return chunk
-
     def __repr__(self) -> str:
-        return (f"ScheduledChunk({self.request.request_id!r}, start={self.start}, new={self.num_new_tokens}, "
-                f"drafts={self.num_drafts}, samples={self.samples})")
+        return (f"{type(self).__name__}({self.request.request_id!r}, start={self.start}, "
+                f"new={self.num_new_tokens}, drafts={self.num_drafts}, samples={self.samples})")
 
 
-_NO_FORKS: tuple = ()
+class PlainDecode(ScheduledChunk):
+    """A ScheduledChunk of one token that samples, without drafts or forks: a decode inside a block
+    the request holds alone (the scheduler's common case, made without the checks)."""
+
+    __slots__ = ()
+    num_new_tokens, num_drafts, samples, forks = 1, 0, True, ()
+
+    def __init__(self, request: Request, start: int, block_ids: list[int]):
+        self.request, self.start, self.block_ids = request, start, block_ids
+
+
 
 
 @dataclasses.dataclass
@@ -54,7 +56,7 @@ class SchedulerOutput:
     copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)     # (src, dst) copy-on-write
     # requests finished (stopped, aborted) since the last plan: the runner frees their slots
     finished: list[Request] = dataclasses.field(default_factory=list)
-    # the first chunks are plain decodes (ScheduledChunk.decode: one token, sampled; no drafts, no
+    # the first chunks are plain decodes (PlainDecode: one token, sampled; no drafts, no
     # forks; blocks unchanged since the request's last step), which a runner may take as columns
     num_plain_decodes: int = 0
     committed: bool = False    # see Scheduler.commit

@@ -19,7 +19,7 @@ from collections import deque
 
 from jaxpaged.core.kv_cache_manager import KVCacheManager, cdiv
 from jaxpaged.core.request import FINISHED, Request, RequestStatus, advance_grammar, token_stop
-from jaxpaged.core.sched_output import ScheduledChunk, SchedulerOutput, StepUpdate
+from jaxpaged.core.sched_output import PlainDecode, ScheduledChunk, SchedulerOutput, StepUpdate
 
 __all__ = ["ScheduledChunk", "Scheduler", "SchedulerConfig", "SchedulerOutput", "StepUpdate"]
 
@@ -148,7 +148,7 @@ class Scheduler:
                     continue
                 blocks = req_blocks[request.request_id]
                 if ref_cnt[blocks[start // bs]] == 1:
-                    decodes.append(ScheduledChunk.decode(request, start, blocks))
+                    decodes.append(PlainDecode(request, start, blocks))
                     budget -= 1
                     i += 1
                     continue

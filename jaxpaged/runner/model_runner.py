@@ -206,6 +206,7 @@ class ModelRunner(CompiledStep, DeviceMemory):
         self.max_decode_seqs = max_decode_queries(max_num_seqs, max_num_batched_tokens, num_speculative_tokens)
         self.plan = model.shard_plan   # its devices (tensor parallelism: the pool is sharded by KV heads)
         self.host_branches = self.plan.local_device.platform in HOST_BRANCH_PLATFORMS
+        self.copy_results_early = self.plan.local_device.platform != "cpu"
         blocks = cdiv(max_model_len, block_size)
         self.max_blocks_per_seq = cdiv(blocks, KV_CHUNK_BLOCKS) * KV_CHUNK_BLOCKS
         cfg = self.model_config
@@ -430,10 +431,12 @@ class ModelRunner(CompiledStep, DeviceMemory):
         self.slot_state, pending.packed, pending.tokens = sampler(
             self.state, self.slot_state, pending.sample_rows, self._bitmask_arg(pending.shape, bitmask))
         pending.sample_rows = None
-        # the device->host copy starts as soon as the step ends, not when fetch asks (non-blocking)
-        for out in (pending.packed, pending.prompt_packed):
-            if out is not None and out.is_fully_addressable:
-                out.copy_to_host_async()
+        # on an accelerator the device->host copy starts as soon as the step ends, not when fetch asks
+        # (a CPU's arrays are in host memory already: there the call only waits for the step)
+        if self.copy_results_early:
+            for out in (pending.packed, pending.prompt_packed):
+                if out is not None and out.is_fully_addressable:
+                    out.copy_to_host_async()
 
     def _bitmask_arg(self, shape: BatchShape, bitmask: np.ndarray | None):
         """The step's bitmask input: sent when some row is constrained, else kept on the device."""

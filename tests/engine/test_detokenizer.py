@@ -311,13 +311,12 @@ def test_several_tokens_a_step_detokenize_as_one_at_a_time():
         seq = SequenceState(request, 0, tokenizer, "r")
         pos, matched = 0, None
         for n in steps:
-            for token in ids[pos:pos + n]:
-                request.append_output_token(token)
+            seq.token_ids += ids[pos:pos + n]   # the output side's copy of the sequence's tokens
             pos += n
             if pos == len(ids):
                 seq.finish_reason = "length"
             matched = detokenize(seq) or matched
-        return seq.text, request.output_token_ids, seq.num_dropped, matched
+        return seq.text, seq.token_ids, seq.num_dropped, matched
 
     one = run([1] * len(ids), ["zzz"])
     assert run([len(ids) - 6, 6], ["zzz"])[:2] == one[:2]
