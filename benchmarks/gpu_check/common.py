@@ -86,7 +86,7 @@ class Sizes:
     sampler_rows: tuple[int, ...] = (32, 256)     # sampler layouts: sample rows (decode sequences)
     sampler_shape: tuple[int, int] = (896, 151936)   # their LM head [hidden, vocab] (Qwen2.5-0.5B's)
     block_size: int = 16
-    # the same-run peer (#22): a ShareGPT-shaped workload, prompt lengths lognormal around a median
+    # the same-run peer: a ShareGPT-shaped workload, prompt lengths lognormal around a median
     peer_requests: int = 256
     peer_prompt_len: tuple[int, int, int] = (220, 16, 1024)   # median, shortest, longest
     peer_new_tokens: int = 256                                 # every request (ignore_eos), both engines

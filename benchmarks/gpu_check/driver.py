@@ -96,11 +96,11 @@ PARTS = (
     Part("sampler", kernels.sampler_layout_timing, 45),
     Part("checkpoint", engine.random_checkpoint, 120),
     Part("step", step.step_check, 200),
-    # one graph per forward (#22): the layer loop unrolled, and the scan captured by command buffers
+    # one graph per forward: the layer loop unrolled, and the scan captured by command buffers
     Part("layers:unrolled", functools.partial(step.layers_check, variant="unrolled"), 200),
     Part("layers:cmdbuf", functools.partial(step.layers_check, variant="command-buffers"), 200),
     Part("layers:choice", lambda ctx, limit_s: step.layers_choice(ctx), 10, in_driver=True),
-    # the same-run peer (#22): transformers' continuous batching against the engine, same weights and workload
+    # the same-run peer: transformers' continuous batching against the engine, same weights and workload
     Part("peer:transformers", peer.transformers_run, 240),
     Part("peer:jaxpaged", peer.engine_run, 240),
     Part("peer:ratio", lambda ctx, limit_s: peer.peer_ratio(ctx), 10, in_driver=True),

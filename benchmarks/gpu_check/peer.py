@@ -3,7 +3,7 @@
 random Qwen2.5-0.5B shape, bf16) and the same workload: `peer_requests` prompts whose lengths follow
 ShareGPT's shape (lognormal around a median, clipped), each generating `peer_new_tokens` greedy tokens
 (EOS ignored by both, so both produce the same number of tokens). Each engine runs in a child of its
-own (torch stays out of the engine's process); the ratio is `peer_ratio`'s row (#22's goal: >= 5x).
+own (torch stays out of the engine's process); the ratio is `peer_ratio`'s row (the goal: >= 5x).
 """
 
 import os

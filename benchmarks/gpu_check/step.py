@@ -259,7 +259,7 @@ def _decode_row(llm, sizes: Sizes, num_seqs: int, weight_bytes: int, copy_gbps: 
                      "compiled": compiled})
 
 
-BUSY_GOAL = 0.85   # #22: the device busy at least this share of a steady decode step's span
+BUSY_GOAL = 0.85   # the goal: the device busy at least this share of a steady decode step's span
 
 
 def _busy_row(llm, sizes: Sizes, num_seqs: int) -> Row:

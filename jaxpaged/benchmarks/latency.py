@@ -2,16 +2,18 @@
 
     jaxpaged bench latency [--seqs 32,256] [--new-tokens 48] [--prompt-len 16] [--model FOLDER] [--repeat 3]
 
-N sequences decode together (greedy, ignore_eos, outputs at the end as `LLM.generate` asks) through
-`LLMEngine.step()`, default engine arguments. A step counts when all N sequences decode in it and the step it fetches decoded all N
-too (the steady state); the figure is the median wall time of those steps, and of each host phase
-inside them (wall times of the engine's own calls, named in PHASES; the ones an engine lacks are
-left out). The default model is built here, random: one layer, 64 wide, a vocabulary of 512, so
-that a step is nearly all host work on any machine (the device's share is a few small matmuls).
+N sequences decode together (greedy, ignore_eos, outputs at the end as `LLM.generate` asks;
+`--output-kind delta` as a server's streams) through `LLMEngine.step()`, default engine arguments. A
+step counts when all N sequences decode in it and the step it fetches decoded all N too (the steady
+state). Per size it prints the median wall time of those steps, the host's share (the wall time less
+the time `fetch` waited for the device) and each host phase (wall times of the engine's own calls,
+named in PHASES; those an engine lacks are left out). The default model is built here, random: one
+layer, 64 wide, a vocabulary of 512, so that the host's work is most of a step; on a CPU the
+"device" is the same two cores, so the wall time there is bounded by the step's compute as well.
 On a GPU, pass a real model folder to see the same split at its size.
 
 It prints one line per batch size and the ratio of the largest to the smallest: the host's work
-per step should not grow with the batch (#22: at 256 sequences <= 1.6x the step at 32).
+per step should not grow with the batch (the goal: at 256 sequences <= 1.6x its share at 32).
 """
 
 import argparse
@@ -36,9 +38,9 @@ PHASES = (
     ("sampler", "runner", "sample"),
     ("fetch", "runner", "fetch"),
     ("update", "scheduler", "update_from_output"),
-    ("update", "engine", "_apply"),                  # (before #22: tokens and stops applied by the engine)
+    ("update", "engine", "_apply"),                  # an older tree's (the engine placed tokens itself)
     ("device wait", "jaxpaged.runner.model_runner", "_to_host"),   # fetch blocked on the device's results
-    ("outputs", "engine", "_process_text"),          # (before #22)
+    ("outputs", "engine", "_process_text"),          # an older tree's
     ("outputs", "engine", "_outputs"),
 )
 

@@ -111,8 +111,8 @@ def test_step_rows_report_start_up_no_compiles_after_it_and_decode_time_against_
 
 
 def test_layer_variants_and_the_peer_run_and_are_compared(dry_run):
-    """#22's rows: the layer loop unrolled and captured by command buffers, each held to the scanned
-    loop; transformers' continuous batching against the engine on the same weights and workload."""
+    """The layer loop unrolled and captured by command buffers, each held to the scanned loop;
+    transformers' continuous batching against the engine on the same weights and workload."""
     _, _, rows = dry_run
     layers = {r.case: r for r in rows if r.part == "layers"}
     for variant in ("unrolled", "command-buffers"):
