@@ -31,14 +31,21 @@ def _row(case: str, seconds: float, tokens: int, sizes: Sizes, note: str) -> Row
                note=note if tokens == expected else f"{tokens} tokens out, {expected} asked; {note}")
 
 
+def _model(ctx: Context, case: str) -> tuple[str, Row | None]:
+    """The checkpoint part's folder, or an error row when it made none."""
+    path = os.path.join(ctx.workdir, MODEL_FOLDER)
+    missing = not os.path.exists(os.path.join(path, "config.json"))
+    return path, Row("peer", case, "error", note=f"no model in {path}: see the checkpoint part") if missing else None
+
+
 def transformers_run(ctx: Context) -> Iterator[Row]:
     import torch
     import transformers
 
     sizes = ctx.sizes
-    path = os.path.join(ctx.workdir, MODEL_FOLDER)
-    if not os.path.exists(os.path.join(path, "config.json")):
-        yield Row("peer", "transformers generate_batch", "error", note=f"no model in {path}: see the checkpoint part")
+    path, error = _model(ctx, "transformers generate_batch")
+    if error is not None:
+        yield error
         return
     cuda = torch.cuda.is_available()
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if cuda else torch.float32)
@@ -61,9 +68,9 @@ def engine_run(ctx: Context) -> Iterator[Row]:
     from jaxpaged import LLM, SamplingParams
 
     sizes = ctx.sizes
-    path = os.path.join(ctx.workdir, MODEL_FOLDER)
-    if not os.path.exists(os.path.join(path, "config.json")):
-        yield Row("peer", "jaxpaged", "error", note=f"no model in {path}: see the checkpoint part")
+    path, error = _model(ctx, "jaxpaged")
+    if error is not None:
+        yield error
         return
     start = time.perf_counter()
     llm = LLM(path, **sizes.peer_engine_args)

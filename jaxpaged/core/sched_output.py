@@ -43,8 +43,6 @@ class PlainDecode(ScheduledChunk):
         self.request, self.start, self.block_ids = request, start, block_ids
 
 
-
-
 @dataclasses.dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk]
