@@ -67,10 +67,14 @@ class SchedulerOutput:
 @dataclasses.dataclass
 class StepUpdate:
     """What update_from_output did: the requests that got tokens, each with its index in the
-    step's result (its first token's row there), and how many tokens they got in all."""
+    step's result (its first token's row there)."""
     progressed: list[tuple[Request, int]]
-    num_tokens: int
     num_kept: dict[str, int] = dataclasses.field(default_factory=dict)   # speculative decoding: tokens kept after the first
     # the requests a token stopped, with their status and stop reason (as decided: a later abort
     # changes the request, not this)
     finished: list[tuple[Request, RequestStatus, int | None]] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the requests got in all."""
+        return len(self.progressed) + sum(self.num_kept.values())

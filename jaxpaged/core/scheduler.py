@@ -53,7 +53,6 @@ class Scheduler:
         self.swapped: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
         self.finished: list[Request] = []      # finished since the last plan (it hands them to the runner)
-        self._stopped: list = []               # update_from_output: the requests its tokens stopped
         self.num_preemptions = 0
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
@@ -354,8 +353,7 @@ class Scheduler:
         Requests finished meanwhile are skipped; requests preempted after the plan was made keep
         their token."""
         self.commit(output)
-        progressed, kept_counts = [], {}
-        self._stopped = []
+        progressed, kept_counts, stopped = [], {}, []
         max_len = self.config.max_model_len
         kept = result.kept
         drafted = {c.request.request_id: c for c in output.chunks if c.num_drafts} if kept else {}
@@ -373,26 +371,25 @@ class Scheduler:
             progressed.append((request, index))
             if (token in request.stop_token_set or len(output_ids) >= request.max_tokens or len(all_ids) >= max_len
                     or request.matcher is not None or chunk is not None):
-                num_kept = self._update_one(request, kept.get(request.request_id, ()))
+                num_kept = self._update_one(request, kept.get(request.request_id, ()), stopped)
                 if num_kept:
                     kept_counts[request.request_id] = num_kept
-        num_tokens = len(progressed) + sum(kept_counts.values())
-        return StepUpdate(progressed, num_tokens, kept_counts, self._stopped)
+        return StepUpdate(progressed, kept_counts, stopped)
 
-    def _update_one(self, request: Request, kept) -> int:
+    def _update_one(self, request: Request, kept, stopped: list) -> int:
         """update_from_output past the plain case (a stop candidate, a grammar, drafts verified):
         the tokens kept after the first, one at a time, until one stops. Returns how many it kept."""
         num_kept = 0
         for token in kept:
-            if self._stop(request):
+            if self._stop(request, stopped):
                 return num_kept
             self._accept_draft(request, token)
             num_kept += 1
-        self._stop(request)
+        self._stop(request, stopped)
         return num_kept
 
-    def _stop(self, request: Request) -> bool:
-        """Decide on the request's last token: finish it (True) or let it go on (False)."""
+    def _stop(self, request: Request, stopped: list) -> bool:
+        """Decide on the request's last token: finish it (True, noted in `stopped`) or let it go on."""
         stop = token_stop(request, self.config.max_model_len)
         if request.matcher is not None:
             stop = advance_grammar(request, stop)
@@ -400,7 +397,7 @@ class Scheduler:
             return False
         status, request.stop_reason = stop
         self.finish_request(request.request_id, status)
-        self._stopped.append((request, status, request.stop_reason))
+        stopped.append((request, status, request.stop_reason))
         return True
 
     @staticmethod

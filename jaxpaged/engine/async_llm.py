@@ -27,13 +27,13 @@ from collections.abc import AsyncIterator
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.llm_engine import LLMEngine, StepFailedError
 from jaxpaged.engine.research import AsyncResearchMixin
+from jaxpaged.engine.streams import CLOSED, RequestMetrics, Stream, merge_deltas, resolve, resolve_value
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
+__all__ = ["AsyncLLM", "EngineOverloadedError", "EngineRequestError", "RequestMetrics"]
+
 logger = logging.getLogger(__name__)
-
-_CLOSED = object()   # queued when a request is aborted: its stream ends without a final output
-
 
 class EngineRequestError(RuntimeError):
     """An internal failure while the engine processed a request (not a bad input)."""
@@ -41,73 +41,6 @@ class EngineRequestError(RuntimeError):
 
 class EngineOverloadedError(RuntimeError):
     """A request refused because `max_num_waiting` requests already wait for a seat in the batch."""
-
-
-@dataclasses.dataclass
-class RequestMetrics:
-    """Wall-clock times (time.time()) of one request, attached to each RequestOutput."""
-
-    arrival_time: float
-    first_token_time: float | None = None
-    finished_time: float | None = None
-
-
-class _Stream:
-    """Where the engine thread delivers one request's outputs and its caller reads them."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.added = loop.create_future()   # the engine accepted (None) or refused (an exception)
-        self.metrics = RequestMetrics(time.time())
-        self.arrival_monotonic = time.monotonic()
-
-    def put(self, item) -> None:
-        """Engine thread; raises RuntimeError when the caller's event loop is closed."""
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-
-    def resolve_added(self, error: BaseException | None) -> None:
-        def resolve():
-            if not self.added.done():
-                self.added.set_result(None) if error is None else self.added.set_exception(error)
-        self.loop.call_soon_threadsafe(resolve)
-
-
-def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, error: BaseException | None = None) -> None:
-    def resolve():
-        if not future.done():
-            future.set_result(None) if error is None else future.set_exception(error)
-    try:
-        loop.call_soon_threadsafe(resolve)
-    except RuntimeError:   # the caller's loop is gone; nobody waits
-        pass
-
-
-def _resolve_value(loop: asyncio.AbstractEventLoop, future: asyncio.Future, value) -> None:
-    def resolve():
-        if not future.done():
-            future.set_result(value)
-    try:
-        loop.call_soon_threadsafe(resolve)
-    except RuntimeError:
-        pass
-
-
-def _merge(older: RequestOutput | None, newer: RequestOutput) -> RequestOutput:
-    """`newer`, a DELTA output, appended to `older` (a DELTA output or a running total): per
-    completion index the text, token ids and logprobs joined, the rest from `newer`. Builds
-    new lists and changes neither input, so outputs already handed out stay as they were."""
-    if older is None:
-        return newer
-    merged = {c.index: c for c in older.outputs}
-    for c in newer.outputs:
-        prev = merged.get(c.index)
-        if prev is not None:
-            c = dataclasses.replace(c, text=prev.text + c.text, token_ids=prev.token_ids + c.token_ids,
-                                    logprobs=None if c.logprobs is None else (prev.logprobs or []) + c.logprobs)
-        merged[c.index] = c
-    prompt_logprobs = older.prompt_logprobs if older.prompt_logprobs is not None else newer.prompt_logprobs
-    return dataclasses.replace(newer, outputs=[merged[i] for i in sorted(merged)], prompt_logprobs=prompt_logprobs)
 
 
 def _check_max_num_waiting(value) -> None:
@@ -136,7 +69,7 @@ class AsyncLLM(AsyncResearchMixin):
         self._commands: list[tuple] = []      # guarded by _cond
         self._stopping = False                # guarded by _cond
         self._closed = False                  # guarded by _cond: no command will ever be read again
-        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._streams: dict[str, Stream] = {}  # engine thread only
         self._metrics = engine.get_metrics()  # replaced (never mutated) by the engine thread
         self._metrics_per_rank = engine.get_metrics_per_rank()   # likewise: one dict per data-parallel replica
         self._completed: queue.SimpleQueue = queue.SimpleQueue()   # (replica, steps); None: stop
@@ -182,7 +115,7 @@ class AsyncLLM(AsyncResearchMixin):
         params = (sampling_params or SamplingParams()).clone()   # the engine thread owns this copy
         params.output_kind = RequestOutputKind.DELTA
         total: RequestOutput | None = None   # "cumulative": the deltas joined so far
-        stream = _Stream(asyncio.get_running_loop())
+        stream = Stream(asyncio.get_running_loop())
         if not self._send(("add", stream, request_id, prompt, params, lora_request)):
             raise RuntimeError("AsyncLLM is shut down")
         finished = False
@@ -193,8 +126,8 @@ class AsyncLLM(AsyncResearchMixin):
                 # A slow consumer gets the deltas queued meanwhile as one (an abort or error wins).
                 while isinstance(item, RequestOutput) and not stream.queue.empty():
                     newer = stream.queue.get_nowait()
-                    item = _merge(item, newer) if isinstance(newer, RequestOutput) else newer
-                if item is _CLOSED:
+                    item = merge_deltas(item, newer) if isinstance(newer, RequestOutput) else newer
+                if item is CLOSED:
                     finished = True
                     return
                 if isinstance(item, BaseException):
@@ -202,7 +135,7 @@ class AsyncLLM(AsyncResearchMixin):
                     raise item
                 finished = item.finished
                 if output_kind == "cumulative":
-                    item = total = _merge(total, item)
+                    item = total = merge_deltas(total, item)
                 yield item
         finally:
             if not finished:
@@ -316,14 +249,14 @@ class AsyncLLM(AsyncResearchMixin):
         if command[0] == "call":
             _, fn, (loop, future) = command
             if stopping:
-                _resolve(loop, future, RuntimeError("AsyncLLM is shut down"))
+                resolve(loop, future, RuntimeError("AsyncLLM is shut down"))
                 return
             try:
                 result = fn(self.engine)
             except Exception as exc:   # the caller's error (a ValueError: bad weights, requests unfinished)
-                _resolve(loop, future, exc)
+                resolve(loop, future, exc)
             else:
-                _resolve_value(loop, future, result)
+                resolve_value(loop, future, result)
             self._publish_metrics()
             return
         if command[0] == "add":
@@ -353,14 +286,14 @@ class AsyncLLM(AsyncResearchMixin):
             if owner is None or stream is owner:
                 if stream is not None:
                     del self._streams[request_id]
-                    self._deliver(stream, _CLOSED)
+                    self._deliver(stream, CLOSED)
                 try:
                     self.engine.abort_request(request_id)
                 except Exception:
                     logger.exception("aborting request %s failed", request_id)
                 self._publish_metrics()
             if ack is not None:
-                _resolve(*ack)
+                resolve(*ack)
 
     def _num_queued(self) -> int:
         """Requests that wait for a seat in the batch and will not get one at the next step.
@@ -446,7 +379,7 @@ class AsyncLLM(AsyncResearchMixin):
                 self._streams.pop(out.request_id, None)
                 self._send(("abort", out.request_id, None, None))
 
-    def _deliver(self, stream: _Stream, item) -> bool:
+    def _deliver(self, stream: Stream, item) -> bool:
         try:
             stream.put(item)
             return True

@@ -282,11 +282,11 @@ class DraftModelProposer:
         from jaxpaged.core.scheduler import ScheduledChunk, SchedulerOutput
 
         # sequences of finished or preempted targets give their runner slots back in the next draft step
+        # (a preempted target gets a fresh sequence when it verifies again)
         for rid, seq in list(self._seqs.items()):
             if seq.is_finished:
                 self._released.append(seq)
-                if seq.target.is_finished:
-                    del self._seqs[rid]
+                del self._seqs[rid]
         work = []
         for chunk in plan.chunks:
             if not chunk.num_drafts:

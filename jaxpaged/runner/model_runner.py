@@ -30,7 +30,6 @@ changes input values, never the executable.
 
 import dataclasses
 import logging
-import operator
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +47,8 @@ from jaxpaged.runner.compiled_step import (HOST_BRANCH_PLATFORMS, SAMPLER_KINDS,
 from jaxpaged.runner.device_memory import DeviceMemory
 from jaxpaged.runner.multihost import (OP_MOVE, OP_SAMPLE, OP_STEP, OP_STOP, OP_UPDATES, StepChannel, follow,
                                        is_multihost, pairs_payload)
+from jaxpaged.runner.input_batch import (LORA_SLOT, MATCHER, NUM_PLACEHOLDERS, REQUEST, START, GeneralColumns,
+                                         InputBatch)
 from jaxpaged.runner.persistent_batch import SlotState, SlotTable, StepLayout, apply_updates, pack_updates
 from jaxpaged.runner.step_results import StepResult, unpack_prompt_logprobs
 from jaxpaged.runner.structured_outputs import bitmask_words, step_bitmask
@@ -58,21 +59,6 @@ from jaxpaged.kernels.layout import is_fp8
 logger = logging.getLogger(__name__)
 
 KV_CHUNK_BLOCKS = 8   # attention walks the context 8 blocks at a time
-
-
-@dataclasses.dataclass
-class InputBatch:
-    """One step's inputs as the host builds them from a plan: the packed buffer (StepLayout) and
-    which request each sample row serves."""
-    shape: BatchShape
-    buffer: np.ndarray                                # i32[StepLayout.size]
-    requests: list                                    # per sampled request (n > 1 forks too), its first sample row:
-    rows: list[int]                                   #   the request and the row, in row order
-    constrained: list[tuple[int, object]]             # (sample row, Request with a grammar matcher)
-    spec_rows: list[tuple[str, int, int]]             # (request_id, first sample row, drafts verified)
-    lp_rows: list[tuple[str, int, int, int]]          # (request_id, first flat token, count, start position)
-    from_prev: bool                                   # some input token is the step in flight's sample
-    sampler_kind: str | None = None                   # the sampler the host picked (None: the step's cond picks)
 
 
 @dataclasses.dataclass
@@ -99,88 +85,6 @@ class _Pending:
         if self._row_of is None:
             self._row_of = dict(zip(self.inputs.requests, self.inputs.rows))
         return self._row_of
-
-
-_REQUEST = operator.attrgetter("request")
-_START = operator.attrgetter("start")
-_LORA_SLOT = operator.attrgetter("lora_slot")
-_NUM_PLACEHOLDERS = operator.attrgetter("num_placeholders")
-_MATCHER = operator.attrgetter("matcher")
-
-
-class _GeneralColumns:
-    """The columns of a step's chunks other than plain decodes, appended one chunk at a time, their
-    flat tokens, sequences and sample rows numbered after `offset` plain decodes."""
-
-    def __init__(self, offset: int):
-        self.offset = offset
-        self.input_ids, self.start_pos, self.q_lens, self.seq_slots, self.seq_lora = [], [], [], [], []
-        self.logits_at, self.row_slots, self.count_slots, self.row_draft, self.row_first = [], [], [], [], []
-        self.requests, self.rows, self.constrained, self.spec_rows, self.lp_rows, self.lp_targets = [], [], [], [], [], []
-        self.prev_index, self.prev_source = [], []   # (flat token index, prev's sample row): tokens prev samples
-        self.chunk_rows = []                         # per chunk: its (first) sample row
-
-    def add(self, chunk, slots: SlotTable, block_size: int, prev, one_token_queries: bool) -> None:
-        request = chunk.request
-        n, start, blocks = chunk.num_new_tokens, chunk.start, chunk.block_ids
-        flat = self.offset + len(self.input_ids)
-        slot = slots.slot_of.get(request)
-        if slot is None:
-            slot = slots.slot_for(request)
-            slots.sync_blocks(slot, blocks, 0)
-        else:
-            slots.sync_blocks(slot, blocks, start // block_size)
-        row = self.offset + len(self.logits_at)
-        self.chunk_rows.append(row)
-        d = chunk.num_drafts   # speculative decoding: the chunk ends with d draft tokens to verify
-        drafts = request.spec_token_ids[:d]
-        tokens = request.all_token_ids[start:start + n - d]
-        if len(tokens) < n - d:   # the last token is a placeholder: the step in flight samples it
-            source = prev.row_of().get(request) if prev is not None else None
-            if d or len(tokens) != n - 1 or source is None:
-                raise RuntimeError(f"{request}: {n - d - len(tokens)} input tokens are not known yet")
-            self.prev_index.append(flat + n - 1)
-            self.prev_source.append(source)
-            tokens = tokens + [0]
-        tokens = tokens + drafts
-        if request.sampling_params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
-            count = min(n, request.num_prompt_tokens - 1 - start)
-            self.lp_rows.append((request.request_id, flat, count, start))
-            self.lp_targets.append((flat, request.all_token_ids[start + 1:start + 1 + count]))
-        if chunk.samples:
-            self.requests.append(request)
-            self.rows.append(row)
-            if request.matcher is not None:
-                self.constrained.append((row, request))
-            if d:
-                self.spec_rows.append((request.request_id, row, d))
-        for j in range(d + 1):   # rows for the last known token and each draft
-            self.logits_at.append(flat + n - 1 - d + j)
-            self.row_slots.append(slot)
-            self.count_slots.append(slot if chunk.samples else slots.no_slot)
-            self.row_draft.append(drafts[j] if j < d else -1)
-            self.row_first.append(row)
-        self.input_ids += tokens
-        # only decodes and verifications: each verified token is a query of its own (a decode step)
-        queries = [(start + j, 1) for j in range(n)] if d and one_token_queries else [(start, n)]
-        for position, length in queries:
-            self.start_pos.append(position)
-            self.q_lens.append(length)
-            self.seq_slots.append(slot)
-            self.seq_lora.append(request.lora_slot)
-
-    def add_fork(self, child, slot: int, parent_row: int) -> None:
-        """n > 1: a sibling sampling its first token from its parent's logits."""
-        row = self.offset + len(self.logits_at)
-        self.requests.append(child)
-        self.rows.append(row)
-        if child.matcher is not None:
-            self.constrained.append((row, child))
-        self.row_draft.append(-1)
-        self.row_first.append(row)
-        self.logits_at.append(self.logits_at[parent_row - self.offset])
-        self.row_slots.append(slot)
-        self.count_slots.append(slot)
 
 
 class ModelRunner(CompiledStep, DeviceMemory):
@@ -306,7 +210,7 @@ class ModelRunner(CompiledStep, DeviceMemory):
         slots = self.slot_table
         k = plan.num_plain_decodes
         decodes = plan.chunks[:k]
-        requests = list(map(_REQUEST, decodes))
+        requests = list(map(REQUEST, decodes))
         decode_slots = list(map(slots.slot_of.get, requests))
         if None in decode_slots or slots.unsynced:   # a fresh slot (or a fork's, taken last step): its whole table
             for i, slot in enumerate(decode_slots):
@@ -315,7 +219,7 @@ class ModelRunner(CompiledStep, DeviceMemory):
                 if slot in slots.unsynced:
                     slots.sync_blocks(slot, decodes[i].block_ids, 0)
         # the general chunks, after the decodes
-        g = _GeneralColumns(k)
+        g = GeneralColumns(k)
         one_token_queries = all(c.num_new_tokens - c.num_drafts == 1 for c in plan.chunks[k:])
         for chunk in plan.chunks[k:]:
             g.add(chunk, slots, self.block_size, prev, one_token_queries)
@@ -335,14 +239,14 @@ class ModelRunner(CompiledStep, DeviceMemory):
         # the decodes: sequence i is sample row i, its token at flat index i
         num_prev = 0
         if k:
-            v["start_pos"][:k] = list(map(_START, decodes))
+            v["start_pos"][:k] = list(map(START, decodes))
             v["seq_slots"][:k] = decode_slots
             v["row_slots"][:k] = v["seq_slots"][:k]
             v["count_slots"][:k] = v["seq_slots"][:k]
-            v["seq_lora"][:k] = list(map(_LORA_SLOT, requests))
+            v["seq_lora"][:k] = list(map(LORA_SLOT, requests))
             v["cu_q_lens"][1:k + 1] = np.arange(1, k + 1)
             v["logits_indices"][:k] = np.arange(k)
-            waiting = np.fromiter(map(_NUM_PLACEHOLDERS, requests), np.int32, k) > 0
+            waiting = np.fromiter(map(NUM_PLACEHOLDERS, requests), np.int32, k) > 0
             # a placeholder: the step in flight samples the input token; else the request's last token
             from_prev = np.flatnonzero(waiting)
             if len(from_prev):
@@ -376,7 +280,7 @@ class ModelRunner(CompiledStep, DeviceMemory):
         v["prev_source"][num_prev:num_prev + len(g.prev_source)] = g.prev_source
         pack_updates(in_step, layout.num_updates, v["updates"])
         constrained = g.constrained
-        if k and list(map(_MATCHER, requests)).count(None) < k:   # structured outputs among the decodes
+        if k and list(map(MATCHER, requests)).count(None) < k:   # structured outputs among the decodes
             constrained = [(i, r) for i, r in enumerate(requests) if r.matcher is not None] + constrained
         requests += g.requests
         kind = None
@@ -385,8 +289,7 @@ class ModelRunner(CompiledStep, DeviceMemory):
             if kind not in self._sampler_kinds:
                 raise RuntimeError(f"this runner compiles only the {self._sampler_kinds} samplers (greedy_only); "
                                    f"its step needs the {kind!r} one")
-        return InputBatch(shape, buffer, requests, list(range(k)) + g.rows, constrained, g.spec_rows, g.lp_rows,
-                          num_prev + len(g.prev_index) > 0, kind)
+        return InputBatch(shape, buffer, requests, list(range(k)) + g.rows, constrained, g.spec_rows, g.lp_rows, kind)
 
     def execute_model(self, inputs: InputBatch, prev: _Pending | None = None) -> _Pending:
         """Queue the step's forward (its sampler waits for `sample`)."""
