@@ -1,11 +1,14 @@
 """Pick an attention implementation by name.
 
-    reference  plain jnp (pallas_kernels/reference.py): ground truth, and the CPU path
-    pallas     Pallas GPU kernel (Triton lowering); on CPU it runs in interpret mode (slow: tests)
-    triton     a Triton kernel through jax-triton; needs a CUDA GPU
-    cpu        the reference, on a CPU (an alias, kept for configurations that name it)
-    auto       on a CUDA GPU the fastest of pallas / triton measured at start-up on the model's
-               head shapes (`measure_fastest`); the reference elsewhere
+    reference      plain jnp (pallas_kernels/reference.py): ground truth, and the CPU path
+    pallas         Pallas on Mosaic GPU (mosaic_attention.py): TMA and wgmma, Hopper (compute capability
+                   9.x), bfloat16 / float16; on a CPU it runs in GPU interpret mode (slow: tests)
+    triton         a Triton kernel through jax-triton; needs a CUDA GPU
+    pallas_triton  the Pallas kernel through Pallas' Triton lowering (deprecated by JAX 0.11): any CUDA GPU
+                   Triton supports; kept until the GPU check has measured `pallas` against it
+    cpu            the reference, on a CPU (an alias, kept for configurations that name it)
+    auto           on a CUDA GPU the fastest of the kernels that run there (`gpu_candidates`), measured at
+                   start-up on the model's head shapes (`measure_fastest`); the reference elsewhere
 
 An unavailable backend is an error, never a silent fallback.
 """
@@ -23,7 +26,8 @@ from jaxpaged.kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "reference", "pallas", "triton", "cpu")
+BACKENDS = ("auto", "reference", "pallas", "triton", "pallas_triton", "cpu")
+AMPERE = (8, 0)     # bfloat16 arithmetic
 
 
 class AttentionFn(Protocol):
@@ -43,32 +47,71 @@ class AttentionFn(Protocol):
         ...
 
 
+def compute_capability(device=None) -> tuple[int, int] | None:
+    """(major, minor) of a CUDA device (the default device if None); None for any other device."""
+    device = device or jax.devices()[0]
+    capability = getattr(device, "compute_capability", None)
+    if device.platform != "gpu" or not capability:
+        return None
+    return tuple(int(part) for part in str(capability).split(".")[:2])
+
+
+def has_wgmma(device=None) -> bool:
+    """Whether the device runs the Mosaic GPU kernels: Hopper (compute capability 9.x: TMA and wgmma).
+    Blackwell's tensor cores take tcgen05 instead of wgmma."""
+    capability = compute_capability(device)
+    return capability is not None and capability[0] == 9
+
+
+def _has_jax_triton() -> bool:
+    try:
+        import jax_triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def gpu_candidates(device=None, dtype=jnp.bfloat16) -> list[str]:
+    """The backends `auto` measures on this GPU for a model of this dtype, best guess first.
+
+    The Mosaic GPU kernel needs Hopper and a 16-bit dtype; the Triton kernels lower on older GPUs
+    (A100, L4); below Ampere (T4) the reference joins them, so that something always runs."""
+    capability = compute_capability(device) or (0, 0)
+    candidates = []
+    if has_wgmma(device) and jnp.dtype(dtype) != jnp.float32:
+        candidates.append("pallas")
+    if _has_jax_triton():
+        candidates.append("triton")
+    candidates.append("pallas_triton")
+    if capability < AMPERE:
+        candidates.append("reference")
+    return candidates
+
+
 def resolve_backend(name: str, platform: str | None = None, head_shape: tuple[int, int, int] | None = None,
-                    dtype=jnp.bfloat16) -> str:
+                    dtype=jnp.bfloat16, device=None) -> str:
     """A concrete backend name; `head_shape` = (num_heads, kv_heads, head_dim) lets auto measure."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
-    platform = platform or jax.devices()[0].platform
+    device = device or jax.devices()[0]
+    platform = platform or device.platform
     if name == "auto":
         if platform != "gpu":
             return "reference"
-        candidates = ["pallas"]
-        try:
-            import jax_triton  # noqa: F401
-            candidates.append("triton")
-        except ImportError:
-            pass
+        candidates = gpu_candidates(device, dtype)
         if head_shape is None or len(candidates) == 1:
             return candidates[0]
         return measure_fastest({c: get_attention(c, platform) for c in candidates}, *head_shape, dtype)
-    if name == "triton":
-        if platform != "gpu":
-            raise ValueError("attention_backend='triton' needs a CUDA GPU (jax-triton kernels cannot run on "
-                             f"{platform}); use 'reference' or 'pallas'")
-        try:
-            import jax_triton  # noqa: F401
-        except ImportError as exc:
-            raise ValueError("attention_backend='triton' needs jax-triton: pip install 'jaxpaged[cuda12]'") from exc
+    if name in ("triton", "pallas_triton") and platform != "gpu":
+        raise ValueError(f"attention_backend={name!r} needs a CUDA GPU (Triton kernels cannot run on {platform}); "
+                         "use 'reference' or 'pallas'")
+    if name == "triton" and not _has_jax_triton():
+        raise ValueError("attention_backend='triton' needs jax-triton: pip install 'jaxpaged[cuda12]'")
+    if name == "pallas" and platform == "gpu" and not has_wgmma(device):
+        raise ValueError(f"attention_backend='pallas' (Mosaic GPU: TMA, wgmma) needs a Hopper GPU (compute "
+                         f"capability 9.x); this {device.device_kind} has "
+                         f"{'.'.join(map(str, compute_capability(device) or ()))}: use 'auto', 'triton' or "
+                         "'pallas_triton'")
     if name == "cpu":
         if platform != "cpu":
             raise ValueError(f"attention_backend='cpu' runs on a CPU, not {platform}; use 'auto'")
@@ -83,8 +126,11 @@ def get_attention(name: str, platform: str | None = None) -> AttentionFn:
         from jaxpaged.kernels.reference import ragged_paged_attention_reference
         return ragged_paged_attention_reference
     if name == "pallas":
+        from jaxpaged.kernels.mosaic_attention import ragged_paged_attention_mosaic
+        return functools.partial(ragged_paged_attention_mosaic, interpret=platform != "gpu")
+    if name == "pallas_triton":
         from jaxpaged.kernels.pallas_attention import ragged_paged_attention_pallas
-        return functools.partial(ragged_paged_attention_pallas, interpret=platform != "gpu")
+        return ragged_paged_attention_pallas
     if name == "triton":
         from jaxpaged.kernels.triton_attention import ragged_paged_attention_triton
         return ragged_paged_attention_triton

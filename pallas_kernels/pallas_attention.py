@@ -26,7 +26,6 @@ Triton needs power-of-two tensors and matmuls of at least 16 x 16 x 16, hence th
 on block_size and head_dim and the padding of each tile's rows to at least 16.
 """
 
-import dataclasses
 import functools
 
 import jax
@@ -36,7 +35,10 @@ from jax.experimental.pallas import triton as pl_triton
 
 from jaxpaged.kernels.layout import fp8_values, is_fp8
 from jaxpaged.kernels.metadata import AttentionMetadata
-from jaxpaged.kernels.reference import tile_layout, validate_inputs
+from jaxpaged.kernels.reference import validate_inputs
+from jaxpaged.kernels.tiling import (FIRST_POS, KV_LEN, LAYER, NUM_QUERIES, SEQ, WINDOW, kernel_q_tile,
+                                     merge_splits,
+                                     split_pages, tile_queries, untile, visible_pages)
 
 _MASKED = -1e30
 _MAX_ROWS = 128          # rows (queries x heads) per program: the fp32 accumulator lives in registers
@@ -73,31 +75,6 @@ def _validate_kernel_inputs(q, kv_pool, md, kv_chunk_blocks, num_kv_splits):
                          f"int8: e5m2; see layout.kv_storage_dtype), got {kv_pool.dtype}")
 
 
-def visible_pages(kv_len, first_pos, num_queries, window, *, block_size: int, max_blocks: int):
-    """Pages [first, end) of a tile's block-table row that hold keys some of its queries can see.
-
-    Keys after the tile's last query are causally invisible; keys before its first query's
-    window are invisible to every row. Works on traced scalars (in the kernel) and on arrays.
-    """
-    kv_end = jnp.minimum(kv_len, first_pos + num_queries)
-    kv_start = jnp.where(window > 0, jnp.maximum(first_pos - window + 1, 0), 0)
-    first = kv_start // block_size
-    end = jnp.minimum((kv_end + block_size - 1) // block_size, max_blocks)
-    return first, jnp.maximum(first, end)       # empty for a padding tile
-
-
-def split_pages(first, end, split, num_splits: int):
-    """Pages [begin, stop) of [first, end) that split `split` of `num_splits` walks.
-
-    Sized from the tile's own page count, not the table width (a dynamic split, as in
-    flash-decoding): contiguous, counts differing by at most one, so every split has a page
-    when the context has at least num_splits of them, and the longest split walks
-    cdiv(pages, num_splits) pages whatever max_model_len is.
-    """
-    pages = end - first
-    return first + split * pages // num_splits, first + (split + 1) * pages // num_splits
-
-
 def _dot(a, b, *, contract_b):
     """a @ b (or a @ b.T) with fp32 accumulation whatever the input dtype."""
     return jax.lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())), preferred_element_type=jnp.float32)
@@ -109,8 +86,8 @@ def _attention_kernel(info_ref, tables_ref, cap_ref, q_ref, kv_ref, *out_refs, g
     block_size = kv_ref.shape[4]
     step_tokens = pages_per_step * block_size
     head, split = pl.program_id(1), pl.program_id(2)
-    seq, kv_len, first_pos, num_queries = info_ref[0], info_ref[1], info_ref[2], info_ref[3]
-    layer, window = info_ref[4], info_ref[5]
+    seq, kv_len, first_pos, num_queries = info_ref[SEQ], info_ref[KV_LEN], info_ref[FIRST_POS], info_ref[NUM_QUERIES]
+    layer, window = info_ref[LAYER], info_ref[WINDOW]
 
     query = jnp.arange(rows, dtype=jnp.int32) // group       # row r holds query r // group, head r % group
     row_valid = query < num_queries
@@ -169,14 +146,6 @@ def _attention_kernel(info_ref, tables_ref, cap_ref, q_ref, kv_ref, *out_refs, g
         out_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(out_ref.dtype)
 
 
-def _kernel_q_tile(q_tile: int, group: int) -> int:
-    """Largest power of two <= q_tile whose rows (q_tile * group) fit one program."""
-    tile = 1
-    while tile * 2 <= q_tile and tile * 2 * group <= _MAX_ROWS:
-        tile *= 2
-    return tile
-
-
 def ragged_paged_attention_pallas(
     q: jax.Array, kv_pool: jax.Array, layer: jax.Array, md: AttentionMetadata,
     sliding_window: jax.Array | int = 0, soft_cap: float | jax.Array = 0.0, *, sm_scale: float,
@@ -205,42 +174,21 @@ def _attention(q, kv_pool, layer, md, sliding_window, soft_cap, *, sm_scale, kv_
     group = num_heads // kv_heads
     num_seqs, max_blocks = md.block_tables.shape
 
-    q_tile = _kernel_q_tile(md.q_tile, group)
-    rows = max(16, _next_pow2(q_tile * group))
+    rows = max(16, _next_pow2(kernel_q_tile(md.q_tile, group, _MAX_ROWS) * group))
+    tiles = tile_queries(q, md, layer, sliding_window, kv_heads=kv_heads, max_rows=_MAX_ROWS, rows=rows)
+    num_tiles = tiles.info.shape[0]
     # A step gives Triton's dot at least 16 keys; K and V tiles past ~16 KiB each (and their
     # per-element pointers) no longer fit in registers and spill.
     itemsize = max(q.dtype.itemsize, kv_pool.dtype.itemsize)
     budget_pages = max(1, _STEP_BYTES // (head_dim * itemsize * block_size))
     pages_per_step = max(-(-16 // block_size), _floor_pow2(min(kv_chunk_blocks, budget_pages)))
     total_steps = pl.cdiv(max_blocks, pages_per_step)
-
-    q_lens, tile_seq, tile_valid, tile_first_row, token_tile, token_row = tile_layout(
-        dataclasses.replace(md, q_tile=q_tile), num_tokens)
-    num_tiles = tile_seq.shape[0]
     if num_kv_splits is None:
         # Past total_steps splits even the longest context walks one step per split: more only add merging.
         num_kv_splits = max(1, min(total_steps, _TARGET_PROGRAMS // (num_tiles * kv_heads)))
-
-    kv_len = jnp.where(tile_valid, md.kv_lens[tile_seq], 0)
-    num_queries = jnp.where(tile_valid, jnp.clip(q_lens[tile_seq] - tile_first_row, 0, q_tile), 0)
-    first_pos = kv_len - q_lens[tile_seq] + tile_first_row
-    zeros = jnp.zeros_like(kv_len)
-    info = jnp.stack([tile_seq, kv_len, first_pos, num_queries,
-                      zeros + jnp.asarray(layer, jnp.int32), zeros + jnp.asarray(sliding_window, jnp.int32),
-                      zeros, zeros], axis=1).astype(jnp.int32)                        # [tiles, 8]
     # A step starts at any page before max_blocks: the padded columns keep its table read in bounds.
     tables = jnp.pad(md.block_tables.astype(jnp.int32), ((0, 0), (0, pages_per_step - 1)))
     cap = jnp.asarray(soft_cap, jnp.float32).reshape(1)
-
-    # Rows of a tile: query-major, heads of one kv group inside; padding rows and padded
-    # tokens are zeroed so garbage (even NaN) in unused q slots stays out of the dots.
-    rows_in_tile = jnp.arange(q_tile, dtype=jnp.int32)
-    q_index = jnp.clip(md.cu_q_lens[tile_seq][:, None] + tile_first_row[:, None] + rows_in_tile, 0, num_tokens - 1)
-    q_valid = rows_in_tile[None, :] < num_queries[:, None]
-    q_tiles = jnp.where(q_valid[:, :, None, None], q[q_index], jnp.zeros((), q.dtype))     # [N, qt, H, D]
-    q_tiles = q_tiles.reshape(num_tiles, q_tile, kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
-    q_tiles = q_tiles.reshape(num_tiles, kv_heads, q_tile * group, head_dim)
-    q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, rows - q_tile * group), (0, 0)))
 
     split_output = num_kv_splits > 1
     if split_output:
@@ -272,17 +220,7 @@ def _attention(q, kv_pool, layer, md, sliding_window, soft_cap, *, sm_scale, kv_
         compiler_params=pl_triton.CompilerParams(num_warps=8 if big else 4, num_stages=2),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(info, tables, cap, q_tiles, kv_pool)
+    )(tiles.info, tables, cap, tiles.q_tiles, kv_pool)
 
-    if split_output:
-        acc, m, l = result
-        m_all = m.max(axis=0)
-        weight = jnp.exp(m - m_all)                                                  # [S, N, h, rows]
-        l = (l * weight).sum(axis=0)
-        acc = (acc * weight[..., None]).sum(axis=0)
-        out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-    else:
-        out = result
-    out = out[:, :, :q_tile * group].reshape(num_tiles, kv_heads, q_tile, group, head_dim)
-    out = out.transpose(0, 2, 1, 3, 4).reshape(num_tiles, q_tile, num_heads, head_dim)
-    return out[token_tile, token_row].astype(q.dtype)
+    out = merge_splits(*result) if split_output else result
+    return untile(out, tiles, num_heads, q.dtype)

@@ -46,7 +46,8 @@ def quantized_matmul_reference(x, values, scale, offset=None, *, bits: int, grou
                                     dtype=x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def _validate(x, values, scale, offset, bits, group_size):
+def validate_quantized_matmul(x, values, scale, offset, bits, group_size):
+    """Shape and dtype checks shared by the quantized matmul kernels; raises ValueError naming the argument."""
     if x.ndim != 2 or values.ndim != 2:
         raise ValueError(f"x and values must be 2-D, got shapes {x.shape} and {values.shape}")
     if bits not in (4, 8):
@@ -118,7 +119,7 @@ def quantized_matmul_pallas(x, values, scale, offset=None, *, bits: int, group_s
                             interpret: bool = False) -> jax.Array:
     """x [M, K] @ the quantized [K, N] weight -> [M, N] in x's dtype, fp32 accumulation. Raises
     ValueError for shapes or dtypes the kernel cannot handle."""
-    _validate(x, values, scale, offset, bits, group_size)
+    validate_quantized_matmul(x, values, scale, offset, bits, group_size)
     m, k = x.shape
     n = values.shape[1]
     per_channel = group_size == k and offset is None   # one group with offsets walks as a group

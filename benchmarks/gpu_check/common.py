@@ -86,6 +86,7 @@ class Sizes:
     sampler_rows: tuple[int, ...] = (32, 256)     # sampler layouts: sample rows (decode sequences)
     sampler_shape: tuple[int, int] = (896, 151936)   # their LM head [hidden, vocab] (Qwen2.5-0.5B's)
     block_size: int = 16
+    prefill_context: int = 4096           # prefill timing: one prompt of this many tokens, its causal attention
     # the same-run peer: a ShareGPT-shaped workload, prompt lengths lognormal around a median
     peer_requests: int = 256
     peer_prompt_len: tuple[int, int, int] = (220, 16, 1024)   # median, shortest, longest
@@ -113,18 +114,18 @@ GPU = Sizes(
 
 DRY = Sizes(
     copy_bytes=8 << 20, timing_rounds=3, timing_round_s=0.005,
-    correctness_context=40, correctness_seqs=(3, 2, 4), correctness_heads=((6, 1, 16),),
+    correctness_context=40, correctness_seqs=(3, 2, 4), correctness_heads=((6, 1, 64),),
     correctness_dtypes=("bfloat16",),
-    attention_seqs=(3,), attention_contexts=(40,), attention_heads=(4, 2, 16),
+    attention_seqs=(3,), attention_contexts=(40,), attention_heads=(4, 2, 64),
     swap_shape=(2, 2, 16, 16), swap_blocks=16,
-    model=dict(_QWEN25_05B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, vocab_size=512, max_position_embeddings=256, bos_token_id=1, eos_token_id=2),
+    model=dict(_QWEN25_05B, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+               num_key_value_heads=1, vocab_size=512, max_position_embeddings=256, bos_token_id=1, eos_token_id=2),
     engine_prompts=3, engine_prompt_len=(4, 12), engine_max_tokens=5, engine_agree_tokens=4,
     engine_max_model_len=64, engine_batched_tokens=16,
     # 2 step variants instead of the defaults' 35: a 2-core CPU compiles each for ~10 s
     step_engine_args=dict(max_num_seqs=4, max_num_batched_tokens=16), step_workload_lens=(1, 5, 17, 40, 70),
     step_workload_tokens=6, step_decode_seqs=(1, 2, 4), step_prompt_len=8, step_max_tokens=(4, 20),
-    qmm_rows=(1, 5), qmm_shape=(64, 128), sampler_rows=(4,), sampler_shape=(64, 512),
+    qmm_rows=(1, 5), qmm_shape=(256, 128), prefill_context=48, sampler_rows=(4,), sampler_shape=(64, 512),
     peer_requests=4, peer_prompt_len=(8, 3, 20), peer_new_tokens=4, peer_engine_args=dict(max_num_seqs=4),
 )
 

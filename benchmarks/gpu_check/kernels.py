@@ -21,7 +21,7 @@ from jaxpaged.kernels import AttentionMetadata, kv_pool_shape
 from jaxpaged.kernels.backends import get_attention, resolve_backend
 from jaxpaged.kernels.reference import ragged_paged_attention_reference
 
-BACKENDS = ("reference", "pallas", "triton")
+BACKENDS = ("reference", "pallas", "triton", "pallas_triton")
 # ||out - truth|| / ||truth|| (METHOD.md): fp32 lands far under 1e-3 even with TF32 dots (~3e-4),
 # bf16 operands between 1e-3 and 1e-2; a wrong page or mask is off by O(1).
 REL_TOLERANCE = {"float32": 1e-3, "bfloat16": 1e-2}
@@ -183,11 +183,15 @@ def _random_decode(seed, *, q_shape, pool_shape):
 
 
 def attention_timing(ctx: Context) -> Iterator[Row]:
-    """Median time of one layer's decode attention per backend, against the KV bytes it must read."""
+    """Median time of one layer's decode attention per backend, against the KV bytes it must read: as a
+    share of the device's read-only rate (the copy part's row sums; goal 85% for `pallas` at 64 and 256
+    sequences), and of its read + write rate (an elementwise op) as earlier runs reported it."""
     sizes = ctx.sizes
     platform = jax.devices()[0].platform
     copy = [r.data["gbps"] for r in ctx.rows_of("copy") if "gbps" in r.data]
     copy_gbps = copy[0] if copy else None
+    read = [r.data["read_gbps"] for r in ctx.rows_of("copy") if "read_gbps" in r.data]
+    read_gbps = read[0] if read else None
     kernels = {name: backend_kernel(name, platform) for name in BACKENDS}
     head_dim = sizes.attention_heads[2]
     for num_seqs in sizes.attention_seqs:
@@ -210,13 +214,15 @@ def attention_timing(ctx: Context) -> Iterator[Row]:
                     seconds = time_call(fn, *args, rounds=sizes.timing_rounds, round_s=sizes.timing_round_s)
                     out = np.asarray(fn(*args), np.float32)
                     metrics = {"ms": seconds * 1e3, "KV MB": kv_bytes / 1e6, "GB/s": kv_bytes / seconds / 1e9}
+                    if read_gbps:
+                        metrics["of read"] = kv_bytes / seconds / 1e9 / read_gbps
                     if copy_gbps:
                         metrics["of copy"] = kv_bytes / seconds / 1e9 / copy_gbps
                     if name == "reference":
                         reference_out = out
                     elif reference_out is not None:
                         metrics["max diff vs ref"] = float(np.abs(out - reference_out).max())
-                    note = "interpret mode" if platform != "gpu" and name == "pallas" else ""
+                    note = "interpret mode" if platform != "gpu" and name.startswith("pallas") else ""
                     return Row("attention", case, "ok", metrics, note=note,
                                data={"seconds": seconds, "kv_bytes": kv_bytes})
 
@@ -224,14 +230,61 @@ def attention_timing(ctx: Context) -> Iterator[Row]:
             del args
 
 
+# Dense bf16 tensor-core peaks (NVIDIA's data sheets, without sparsity), by device kind.
+_BF16_PEAK_TFLOPS = (("H200", 989.4), ("H100 PCIe", 756.0), ("H100", 989.4), ("A100", 312.0), ("L4", 121.0))
+
+
+def prefill_attention_timing(ctx: Context) -> Iterator[Row]:
+    """One prompt's causal attention over its own KV (prefill_context tokens, the engine's q tiles):
+    median ms and TFLOP/s (2 matmuls x 2 flops x visible keys x head_dim x heads), as a share of the
+    device's bf16 tensor-core peak (goal 60% for `pallas` at head_dim 128 and 4k tokens)."""
+    sizes = ctx.sizes
+    platform = jax.devices()[0].platform
+    num_heads, kv_heads, head_dim = sizes.attention_heads
+    tokens, block_size = sizes.prefill_context, sizes.block_size
+    pages = -(-tokens // block_size)
+    q, pool = _random_decode(1, q_shape=(tokens, num_heads, head_dim),
+                             pool_shape=kv_pool_shape(1, pages + 1, block_size, kv_heads, head_dim))
+    md = AttentionMetadata(kv_lens=jnp.asarray([tokens], jnp.int32),
+                           block_tables=jnp.asarray(np.random.default_rng(1).permutation(np.arange(1, pages + 1))
+                                                    .astype(np.int32)[None]),
+                           cu_q_lens=jnp.asarray([0, tokens], jnp.int32), q_tile=PREFILL_Q_TILE)
+    flops = 4 * num_heads * head_dim * tokens * (tokens + 1) / 2
+    kind = jax.devices()[0].device_kind
+    peak = next((tf for name, tf in _BF16_PEAK_TFLOPS if name in kind), None) if platform == "gpu" else None
+    for name in BACKENDS:
+        kernel = backend_kernel(name, platform)
+        case = f"{name} prefill {tokens} tokens, head_dim {head_dim}"
+        if isinstance(kernel, str):
+            yield _unavailable("attention", case, kernel, platform)
+            continue
+        fn = jax.jit(functools.partial(kernel, sm_scale=head_dim ** -0.5))
+
+        def run(fn=fn, case=case, name=name):
+            seconds = time_call(fn, q, pool, np.int32(0), md, rounds=sizes.timing_rounds, round_s=sizes.timing_round_s)
+            metrics = {"ms": seconds * 1e3, "TFLOP/s": flops / seconds / 1e12}
+            if peak:
+                metrics["of peak"] = flops / seconds / 1e12 / peak
+            note = "interpret mode" if platform != "gpu" and name.startswith("pallas") else ""
+            return Row("attention", case, "ok", metrics, note=note, data={"seconds": seconds, "flops": flops})
+
+        yield guarded("attention", case, run)
+
+
 def quantized_matmul_timing(ctx: Context) -> Iterator[Row]:
-    """The W8A16 / W4A16 kernel against the bf16 matmul (XLA) and against de-quantize-then-matmul, at
-    decode-shaped row counts: median ms and the weight bytes read per second."""
-    from jaxpaged.models.quantization import quantize
+    """The W8A16 / W4A16 kernels (Mosaic GPU; the Pallas one through Triton) against the bf16 matmul (XLA)
+    and de-quantize-then-matmul, at decode-shaped row counts: median ms, and the weight bytes read per
+    second as a share of the device's read-only rate (the copy part's; goal: at least as fast as bf16 at
+    1-16 rows, near the int8 / int4 bytes floor)."""
+    from jaxpaged.kernels.backends import has_wgmma
+    from jaxpaged.kernels.mosaic_matmul import mosaic_matmul_plan, quantized_matmul_mosaic
     from jaxpaged.kernels.quantized_matmul import quantized_matmul_pallas, quantized_matmul_reference
+    from jaxpaged.models.quantization import quantize
 
     sizes = ctx.sizes
     platform = jax.devices()[0].platform
+    interpret = platform != "gpu"
+    read = [r.data["read_gbps"] for r in ctx.rows_of("copy") if "read_gbps" in r.data]
     k, n = sizes.qmm_shape
     w = np.random.default_rng(0).standard_normal((k, n), np.float32) * 0.02
     dense = jnp.asarray(w, jnp.bfloat16)
@@ -239,26 +292,35 @@ def quantized_matmul_timing(ctx: Context) -> Iterator[Row]:
         q = quantize(w, mode).packed()
         arrays = tuple(None if a is None else jnp.asarray(a) for a in (q.values, q.scale, q.offset))
         statics = dict(bits=q.bits, group_size=q.group_size, zero=q.zero)
-        kernel = jax.jit(functools.partial(quantized_matmul_pallas, **statics, interpret=platform != "gpu"))
+        triton = jax.jit(functools.partial(quantized_matmul_pallas, **statics, interpret=interpret))
+        mosaic = jax.jit(functools.partial(quantized_matmul_mosaic, **statics, interpret=interpret))
         dequantizing = jax.jit(functools.partial(quantized_matmul_reference, **statics))
         q_bytes = sum(a.nbytes for a in arrays if a is not None)
         for rows in sizes.qmm_rows:
             x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, k)), jnp.bfloat16)
             case = f"w{q.bits}a16 {rows} rows x {k}x{n}"
+            runs_mosaic = ((interpret or has_wgmma())
+                           and mosaic_matmul_plan(x, *arrays, **statics, interpret=interpret) is not None)
 
-            def run(case=case, x=x):
-                bf16_s = time_call(jax.jit(lambda x, w: x @ w), x, dense, rounds=sizes.timing_rounds,
-                                   round_s=sizes.timing_round_s)
-                kernel_s = time_call(kernel, x, *arrays, rounds=sizes.timing_rounds, round_s=sizes.timing_round_s)
-                deq_s = time_call(dequantizing, x, *arrays, rounds=sizes.timing_rounds, round_s=sizes.timing_round_s)
-                diff = float(jnp.abs(kernel(x, *arrays).astype(jnp.float32)
-                                     - dequantizing(x, *arrays).astype(jnp.float32)).max())
-                metrics = {"ms": kernel_s * 1e3, "bf16 ms": bf16_s * 1e3, "vs bf16": bf16_s / kernel_s,
-                           "dequant ms": deq_s * 1e3, "weight GB/s": q_bytes / kernel_s / 1e9,
-                           "max diff vs dequant": diff}
-                note = "interpret mode" if platform != "gpu" else ""
-                return Row("qmatmul", case, "ok", metrics, note=note,
-                           data={"kernel_s": kernel_s, "bf16_s": bf16_s, "dequant_s": deq_s, "weight_bytes": q_bytes})
+            def run(case=case, x=x, runs_mosaic=runs_mosaic):
+                timed = functools.partial(time_call, rounds=sizes.timing_rounds, round_s=sizes.timing_round_s)
+                bf16_s = timed(jax.jit(lambda x, w: x @ w), x, dense)
+                deq_s = timed(dequantizing, x, *arrays)
+                want = dequantizing(x, *arrays).astype(jnp.float32)
+                metrics = {"bf16 ms": bf16_s * 1e3, "dequant ms": deq_s * 1e3}
+                data = {"bf16_s": bf16_s, "dequant_s": deq_s, "weight_bytes": q_bytes}
+                for name, kernel in (("mosaic", mosaic if runs_mosaic else None), ("triton-lowered", triton)):
+                    if kernel is None:
+                        continue
+                    seconds = timed(kernel, x, *arrays)
+                    metrics |= {f"{name} ms": seconds * 1e3, f"{name} vs bf16": bf16_s / seconds,
+                                f"{name} weight GB/s": q_bytes / seconds / 1e9,
+                                f"{name} max diff vs dequant": float(jnp.abs(kernel(x, *arrays) - want).max())}
+                    if read:
+                        metrics[f"{name} of read"] = q_bytes / seconds / 1e9 / read[0]
+                    data[f"{name}_s"] = seconds
+                note = "interpret mode" if interpret else "" if runs_mosaic else "mosaic: not on this GPU or shape"
+                return Row("qmatmul", case, "ok", metrics, note=note, data=data)
 
             yield guarded("qmatmul", case, run)
 

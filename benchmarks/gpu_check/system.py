@@ -61,7 +61,7 @@ def environment(ctx: Context) -> Iterator[Row]:
     yield Row("env", "jax-triton call", "ok", {"triton_call": jax_triton_keyword()},
               note=f"PYTHONPATH first: {ctx.jax_triton_path}" if ctx.jax_triton_path else "")
     from jaxpaged.kernels.backends import resolve_backend
-    for name in ("reference", "pallas", "triton"):
+    for name in ("reference", "pallas", "triton", "pallas_triton"):
         try:
             yield Row("env", f"backend {name}", "ok", {"resolves to": resolve_backend(name)})
         except ValueError as exc:
@@ -107,7 +107,8 @@ def jax_triton_probe(ctx: Context) -> Iterator[Row]:
 
 
 def copy_bandwidth(ctx: Context) -> Iterator[Row]:
-    """Device-to-device bandwidth of an elementwise op, counting bytes read plus bytes written."""
+    """Device memory bandwidth: an elementwise op (bytes read plus bytes written), and a sum over rows
+    (bytes read only: the rate a decode attention kernel, which reads KV and writes little, is held to)."""
     sizes = ctx.sizes
     x = random_normal(0, (sizes.copy_bytes // 2,), jnp.bfloat16)
     double = jax.jit(lambda a: a * 2)   # exact in bf16, and not an identity XLA could drop
@@ -115,6 +116,12 @@ def copy_bandwidth(ctx: Context) -> Iterator[Row]:
     gbps = 2 * x.nbytes / seconds / 1e9
     yield Row("copy", f"x*2 bf16 {x.nbytes / 2**30:.3g} GiB", "ok", {"ms": seconds * 1e3, "GB/s (r+w)": gbps},
               data={"gbps": gbps, "bytes": x.nbytes, "seconds": seconds})
+    rows = x.reshape(-1, 1024)
+    row_sums = jax.jit(lambda a: a.sum(axis=1, dtype=jnp.float32))   # writes 1/512 of what it reads
+    seconds = time_call(row_sums, rows, rounds=sizes.timing_rounds, round_s=sizes.timing_round_s)
+    read_gbps = x.nbytes / seconds / 1e9
+    yield Row("copy", f"row sums bf16 {x.nbytes / 2**30:.3g} GiB", "ok", {"ms": seconds * 1e3, "GB/s (read)": read_gbps},
+              data={"read_gbps": read_gbps, "bytes": x.nbytes, "seconds": seconds})
 
 
 def swap_round_trip(ctx: Context) -> Iterator[Row]:

@@ -45,13 +45,25 @@ class LoadedModel:
     quantization: str | None = None   # the weights' quantization: None, "int8", "fp8", "int4" or "gguf"
 
 
-def resolve_dtype(dtype: str, checkpoint_dtype: str) -> str:
+def resolve_dtype(dtype: str, checkpoint_dtype: str, device=None) -> str:
+    """The model's dtype: "auto" is the checkpoint's, float16 in place of bfloat16 on a GPU without
+    bfloat16 arithmetic (compute capability below 8.0: T4, V100), as vLLM does."""
+    from jaxpaged.kernels.backends import AMPERE, compute_capability
+    capability = compute_capability(device)
+    no_bfloat16 = capability is not None and capability < AMPERE
     if dtype == "auto":
+        if checkpoint_dtype == "bfloat16" and no_bfloat16:
+            logger.warning("this GPU (compute capability %s) has no bfloat16: the bfloat16 checkpoint runs in "
+                           "float16", ".".join(map(str, capability)))
+            return "float16"
         return checkpoint_dtype
     aliases = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
     dtype = aliases.get(dtype, dtype)
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; choose one of auto, {', '.join(_DTYPES)}")
+    if dtype == "bfloat16" and no_bfloat16:
+        raise ValueError(f"dtype='bfloat16' needs a GPU of compute capability 8.0 or newer; this one has "
+                         f"{'.'.join(map(str, capability))}: use dtype='float16' (or 'auto')")
     return dtype
 
 

@@ -126,19 +126,28 @@ compute-bound and de-quantizes the weight once for XLA's matmul."""
 
 def matmul_kernel(name: str):
     """The quantized matmul `linear` uses for few rows: None ("reference": de-quantize, then XLA's matmul)
-    or "pallas", the W8A16 / W4A16 kernel (jaxpaged.kernels.quantized_matmul; interpret mode off a GPU).
-    "auto": pallas on a GPU, reference elsewhere."""
+    or "pallas", the W8A16 / W4A16 kernel: on Mosaic GPU (jaxpaged.kernels.mosaic_matmul) on a Hopper GPU
+    for the weights it tiles (columns in 64s, values in 64-row steps, 16-bit activations), the Pallas
+    kernel through Triton (jaxpaged.kernels.quantized_matmul) for the others and on older GPUs; off a GPU
+    the same choice in interpret mode. "auto": pallas on a GPU, reference elsewhere."""
     if name not in ("auto", "reference", "pallas"):
         raise ValueError(f"quantized_matmul must be one of 'auto', 'reference', 'pallas', got {name!r}")
     platform = jax.devices()[0].platform
     if name == "reference" or (name == "auto" and platform != "gpu"):
         return None
+    from jaxpaged.kernels.backends import has_wgmma
+    from jaxpaged.kernels.mosaic_matmul import mosaic_matmul_plan, quantized_matmul_mosaic
     from jaxpaged.kernels.quantized_matmul import quantized_matmul_pallas
+    interpret = platform != "gpu"
+    mosaic = interpret or has_wgmma()
 
     def kernel(x, w: QuantizedWeight):
         group = w.in_features // w.scale.shape[-2]   # from the shapes: a row-parallel shard's channels span its rows
-        return quantized_matmul_pallas(x, w.values, w.scale, w.offset, bits=w.bits, group_size=group,
-                                       zero=w.zero, interpret=platform != "gpu")
+        args = (x, w.values, w.scale, w.offset)
+        statics = dict(bits=w.bits, group_size=group, zero=w.zero, interpret=interpret)
+        if mosaic and mosaic_matmul_plan(*args, **statics) is not None:
+            return quantized_matmul_mosaic(*args, **statics)
+        return quantized_matmul_pallas(*args, **statics)
     return kernel
 
 

@@ -13,7 +13,8 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
-from jaxpaged.kernels.pallas_attention import ragged_paged_attention_pallas, split_pages, visible_pages
+from jaxpaged.kernels.pallas_attention import ragged_paged_attention_pallas
+from jaxpaged.kernels.tiling import split_pages, visible_pages
 from jaxpaged.kernels.reference import ragged_paged_attention_reference
 from tests.kernels.cases import live_tokens, random_case
 

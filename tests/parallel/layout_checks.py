@@ -24,7 +24,7 @@ LAYOUTS = [[1, 1], [2, 1], [4, 1], [1, 2], [2, 2]]
 TENSOR_PARALLEL = [[1, 1], [2, 1], [4, 1]]
 CASES = {
     "llama-mha": ("llama", {"num_key_value_heads": 4}, LAYOUTS, [[1, 1], [2, 1]], []),
-    "qwen2-gqa": ("qwen2", {}, TENSOR_PARALLEL, [], [[2, 1]]),
+    "qwen2-gqa": ("qwen2", {"head_dim": 32}, TENSOR_PARALLEL, [], [[2, 1]]),   # head_dim 32: the Mosaic kernel in fp32
     "qwen3-mqa": ("qwen3", {"num_key_value_heads": 1}, TENSOR_PARALLEL, [[2, 1]], []),
     # experts sharded over the devices; qwen2_moe: a shared expert and a dense layer (unrolled layers)
     "mixtral-ep": ("mixtral", {}, [[1, 1], [4, 1]], [[2, 1]], []),

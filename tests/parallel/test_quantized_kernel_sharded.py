@@ -18,7 +18,9 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 import jax, numpy as np
 from jaxpaged.parallel import ShardPlan
 from tests.models.test_quantization import forward_logits
+from tests.parallel.worker import allow_concurrent_gpu_interpret
 from tests.tiny_models import tiny_checkpoint
+allow_concurrent_gpu_interpret()
 tokens = np.random.default_rng(5).integers(3, 320, 40).tolist()
 path = tiny_checkpoint("llama")
 out = {}
