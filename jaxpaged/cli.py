@@ -1,4 +1,4 @@
-"""Command line: `jaxpaged generate`, `jaxpaged serve`, `jaxpaged bench throughput|serve|latency`."""
+"""Command line: `jaxpaged generate`, `jaxpaged serve`, `jaxpaged bench throughput|serve|latency|multiturn`."""
 
 import argparse
 import os
@@ -25,6 +25,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
     parser.add_argument("--swap-space", type=float, default=d.swap_space)
+    parser.add_argument("--kv-offloading-size", type=float, default=d.kv_offloading_size,
+                        help="GiB of host memory holding KV blocks the device's prefix cache evicts")
+    parser.add_argument("--kv-offloading-backend", default=d.kv_offloading_backend, choices=["native"])
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--max-logprobs", type=int, default=d.max_logprobs)
     parser.add_argument("--attention-backend", default=d.attention_backend)
@@ -37,7 +40,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generation-config", default=d.generation_config,
                         help="auto: sampling defaults and EOS ids from the model's generation_config.json; "
                              "vllm: ignore it; or a folder holding one")
-    parser.add_argument("--preemption-mode", default=d.preemption_mode, choices=["recompute", "swap"])
+    parser.add_argument("--preemption-mode", default=d.preemption_mode, choices=["auto", "recompute", "swap"])
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     parser.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
@@ -168,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     lat = bench_sub.add_parser("latency", help="the host's work per decode step at two batch sizes, phase by phase")
     lat.add_argument("args", nargs=argparse.REMAINDER)
     lat.set_defaults(func=lambda ns: _bench_latency(ns.args))
+    mt = bench_sub.add_parser("multiturn", help="multi-turn chat over a small KV pool, with the host tier and without")
+    mt.add_argument("args", nargs=argparse.REMAINDER)
+    mt.set_defaults(func=lambda ns: _bench_multiturn(ns.args))
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:2] == ["bench", "throughput"]:   # its own parser takes every option (REMAINDER stops at "--x")
         return _bench_throughput(argv[2:])
@@ -175,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         return _bench_serve(argv[2:])
     if argv[:2] == ["bench", "latency"]:
         return _bench_latency(argv[2:])
+    if argv[:2] == ["bench", "multiturn"]:
+        return _bench_multiturn(argv[2:])
     ns = parser.parse_args(argv)
     try:
         return ns.func(ns)
@@ -209,6 +217,11 @@ def _bench_serve(args: list[str]) -> int:
 
 def _bench_latency(args: list[str]) -> int:
     from jaxpaged.benchmarks.latency import main as bench_main
+    return bench_main(args)
+
+
+def _bench_multiturn(args: list[str]) -> int:
+    from jaxpaged.benchmarks.multiturn import main as bench_main
     return bench_main(args)
 
 

@@ -87,6 +87,7 @@ class Sizes:
     sampler_shape: tuple[int, int] = (896, 151936)   # their LM head [hidden, vocab] (Qwen2.5-0.5B's)
     block_size: int = 16
     prefill_context: int = 4096           # prefill timing: one prompt of this many tokens, its causal attention
+    tier_history: int = 4096              # the host tier part: a history reloaded against recomputed
     # the same-run peer: a ShareGPT-shaped workload, prompt lengths lognormal around a median
     peer_requests: int = 256
     peer_prompt_len: tuple[int, int, int] = (220, 16, 1024)   # median, shortest, longest
@@ -125,7 +126,7 @@ DRY = Sizes(
     # 2 step variants instead of the defaults' 35: a 2-core CPU compiles each for ~10 s
     step_engine_args=dict(max_num_seqs=4, max_num_batched_tokens=16), step_workload_lens=(1, 5, 17, 40, 70),
     step_workload_tokens=6, step_decode_seqs=(1, 2, 4), step_prompt_len=8, step_max_tokens=(4, 20),
-    qmm_rows=(1, 5), qmm_shape=(256, 128), prefill_context=48, sampler_rows=(4,), sampler_shape=(64, 512),
+    qmm_rows=(1, 5), qmm_shape=(256, 128), prefill_context=48, tier_history=64, sampler_rows=(4,), sampler_shape=(64, 512),
     peer_requests=4, peer_prompt_len=(8, 3, 20), peer_new_tokens=4, peer_engine_args=dict(max_num_seqs=4),
 )
 

@@ -105,6 +105,7 @@ PARTS = (
     Part("peer:transformers", peer.transformers_run, 240),
     Part("peer:jaxpaged", peer.engine_run, 240),
     Part("peer:ratio", lambda ctx, limit_s: peer.peer_ratio(ctx), 10, in_driver=True),
+    Part("tier", engine.tier_reload, 120),   # the host tier: a 4k history reloaded against recomputed
     Part("engine:pallas", functools.partial(engine.engine_run, backend="pallas"), 90),
     Part("engine:pallas_triton", functools.partial(engine.engine_run, backend="pallas_triton"), 90),
     Part("engine:triton", functools.partial(engine.engine_run, backend="triton"), 90),

@@ -178,3 +178,49 @@ def speculative_step_cost(ctx: Context) -> Iterator[Row]:
         del llm
     yield Row("spec", "verify / decode step", "ok", {"ratio": ms["verify k=4"] / ms["decode"]},
               note="5 tokens per sequence per verifying step; drafts repeat the last token (mostly rejected)")
+
+
+def tier_reload(ctx: Context) -> Iterator[Row]:
+    """The host tier (kv_offloading_size): a history of tier_history tokens computed, pushed out of a
+    small device pool by other prompts, then resent with a few more tokens: its TTFT reloaded from
+    host memory against recomputed (an engine without the tier, same steps), and the host-to-device
+    rate of the load (the tier's blocks over the time of the step that loads them)."""
+    from jaxpaged import LLM, SamplingParams
+
+    path = os.path.join(ctx.workdir, MODEL_FOLDER)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        yield Row("tier", "reload", "error", note=f"no model in {path}: see the checkpoint part")
+        return
+    sizes = ctx.sizes
+    history_len, bs = sizes.tier_history, sizes.block_size
+    rng = np.random.default_rng(3)
+    vocab = sizes.model["vocab_size"]
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+    blocks = 2 * (history_len // bs) + 8          # two histories' worth: other prompts cycle it whole
+    prompt = lambda: rng.integers(10, vocab - 10, history_len).tolist()
+    ttft = {}
+    for name, extra in (("reloaded", dict(kv_offloading_size=1.0)), ("recomputed", {})):
+        llm = LLM(path, dtype=CHECKPOINT_DTYPE, block_size=bs, max_model_len=history_len + 2 * bs,
+                  num_gpu_blocks_override=blocks, compile_on_startup=False, use_tqdm=False, **extra)
+
+        def cycle():
+            """A history computed, pushed out by other prompts, then resent with a block more: seconds."""
+            history = prompt()
+            llm.generate([{"prompt_token_ids": history}], one, use_tqdm=False)
+            llm.generate([{"prompt_token_ids": prompt()} for _ in range(blocks // (history_len // bs) + 1)], one,
+                         use_tqdm=False)
+            start = time.perf_counter()
+            llm.generate([{"prompt_token_ids": history + [7] * bs}], one, use_tqdm=False)
+            return time.perf_counter() - start
+        cycle()                                  # compiles every shape and block move it takes
+        hits_before = llm.get_metrics()["jaxpaged:external_prefix_cache_hits_total"]
+        ttft[name] = cycle()
+        hits = llm.get_metrics()["jaxpaged:external_prefix_cache_hits_total"] - hits_before
+        if name == "reloaded":
+            block_bytes = llm.llm_engine.runner.block_bytes()
+            yield Row("tier", f"reload {history_len} tokens", "ok" if hits >= history_len - bs else "fail",
+                      {"TTFT ms": ttft[name] * 1e3, "host hit tokens": hits,
+                       "H2D GB/s (incl. step)": hits // bs * block_bytes / ttft[name] / 1e9})
+        llm = None   # let the engine's memory go before the next
+    yield Row("tier", f"recompute {history_len} tokens", "ok",
+              {"TTFT ms": ttft["recomputed"] * 1e3, "reload / recompute": ttft["reloaded"] / ttft["recomputed"]})

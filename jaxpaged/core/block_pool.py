@@ -22,6 +22,8 @@ class BlockPool:
         # insertion order = eviction order; values unused
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
         self.cached: dict[bytes, int] = {}   # block hash -> block id
+        # (block, hash) of cached blocks `allocate` evicted, for a host tier to keep (None: not tracked)
+        self.evicted: list[tuple[int, bytes]] | None = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -44,6 +46,8 @@ class BlockPool:
         blocks = []
         for _ in range(n):
             block, _ = self.free_queue.popitem(last=False)
+            if self.evicted is not None and self.block_hash[block] is not None:
+                self.evicted.append((block, self.block_hash[block]))
             self._drop_hash(block)
             self.ref_cnt[block] = 1
             blocks.append(block)

@@ -14,6 +14,7 @@ import hashlib
 import struct
 
 from jaxpaged.core.block_pool import BlockPool
+from jaxpaged.core.host_cache import HostMoves, HostPrefixCache
 from jaxpaged.core.request import Request
 
 
@@ -36,7 +37,7 @@ def hash_block(parent_hash: bytes | None, token_ids: tuple[int, ...] | list[int]
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, num_host_blocks: int = 0,
-                 rope_switch_len: int = 0):
+                 rope_switch_len: int = 0, host_cache: HostPrefixCache | None = None):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
@@ -58,6 +59,11 @@ class KVCacheManager:
         # bumped by new weights: it enters every first block's hash, so K/V computed by other
         # weights is never found again (requests hashed before keep their own chains)
         self.weights_version = 0
+        # the host-memory tier under the prefix cache (kv_offloading_size): what the device cache
+        # evicts is kept there, and a device miss that hits it is loaded instead of computed
+        self.host_cache = host_cache if enable_caching else None
+        if self.host_cache is not None:
+            self.pool.evicted = []
 
     @property
     def enable_caching(self) -> bool:
@@ -84,10 +90,8 @@ class KVCacheManager:
             hashes.append(hash_block(parent, request.all_token_ids[i * bs:(i + 1) * bs], salt))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
-        """Longest cached prefix of full blocks: (block ids, tokens covered). Does not change state.
-
-        Capped so that at least the last token is computed (its logits are needed).
-        """
+        """Longest cached prefix of full blocks on the device: (block ids, tokens covered). Does not
+        change state. Capped so that at least the last token is computed (its logits are needed)."""
         if not self.enable_caching:
             return [], 0
         self._update_hashes(request)
@@ -99,6 +103,21 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size
+
+    def get_host_blocks(self, request: Request, num_device_hits: int) -> list[tuple[int, int]]:
+        """The host tier's (batch, slot) of the full blocks that follow the device's hits, as far as it
+        holds them (the same cap). Does not change state; [] without a tier."""
+        if self.host_cache is None:
+            return []
+        self._store_evicted()   # what this very plan evicted is found too (loaded from its gather)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        refs = []
+        for h in request.block_hashes[num_device_hits:max_blocks]:
+            ref = self.host_cache.lookup(h)
+            if ref is None:
+                break
+            refs.append(ref)
+        return refs
 
     def cached_prefix_tokens(self, token_ids: list[int], cache_salt: str | None = None) -> int:
         """Tokens of `token_ids` whose full blocks this cache holds, from the start (read only:
@@ -135,6 +154,9 @@ class KVCacheManager:
         if new_weights:
             self.weights_version += 1
         self.pool.reset_prefix_cache()
+        if self.host_cache is not None:
+            self.pool.evicted = []
+            self.host_cache.clear()
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries += num_tokens
@@ -170,6 +192,42 @@ class KVCacheManager:
         self._cache_full_blocks(request, request.num_computed_tokens
                                 + len(new_computed_blocks) * self.block_size + num_new_tokens)
         return new_blocks
+
+    def begin_load(self, request: Request, hits: list[int], host_blocks: list[tuple[int, int]]) -> bool:
+        """Take the device's prefix hits and a fresh block for each of the host tier's (batch, slot)
+        hits after them, loaded after this step's forward: the request runs from the next plan on,
+        when its next allocation adds the loaded blocks to the device cache (their K/V has landed
+        before any later step reads them). Changes state; False (and nothing changed) when the
+        pool is short."""
+        revived = sum(1 for b in hits if self.pool.ref_cnt[b] == 0)
+        if len(host_blocks) + revived > self.pool.num_free_blocks():
+            return False
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        self.pool.touch(hits)
+        blocks.extend(hits)
+        loaded = self.pool.allocate(len(host_blocks))
+        self.host_cache.take(host_blocks, loaded)
+        blocks.extend(loaded)
+        self.num_registered[request.request_id] = len(hits)
+        return True
+
+    def release_loaded(self, request: Request) -> None:
+        """Let a loaded request's blocks go, their K/V landed: into the device cache, for its next try."""
+        self._cache_full_blocks(request, request.num_computed_tokens)
+        self.free(request)
+
+    def take_host_moves(self) -> HostMoves | None:
+        """The host tier's stores (of what the device cache evicted since the last plan), loads and
+        drops for the next step; None without a tier."""
+        if self.host_cache is None:
+            return None
+        self._store_evicted()
+        return self.host_cache.take_moves()
+
+    def _store_evicted(self) -> None:
+        if self.pool.evicted:
+            self.host_cache.store(self.pool.evicted)
+            self.pool.evicted = []
 
     def _shared_write_block(self, request: Request) -> int | None:
         """Index (in the block table) of a shared, partially filled block the next token lands in."""
@@ -271,3 +329,5 @@ class KVCacheManager:
         assert self.num_registered.keys() <= self.req_blocks.keys(), "registration marks of released requests"
         if self.host_pool is not None:
             self.host_pool.check_invariants(self.req_host_blocks)
+        if self.host_cache is not None:
+            self.host_cache.check_invariants()

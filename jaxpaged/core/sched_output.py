@@ -3,6 +3,7 @@ step's results changed (StepUpdate). Plain data, no arrays (vLLM's core/sched/ou
 
 import dataclasses
 
+from jaxpaged.core.host_cache import HostMoves
 from jaxpaged.core.request import Request, RequestStatus
 
 
@@ -57,7 +58,10 @@ class SchedulerOutput:
     # the first chunks are plain decodes (PlainDecode: one token, sampled; no drafts, no
     # forks; blocks unchanged since the request's last step), which a runner may take as columns
     num_plain_decodes: int = 0
+    # the host tier's stores, loads and drops (kv_offloading_size), applied with the block moves
+    host: HostMoves | None = None
     committed: bool = False    # see Scheduler.commit
+    dispatched_at: float = 0.0  # perf_counter() when the engine queued the step (its prefill-rate clock)
 
     @property
     def is_empty(self) -> bool:

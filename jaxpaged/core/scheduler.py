@@ -18,8 +18,10 @@ import dataclasses
 from collections import deque
 
 from jaxpaged.core.kv_cache_manager import KVCacheManager, cdiv
-from jaxpaged.core.request import FINISHED, Request, RequestStatus, advance_grammar, token_stop
+from jaxpaged.core.preemption import PREEMPTION_MODES, PreemptionCost
+from jaxpaged.core.request import Request, RequestStatus
 from jaxpaged.core.sched_output import PlainDecode, ScheduledChunk, SchedulerOutput, StepUpdate
+from jaxpaged.core.sched_update import StepUpdates
 
 __all__ = ["ScheduledChunk", "Scheduler", "SchedulerConfig", "SchedulerOutput", "StepUpdate"]
 
@@ -40,19 +42,22 @@ class SchedulerConfig:
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
                              f"({self.max_model_len}) when chunked prefill is off, or no long prompt could run")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
+                             f"got {self.preemption_mode!r}")
 
 
-class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager):
+class Scheduler(StepUpdates):
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, cost: PreemptionCost | None = None):
         self.config = config
         self.kv_cache = kv_cache
+        self.cost = cost or PreemptionCost(block_bytes=0)   # preemption_mode="auto": swap or recompute
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
         self.finished: list[Request] = []      # finished since the last plan (it hands them to the runner)
+        self.loaded: list[Request] = []        # waiting with blocks the last plan loads from the host tier
         self.num_preemptions = 0
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
@@ -205,6 +210,7 @@ class Scheduler:
             budget -= num_new
 
         passed = []   # waiting requests of adapters that cannot run now, back in front in their order
+        loading = []  # admitted with host-tier hits: they compute from the next step, once loaded
         while self.waiting and budget > 0 and not preempted and not self.swapped:
             request = self.waiting[0]
             if seats + self._num_seats(request) > self.config.max_num_seqs:
@@ -212,32 +218,68 @@ class Scheduler:
             if not self._lora_fits(request, loras):
                 passed.append(self.waiting.popleft())
                 continue
-            if request.num_computed_tokens == 0:
+            hits, host_hits, num_hit_tokens = [], [], 0
+            first = request.num_computed_tokens == 0   # else loaded from the host tier last step
+            if first:
                 self._begin_rope(request)
-            hits, num_hit_tokens = ([], 0)
-            # prompt logprobs need every prompt position computed, so such requests skip the cache
-            wants_prompt_logprobs = getattr(request.sampling_params, "prompt_logprobs", None) is not None
-            if request.num_computed_tokens == 0 and not wants_prompt_logprobs:
-                hits, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+                # prompt logprobs need every prompt position computed, so such requests skip the cache
+                if getattr(request.sampling_params, "prompt_logprobs", None) is None:
+                    hits, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+                    host_hits = self.kv_cache.get_host_blocks(request, len(hits))
+            if host_hits:   # loaded after this step's forward: the request computes from the next step
+                if not self.kv_cache.begin_load(request, hits, host_hits):
+                    break
+                self._record_lookup(request, num_hit_tokens, len(host_hits) * bs)
+                request.num_computed_tokens = num_hit_tokens + len(host_hits) * bs
+                loading.append(self.waiting.popleft())
+                continue
             num_new = self._num_new_tokens(request, request.num_computed_tokens + num_hit_tokens, budget)
             if num_new == 0:
                 break
             if self.kv_cache.allocate_slots(request, num_new, hits) is None:
+                if not first:   # loaded, and no room to go on: its blocks join the device cache
+                    self.kv_cache.release_loaded(request)
+                    request.num_computed_tokens = 0
                 break
             self.waiting.popleft()
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
-            if hits or request.num_computed_tokens == 0:
-                self.kv_cache.record_prefix_query(request.num_tokens, num_hit_tokens)
+            if first:
+                self._record_lookup(request, num_hit_tokens, 0)
             request.num_computed_tokens += num_hit_tokens
             seats += self._start_running(request, num_new, chunks)
             loras.add(request.lora_int_id)
             budget -= num_new
         self.waiting.extendleft(reversed(passed))
+        self.waiting.extendleft(reversed(loading))
+        # loaded for the last plan but not admitted in this one (a request in front could not run, or
+        # no room): their blocks go to the device cache instead of being held while others wait
+        for request in self.loaded:
+            if request.status == RequestStatus.WAITING and request.num_computed_tokens:
+                self.kv_cache.release_loaded(request)
+                request.num_computed_tokens = 0
+        self.loaded = loading
 
         finished, self.finished = self.finished, []
         return SchedulerOutput(decodes + chunks, preempted, self.config.max_num_batched_tokens - budget,
-                               swap_out, swap_in, self.kv_cache.take_pending_copies(), finished, len(decodes))
+                               swap_out, swap_in, self.kv_cache.take_pending_copies(), finished, len(decodes),
+                               host=self.kv_cache.take_host_moves())
+
+    def loads_failed(self, blocks: set[int], batches: set[int]) -> None:
+        """Host-tier loads into these device blocks failed: the requests waiting on them recompute
+        (their blocks go back unregistered), and the tier forgets those batches."""
+        for request in self.loaded:
+            held = self.kv_cache.blocks_of(request.request_id)
+            if request.status == RequestStatus.WAITING and blocks.intersection(held):
+                self.kv_cache.free(request)
+                request.num_computed_tokens = 0
+        self.kv_cache.host_cache.forget(batches)
+
+    def _record_lookup(self, request: Request, num_hit_tokens: int, num_host_tokens: int) -> None:
+        """An admission's prefix-cache lookup (device, then host tier): counters, num_cached_tokens."""
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens + num_host_tokens
+        self.kv_cache.record_prefix_query(request.num_tokens, num_hit_tokens)
+        if self.kv_cache.host_cache is not None:
+            self.kv_cache.host_cache.record_query(request.num_tokens - num_hit_tokens, num_host_tokens)
 
     def _begin_rope(self, request: Request) -> None:
         """The request's K/V begins from its first token: its rope length is its length now (a
@@ -295,13 +337,17 @@ class Scheduler:
         return num_new
 
     def _preempt(self, request: Request, recompute: bool = False) -> list[tuple[int, int]]:
-        """Swap the request's blocks to the host pool if configured and there is room, else drop
-        them (recompute later); generated tokens are kept. Returns the swap-out pairs.
+        """Swap the request's blocks to the host pool if configured (or cheaper, in "auto") and there is
+        room, else drop them (recompute later); generated tokens are kept. Returns the swap-out pairs.
         `recompute`: drop them whatever the mode (a LongRoPE request outgrowing its factors)."""
         request.num_preemptions += 1
         self.num_preemptions += 1
         request.spec_token_ids = []   # proposed for a step it will not run in
-        if self.config.preemption_mode == "swap" and not recompute and self.kv_cache.can_swap_out(request):
+        mode = self.config.preemption_mode
+        if mode == "auto":
+            mode = "swap" if self.cost.prefers_swap(len(self.kv_cache.blocks_of(request.request_id)),
+                                                    request.num_computed_tokens) else "recompute"
+        if mode == "swap" and not recompute and self.kv_cache.can_swap_out(request):
             pairs = self.kv_cache.swap_out(request)
             self.num_swapped_out_blocks += len(pairs)
             request.status = RequestStatus.SWAPPED
@@ -312,100 +358,6 @@ class Scheduler:
         request.num_computed_tokens = 0
         self.waiting.appendleft(request)
         return []
-
-    # ---- after the step ------------------------------------------------------------------
-    def commit(self, output: SchedulerOutput) -> None:
-        """The plan is on the device: advance num_computed_tokens, and give every request that
-        samples a placeholder for its coming token, so the next plan can be made before this
-        step's tokens are fetched (async scheduling). n > 1: the forks sampling beside their
-        parent start running now, on its blocks, each with its own placeholder."""
-        if output.committed:
-            return
-        output.committed = True
-        chunks = output.chunks
-        for chunk in chunks[:output.num_plain_decodes]:   # one token each, sampled
-            request = chunk.request
-            request.num_computed_tokens = chunk.start + 1
-            request.num_placeholders += 1
-        for chunk in chunks[output.num_plain_decodes:]:
-            request = chunk.request
-            request.num_computed_tokens = chunk.start + chunk.num_new_tokens
-            request.spec_token_ids = []
-            if chunk.samples:
-                request.num_placeholders += 1
-            if chunk.forks and not request.is_finished:
-                for child in chunk.forks:
-                    self.fork(request, child)
-                    child.num_placeholders = 1
-                request.pending_forks = []
-
-    def update_from_output(self, output: SchedulerOutput, result) -> "StepUpdate":
-        """The step's tokens arrived: place them, decide stops, finish what stopped (freeing its
-        blocks). The one place where a step changes requests after it ran.
-
-        `result` holds, per sampled request: `requests` and `token_ids` (its first token, same
-        order), and `kept` (speculative decoding: request id -> the token ids kept after the first,
-        accepted drafts then the recovered or bonus token). Stops: EOS (unless ignore_eos) and
-        stop_token_ids once min_tokens are out, max_tokens, max_model_len, and a grammar that admits
-        no more tokens (structured outputs: each token advances the request's matcher). Stop
-        strings are text: the caller finds them and calls finish_request.
-
-        Requests finished meanwhile are skipped; requests preempted after the plan was made keep
-        their token."""
-        self.commit(output)
-        progressed, kept_counts, stopped = [], {}, []
-        max_len = self.config.max_model_len
-        kept = result.kept
-        drafted = {c.request.request_id: c for c in output.chunks if c.num_drafts} if kept else {}
-        for index, (request, token) in enumerate(zip(result.requests, result.token_ids)):
-            if request.num_placeholders == 0 or request.status in FINISHED:
-                continue
-            request.num_placeholders -= 1
-            chunk = drafted.get(request.request_id) if drafted else None
-            # speculative decoding: the drafts' slots are taken back; each token kept re-adds one
-            if chunk is not None and request.num_computed_tokens == chunk.start + chunk.num_new_tokens:
-                request.num_computed_tokens -= chunk.num_drafts
-            output_ids, all_ids = request.output_token_ids, request.all_token_ids
-            output_ids.append(token)
-            all_ids.append(token)
-            progressed.append((request, index))
-            if (token in request.stop_token_set or len(output_ids) >= request.max_tokens or len(all_ids) >= max_len
-                    or request.matcher is not None or chunk is not None):
-                num_kept = self._update_one(request, kept.get(request.request_id, ()), stopped)
-                if num_kept:
-                    kept_counts[request.request_id] = num_kept
-        return StepUpdate(progressed, kept_counts, stopped)
-
-    def _update_one(self, request: Request, kept, stopped: list) -> int:
-        """update_from_output past the plain case (a stop candidate, a grammar, drafts verified):
-        the tokens kept after the first, one at a time, until one stops. Returns how many it kept."""
-        num_kept = 0
-        for token in kept:
-            if self._stop(request, stopped):
-                return num_kept
-            self._accept_draft(request, token)
-            num_kept += 1
-        self._stop(request, stopped)
-        return num_kept
-
-    def _stop(self, request: Request, stopped: list) -> bool:
-        """Decide on the request's last token: finish it (True, noted in `stopped`) or let it go on."""
-        stop = token_stop(request, self.config.max_model_len)
-        if request.matcher is not None:
-            stop = advance_grammar(request, stop)
-        if stop is None:
-            return False
-        status, request.stop_reason = stop
-        self.finish_request(request.request_id, status)
-        stopped.append((request, status, request.stop_reason))
-        return True
-
-    @staticmethod
-    def _accept_draft(request: Request, token: int) -> None:
-        """Speculative decoding: a verified step keeps one more token of `request` (an accepted draft,
-        or the token after the last one), whose predecessor's K/V the step computed."""
-        request.append_output_token(token)
-        request.num_computed_tokens += 1
 
     def check_invariants(self) -> None:
         self.kv_cache.check_invariants()

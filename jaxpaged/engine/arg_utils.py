@@ -40,12 +40,14 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
     swap_space: float = 4.0                   # GiB of pinned host memory for swapped-out blocks
+    kv_offloading_size: float | None = None   # GiB of host memory under the prefix cache (None: no host tier)
+    kv_offloading_backend: str | None = None  # "native" (the default when kv_offloading_size is set)
     seed: int = 0
     attention_backend: str = "auto"
     scan_layers: bool | None = None           # lax.scan over stacked layers (None: yes); False: unrolled loop
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    preemption_mode: str = "recompute"        # "recompute" | "swap"
+    preemption_mode: str = "auto"             # "auto" (swap or recompute, whichever costs less) | "recompute" | "swap"
     async_scheduling: bool = True             # plan and prepare step t+1 while the device runs step t
     served_model_name: str | None = None
     generation_config: str = "auto"          # auto: the model's generation_config.json; vllm: ignore it; or a folder
@@ -96,6 +98,18 @@ class EngineArgs:
         require("kv_cache_memory_bytes", self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
                 "None or > 0")
         require("swap_space", self.swap_space >= 0, ">= 0 (GiB)")
+        from jaxpaged.core.host_cache import KV_OFFLOADING_BACKENDS
+        require("kv_offloading_size", self.kv_offloading_size is None or (
+            isinstance(self.kv_offloading_size, (int, float)) and not isinstance(self.kv_offloading_size, bool)
+            and self.kv_offloading_size > 0), "None or > 0 (GiB of host memory)")
+        require("kv_offloading_backend", self.kv_offloading_backend in (None, *KV_OFFLOADING_BACKENDS),
+                f"None or one of {', '.join(repr(b) for b in KV_OFFLOADING_BACKENDS)}")
+        require("kv_offloading_backend", self.kv_offloading_backend is None or self.kv_offloading_size is not None,
+                "set together with kv_offloading_size (GiB of host memory for the tier)")
+        require("kv_offloading_size", self.kv_offloading_size is None or self.enable_prefix_caching,
+                "None when enable_prefix_caching is off (the host tier is the prefix cache's)")
+        require("kv_offloading_size", self.kv_offloading_size is None or self.num_nodes == 1,
+                "None when num_nodes > 1 (the host tier runs on one host for now)")
         require("attention_backend", self.attention_backend in ATTENTION_BACKENDS,
                 f"one of {', '.join(ATTENTION_BACKENDS)}")
         require("quantization", self.quantization in QUANTIZATIONS,
@@ -104,7 +118,9 @@ class EngineArgs:
                 f"one of {', '.join(repr(d) for d in KV_CACHE_DTYPES)}")
         require("calculate_kv_scales", isinstance(self.calculate_kv_scales, bool), "True or False")
         require("scan_layers", self.scan_layers is None or isinstance(self.scan_layers, bool), "None, True or False")
-        require("preemption_mode", self.preemption_mode in ("recompute", "swap"), "'recompute' or 'swap'")
+        from jaxpaged.core.preemption import PREEMPTION_MODES
+        require("preemption_mode", self.preemption_mode in PREEMPTION_MODES,
+                f"one of {', '.join(repr(m) for m in PREEMPTION_MODES)}")
         require("seed", isinstance(self.seed, int), "an int")
         require("tensor_parallel_size", isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
                 "an int >= 1")
@@ -122,6 +138,8 @@ class EngineArgs:
                 f"an int in [0, {MAX_LOGPROBS}]")
         from jaxpaged.engine.spec_decode import SpeculativeConfig
         spec = SpeculativeConfig.parse(self.speculative_config)   # ValueErrors name the key and what it allows
+        require("kv_offloading_size", self.kv_offloading_size is None or spec is None or spec.method != "draft_model",
+                "None with a draft model (the draft's KV pool is not offloaded)")
         require("speculative_config", spec is None or spec.method != "draft_model" or self.num_nodes == 1,
                 "prompt lookup (method 'ngram') when num_nodes > 1 (a draft model runs on one host only)")
         require("enable_lora", isinstance(self.enable_lora, bool), "True or False")

@@ -24,20 +24,20 @@ import collections
 import itertools
 import logging
 import os
+import time
 
 import jax
 import numpy as np
 
-from jaxpaged.core.kv_cache_manager import KVCacheManager
 from jaxpaged.core.request import Request, RequestStatus
-from jaxpaged.core.scheduler import Scheduler, SchedulerConfig
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.generation_config import load_generation_defaults
 from jaxpaged.engine.metrics import PREFIX, EngineMetrics
 from jaxpaged.engine.spec_decode import SpeculativeConfig, Speculator
 from jaxpaged.engine.research import ResearchMixin
 from jaxpaged.engine.output_processor import OutputProcessor, RequestState, SequenceState
-from jaxpaged.engine.startup import build_draft_proposer, build_runner, load_draft_model, load_model_and_tokenizer
+from jaxpaged.engine.startup import (build_draft_proposer, build_runner, build_scheduler, load_draft_model,
+                                     load_model_and_tokenizer)
 from jaxpaged.runner.structured_outputs import GrammarCompiler
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
@@ -71,16 +71,8 @@ class LLMEngine(ResearchMixin):
         self.generation_defaults = load_generation_defaults(args.generation_config,
                                                             source if os.path.isdir(source) else None)
         self.eos_token_ids = self._eos_token_ids()
-        max_batched = args.batched_tokens(self.max_model_len)
-        self.scheduler_config = SchedulerConfig(
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_batched, max_model_len=self.max_model_len,
-            enable_chunked_prefill=args.enable_chunked_prefill, preemption_mode=args.preemption_mode,
-            max_loras=args.max_loras if args.enable_lora else 0)
-        self.kv_cache = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
-                                       num_host_blocks=self.runner.swap_space.num_host_blocks
-                                       if self.runner.swap_space else 0,
-                                       rope_switch_len=self.model_config.rope_switch_len)
-        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache)
+        self.scheduler_config, self.kv_cache, self.scheduler = build_scheduler(args, self.runner, num_blocks,
+                                                                               self.max_model_len, self.model_config)
         self.metrics = EngineMetrics()
         self._rng = np.random.default_rng(args.seed)
         self.output_processor = OutputProcessor(self.tokenizer)   # what users see: text, stops, RequestOutputs
@@ -259,6 +251,7 @@ class LLMEngine(ResearchMixin):
                 if verifies and spec.drafter is not None:
                     spec.drafter.fill(plan)
                 self.assign_loras(plan)
+                plan.dispatched_at = time.perf_counter()
                 pending = self.runner.dispatch(plan, prev)
             except Exception as exc:
                 error = self._fail_steps([plan], exc)
@@ -278,6 +271,10 @@ class LLMEngine(ResearchMixin):
                     raise error from exc
         else:
             self.runner.run_without_step(plan)
+        if self.runner.host_cache is not None:
+            blocks, batches = self.runner.host_cache.take_failed()
+            if blocks or batches:
+                self.scheduler.loads_failed(blocks, batches)
         # with overlap, step t's tokens while step t+1 runs; else this step's own (and a verifying
         # step's: the next proposals need its tokens)
         while len(self._in_flight) > (1 if overlap and not plan.is_empty and not verifies else 0):
@@ -300,6 +297,8 @@ class LLMEngine(ResearchMixin):
             self._in_flight.clear()
             raise self._fail_steps(plans, exc) from exc
         self._in_flight.popleft()
+        self.scheduler.cost.observe_step(plan.num_batched_tokens - plan.num_plain_decodes,
+                                         time.perf_counter() - plan.dispatched_at)
         update = self.scheduler.update_from_output(plan, result)
         self.metrics.generation_tokens_total += update.num_tokens
         for rid, num_drafts in result.num_drafts.items():

@@ -27,6 +27,10 @@ class EngineMetrics:
             "kv_cache_usage_perc": kv_cache.usage(),
             "prefix_cache_queries_total": kv_cache.prefix_queries,
             "prefix_cache_hits_total": kv_cache.prefix_hits,
+            # the host tier (kv_offloading_size), vLLM's "external" prefix cache: tokens looked up there
+            # after a device miss, and found
+            "external_prefix_cache_queries_total": kv_cache.host_cache.queries if kv_cache.host_cache else 0,
+            "external_prefix_cache_hits_total": kv_cache.host_cache.hits if kv_cache.host_cache else 0,
             "swapped_out_blocks_total": self.swapped_out_blocks_total,
             "swapped_in_blocks_total": self.swapped_in_blocks_total,
         }

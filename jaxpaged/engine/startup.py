@@ -129,10 +129,11 @@ def kv_dtype(args: EngineArgs, loaded: LoadedModel):
 
 
 def _new_runner(args: EngineArgs, loaded: LoadedModel, num_blocks: int, max_model_len: int,
-                num_host_blocks: int = 0) -> ModelRunner:
+                num_host_blocks: int = 0, host_cache_slots: int = 0) -> ModelRunner:
     return ModelRunner(loaded.model, num_blocks, args.block_size, max_model_len, args.max_num_seqs,
                        args.batched_tokens(max_model_len), kv_dtype=kv_dtype(args, loaded),
-                       num_host_blocks=num_host_blocks, max_logprobs=args.max_logprobs,
+                       num_host_blocks=num_host_blocks, host_cache_slots=host_cache_slots,
+                       max_logprobs=args.max_logprobs,
                        calculate_kv_scales=args.calculate_kv_scales,
                        num_speculative_tokens=_num_speculative_tokens(args),
                        compiler_options=xla_compiler_options(args.optimization_level))
@@ -166,12 +167,19 @@ def build_runner(args: EngineArgs, loaded: LoadedModel, use_tqdm: bool = True, d
                              "max_model_len or give the cache more memory")
         max_model_len = capacity
     num_host_blocks = 0
-    if args.preemption_mode == "swap":
+    if args.preemption_mode in ("swap", "auto"):
         num_host_blocks = int(args.swap_space * (1 << 30)) // per_block
-        if num_host_blocks < 1:
+        if num_host_blocks < 1 and args.preemption_mode == "swap":
             logger.warning("swap_space %.3f GiB holds no block: preemption falls back to recompute",
                            args.swap_space)
-    runner = _new_runner(args, loaded, num_blocks, max_model_len, num_host_blocks)
+    host_cache_slots = 0
+    if args.kv_offloading_size is not None:   # the tier's GiB are shared by the data-parallel replicas
+        host_cache_slots = int(args.kv_offloading_size * (1 << 30) / args.data_parallel_size) // per_block
+        if host_cache_slots < 4:
+            raise ValueError(f"kv_offloading_size ({args.kv_offloading_size} GiB) holds {host_cache_slots} blocks of "
+                             f"{per_block} bytes; give it at least {4 * per_block * args.data_parallel_size / (1 << 30):.3g} "
+                             "GiB (4 blocks per replica)")
+    runner = _new_runner(args, loaded, num_blocks, max_model_len, num_host_blocks, host_cache_slots)
     logger.info("KV cache: %d blocks of %d tokens (%d tokens), max_model_len %d", num_blocks - 1,
                 args.block_size, capacity, max_model_len)
     if args.compile_on_startup:
@@ -219,3 +227,29 @@ def build_draft_proposer(args: EngineArgs, draft: LoadedModel, num_blocks: int, 
         with tqdm(total=len(shapes), desc=f"Compiling {len(shapes)} draft step variants", disable=not use_tqdm) as bar:
             runner.warmup(shapes, bar)
     return DraftModelProposer(runner, args.block_size)
+
+
+def build_scheduler(args: EngineArgs, runner: ModelRunner, num_blocks: int, max_model_len: int, model_config):
+    """(SchedulerConfig, KVCacheManager, Scheduler) of an engine over this runner: its host pools (swap
+    space, the prefix cache's host tier) and what preemption_mode="auto" weighs (the host copy rate)."""
+    from jaxpaged.core.host_cache import HostPrefixCache
+    from jaxpaged.core.kv_cache_manager import KVCacheManager
+    from jaxpaged.core.preemption import PreemptionCost
+    from jaxpaged.core.scheduler import Scheduler, SchedulerConfig
+    from jaxpaged.runner.batch_builder import next_bucket
+
+    config = SchedulerConfig(
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.batched_tokens(max_model_len),
+        max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
+        preemption_mode=args.preemption_mode, max_loras=args.max_loras if args.enable_lora else 0)
+    host_cache = None
+    if runner.host_cache_slots:   # batches as the runner moves blocks: at most max_moved_blocks, bucketed
+        host_cache = HostPrefixCache(runner.host_cache_slots, padded=lambda n: next_bucket(n, 4),
+                                     max_batch=runner.max_moved_blocks)
+    kv_cache = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
+                              num_host_blocks=runner.swap_space.num_host_blocks if runner.swap_space else 0,
+                              rope_switch_len=model_config.rope_switch_len, host_cache=host_cache)
+    cost = PreemptionCost(block_bytes=runner.block_bytes())
+    if args.preemption_mode == "auto" and runner.swap_space is not None:
+        cost.copy_bytes_per_s = runner.measure_copy_rate()
+    return config, kv_cache, Scheduler(config, kv_cache, cost)

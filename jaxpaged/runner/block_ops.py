@@ -21,12 +21,16 @@ its blocks), and one partly swapped in stays whole until the rest of it is.
 """
 
 import functools
+import logging
+import time
 from typing import NamedTuple
 
 import jax
 import numpy as np
 
 from jaxpaged.runner.batch_builder import next_bucket
+
+logger = logging.getLogger(__name__)
 
 
 def _padded(pairs: list[tuple[int, int]], src_pad: int, dst_pad: int,
@@ -61,9 +65,10 @@ def _scatter_blocks(kv_pool, blocks, src, dst):
     return kv_pool.at[:, :, dst].set(blocks[:, :, src], mode="drop")
 
 
-def warm_up_block_moves(kv_pool: jax.Array, sizes: list[int], swap_space: "HostSwapSpace | None") -> jax.Array:
-    """Compile the copy (and swap) ops for each bucket size by running them, through the same
-    transfers as a real swap, on nothing: every destination is out of bounds. Returns the pool (donated)."""
+def warm_up_block_moves(kv_pool: jax.Array, sizes: list[int],
+                        swap_space: "HostSwapSpace | HostCacheSpace | None") -> jax.Array:
+    """Compile the copy (and swap or host tier) ops for each bucket size by running them, through the
+    same transfers as a real swap, on nothing: every destination is out of bounds. Returns the pool (donated)."""
     nowhere = kv_pool.shape[2]
     kv_pool = committed(kv_pool)
     for size in sizes:
@@ -73,6 +78,19 @@ def warm_up_block_moves(kv_pool: jax.Array, sizes: list[int], swap_space: "HostS
             batch = jax.device_put(_gather_blocks(kv_pool, src), swap_space.host_sharding)
             kv_pool = _scatter_blocks(kv_pool, jax.device_put(batch, swap_space.device_sharding), src, dst)
     return kv_pool
+
+
+def time_round_trip(kv_pool: jax.Array, size: int, space: "HostSwapSpace") -> tuple[jax.Array, float]:
+    """Seconds of `size` blocks to pinned host memory and back (written nowhere), timed after a first
+    round trip compiles the ops; returns the pool (donated) and the seconds."""
+    src, dst = np.zeros(size, np.int32), np.full(size, kv_pool.shape[2], np.int32)
+    for _ in range(2):
+        start = time.perf_counter()
+        batch = jax.device_put(_gather_blocks(committed(kv_pool), src), space.host_sharding)
+        kv_pool = _scatter_blocks(committed(kv_pool), jax.device_put(batch, space.device_sharding), src, dst)
+        kv_pool.block_until_ready()
+        seconds = time.perf_counter() - start
+    return kv_pool, seconds
 
 
 def committed(kv_pool: jax.Array) -> jax.Array:
@@ -125,3 +143,68 @@ class HostSwapSpace:
             src, dst = _padded(slots, 0, kv_pool.shape[2], size=blocks.shape[2])
             kv_pool = _scatter_blocks(kv_pool, blocks, src, dst)
         return kv_pool
+
+
+class HostCacheSpace:
+    """The bytes of the prefix cache's host tier (core/host_cache.py holds which hash is where):
+    one batch in pinned host memory per store, as swapped-out blocks are held.
+
+    A plan's moves come in two parts. Before its forward, its stores are gathered on the device
+    (the blocks they read are reused by this very step). After its forward, its loads are
+    scattered into the pool (from a host batch, or straight from a batch gathered in this plan:
+    the requests they serve compute from the next step on, so a load's copy overlaps the forward
+    rather than holding it up), its drops let batches go, and only then do its stores go to host
+    memory: the tier's host memory never holds more than its capacity."""
+
+    def __init__(self, kv_pool: jax.Array | jax.ShapeDtypeStruct):
+        self.device_sharding = kv_pool.sharding.with_memory_kind("device")
+        self.host_sharding = kv_pool.sharding.with_memory_kind("pinned_host")
+        self.batches: dict[int, jax.Array] = {}     # batch id -> [layers, 2, bucket, ...] in pinned_host
+        self.gathered: dict[int, jax.Array] = {}    # this plan's stores, on the device until `load`
+        # loads that failed since `take_failed` (a batch missing, a transfer refused): their requests
+        # recompute instead, and their batches are forgotten
+        self.failed_blocks: set[int] = set()
+        self.failed_batches: set[int] = set()
+
+    def gather(self, kv_pool: jax.Array, moves) -> None:
+        """Before the forward: the plan's stores, gathered from the pool (HostMoves.stores)."""
+        for batch, blocks in moves.stores:
+            self.gathered[batch] = _gather_blocks(kv_pool, _padded([(b, 0) for b in blocks], 0, 0)[0])
+
+    def load(self, kv_pool: jax.Array, moves) -> jax.Array:
+        """After the forward: the plan's loads, drops, and its stores' copies to host memory.
+        Returns the new pool (the old one is donated)."""
+        by_batch: dict[int, list[tuple[int, int]]] = {}
+        for batch, slot, block in moves.loads:
+            by_batch.setdefault(batch, []).append((slot, block))
+        for batch, slots in by_batch.items():
+            try:
+                source = self.gathered.get(batch)
+                if source is None:
+                    source = jax.device_put(self.batches[batch], self.device_sharding)
+                src, dst = _padded(slots, 0, kv_pool.shape[2], size=source.shape[2])
+            except Exception as exc:   # noqa: BLE001 -- the blocks are recomputed instead
+                logger.warning("host tier: loading batch %d failed (%s: %s); its requests recompute", batch,
+                               type(exc).__name__, exc)
+                self.failed_blocks.update(block for _, block in slots)
+                self.failed_batches.add(batch)
+                self.batches.pop(batch, None)
+                continue
+            kv_pool = _scatter_blocks(kv_pool, source, src, dst)
+        for batch in moves.drops:
+            self.batches.pop(batch, None)
+            self.gathered.pop(batch, None)
+        for batch, blocks in self.gathered.items():
+            self.batches[batch] = jax.device_put(blocks, self.host_sharding)
+        self.gathered = {}
+        return kv_pool
+
+    def take_failed(self) -> tuple[set[int], set[int]]:
+        """(device blocks, batch ids) of the loads that failed since the last call."""
+        failed = self.failed_blocks, self.failed_batches
+        self.failed_blocks, self.failed_batches = set(), set()
+        return failed
+
+    def num_slots(self) -> int:
+        """Block slots the tier's batches hold in host memory (padding included)."""
+        return sum(batch.shape[2] for batch in self.batches.values())

@@ -171,7 +171,7 @@ class CompiledStep:
             progress.update(len(shapes) - len(todo))
         self._warmed_up = True
         self.kv_pool = warm_up_block_moves(self.kv_pool, bucket_sizes(4, self.max_moved_blocks),
-                                           self.swap_space)
+                                           self.swap_space or self.host_cache)
         self.slot_state = warm_up_updates(self.slot_state, self.plan)
         if self.channel is not None:   # several hosts: the step inputs' broadcasts, up to the largest step's
             self.channel.warm_up(max(max(StepLayout.of(s).size, s.num_logits * self.bitmask_words)

@@ -1,14 +1,21 @@
 """What the runner holds on the device, and giving it back: the KV pool, allocated at its first use
-(after start-up's compilations: XLA's GPU autotuner needs memory while it compiles), and sleep mode
-(vLLM's `sleep` / `wake_up`), which drops the pool and moves or drops the weights. ModelRunner
-inherits this; it reads the runner's `state`, `plan` and `kv_pool_spec`.
+(after start-up's compilations: XLA's GPU autotuner needs memory while it compiles), its whole-block
+moves (copy-on-write, swap to and from pinned host memory, the host tier's stores and loads), and
+sleep mode (vLLM's `sleep` / `wake_up`), which drops the pool and moves or drops the weights.
+ModelRunner inherits this; it reads the runner's `state`, `plan`, `kv_pool_spec`, `swap_space`,
+`host_cache`, `channel` and `max_moved_blocks`.
 """
+
+import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpaged.core.sched_output import SchedulerOutput
 from jaxpaged.parallel import POOL_SPEC
+from jaxpaged.runner.block_ops import committed, copy_blocks, time_round_trip
+from jaxpaged.runner.multihost import OP_MOVE, pairs_payload
 
 
 class DeviceMemory:
@@ -28,6 +35,52 @@ class DeviceMemory:
     @kv_pool.setter
     def kv_pool(self, value: jax.Array | None) -> None:
         self._kv_pool = value
+
+    # ---- whole-block moves -----------------------------------------------------------------
+    def block_bytes(self) -> int:
+        """KV bytes of one block of the pool, every layer."""
+        spec = self.kv_pool_spec
+        return math.prod(spec.shape) // spec.shape[2] * spec.dtype.itemsize
+
+    def measure_copy_rate(self) -> float | None:
+        """Bytes per second, one way, between the pool and pinned host memory (preemption_mode="auto"):
+        a round trip of the largest block move. None without swap space, or on several hosts (every
+        host would have to join the transfers)."""
+        if self.swap_space is None or self.channel is not None:
+            return None
+        self.kv_pool, seconds = time_round_trip(self.kv_pool, self.max_moved_blocks, self.swap_space)
+        return 2 * self.max_moved_blocks * self.block_bytes() / seconds
+
+    def load_host_blocks(self, plan: SchedulerOutput) -> None:
+        """The host tier's loads, queued after the step's forward (their requests compute from the
+        next step on: a load's copy overlaps this forward instead of holding it up), then its drops."""
+        if plan.host is not None and (plan.host.loads or plan.host.drops or self.host_cache.gathered):
+            self.kv_pool = self.host_cache.load(committed(self.kv_pool), plan.host)
+
+    def move_blocks(self, plan: SchedulerOutput) -> None:
+        """The host tier's stores (gathered), swap-outs, swap-ins, then copy-on-write copies: all before
+        the step reads the pool.
+
+        Each runs in pieces of at most `max_moved_blocks`, so its compiled buckets are few
+        (compiled at start-up) and its temporaries stay small."""
+        if plan.host is not None and plan.host.stores:
+            self.host_cache.gather(self.kv_pool, plan.host)
+        if not (plan.swap_out or plan.swap_in or plan.copies):
+            return
+        if self.channel is not None:
+            self.channel.send(OP_MOVE, (len(plan.swap_out), len(plan.swap_in), len(plan.copies)),
+                              pairs_payload(plan.swap_out, plan.swap_in, plan.copies))
+        self._move_blocks(plan.swap_out, plan.swap_in, plan.copies)
+
+    def _move_blocks(self, swap_out, swap_in, copies) -> None:
+        n = self.max_moved_blocks
+        self.kv_pool = committed(self.kv_pool)
+        for i in range(0, len(swap_out), n):
+            self.swap_space.swap_out(self.kv_pool, swap_out[i:i + n])
+        for i in range(0, len(swap_in), n):
+            self.kv_pool = self.swap_space.swap_in(self.kv_pool, swap_in[i:i + n])
+        for i in range(0, len(copies), n):
+            self.kv_pool = copy_blocks(self.kv_pool, copies[i:i + n])
 
     def sleep(self, level: int) -> None:
         """Give the device memory back: the KV pool is dropped; the weights move to pinned host

@@ -41,12 +41,11 @@ from jaxpaged.core.kv_cache_manager import cdiv
 from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.parallel import POOL_SPEC
 from jaxpaged.runner.batch_builder import BatchShape, next_bucket, shape_for
-from jaxpaged.runner.block_ops import HostSwapSpace, committed, copy_blocks
+from jaxpaged.runner.block_ops import HostCacheSpace, HostSwapSpace
 from jaxpaged.runner.compiled_step import (HOST_BRANCH_PLATFORMS, SAMPLER_KINDS, SEQ_FLOOR, TOKEN_FLOOR, CompiledStep,
                                            max_decode_queries, sampler_kind)
 from jaxpaged.runner.device_memory import DeviceMemory
-from jaxpaged.runner.multihost import (OP_MOVE, OP_SAMPLE, OP_STEP, OP_STOP, OP_UPDATES, StepChannel, follow,
-                                       is_multihost, pairs_payload)
+from jaxpaged.runner.multihost import OP_SAMPLE, OP_STEP, OP_STOP, OP_UPDATES, StepChannel, follow, is_multihost
 from jaxpaged.runner.input_batch import (LORA_SLOT, MATCHER, NUM_PLACEHOLDERS, REQUEST, START, GeneralColumns,
                                          InputBatch)
 from jaxpaged.runner.persistent_batch import SlotState, SlotTable, StepLayout, apply_updates, pack_updates
@@ -89,7 +88,7 @@ class _Pending:
 
 class ModelRunner(CompiledStep, DeviceMemory):
     def __init__(self, model, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, kv_dtype=None, num_host_blocks: int = 0,
+                 max_num_batched_tokens: int, kv_dtype=None, num_host_blocks: int = 0, host_cache_slots: int = 0,
                  max_logprobs: int = MAX_LOGPROBS, calculate_kv_scales: bool = False,
                  num_speculative_tokens: int = 0, compiler_options: dict | None = None,
                  greedy_only: bool = False):
@@ -141,6 +140,9 @@ class ModelRunner(CompiledStep, DeviceMemory):
             # every step returns its sampled tokens padded to max_num_seqs rows (its largest bucket)
             self._no_prev_tokens = self.plan.replicate(jnp.zeros(max_num_seqs, jnp.int32))
         self.swap_space = HostSwapSpace(self.kv_pool_spec, num_host_blocks) if num_host_blocks else None
+        # the prefix cache's host tier (kv_offloading_size): its block slots, and their bytes
+        self.host_cache_slots = host_cache_slots
+        self.host_cache = HostCacheSpace(self.kv_pool_spec) if host_cache_slots else None
         # several hosts: rank 0 sends each device operation to the others (multihost.py)
         self.channel = StepChannel() if is_multihost() else None
         self.steps_run = 0                  # device steps launched (a follower counts the ones it ran)
@@ -156,28 +158,7 @@ class ModelRunner(CompiledStep, DeviceMemory):
         (they take a fresh slot, parameters seeded anew, when they run again)."""
         self.slot_table.begin_step(plan.preempted, plan.finished)
         self.move_blocks(plan)
-
-    def move_blocks(self, plan: SchedulerOutput) -> None:
-        """Swap-outs, swap-ins, then copy-on-write copies: all before the step reads the pool.
-
-        Each runs in pieces of at most `max_moved_blocks`, so its compiled buckets are few
-        (compiled at start-up) and its temporaries stay small."""
-        if not (plan.swap_out or plan.swap_in or plan.copies):
-            return
-        if self.channel is not None:
-            self.channel.send(OP_MOVE, (len(plan.swap_out), len(plan.swap_in), len(plan.copies)),
-                              pairs_payload(plan.swap_out, plan.swap_in, plan.copies))
-        self._move_blocks(plan.swap_out, plan.swap_in, plan.copies)
-
-    def _move_blocks(self, swap_out, swap_in, copies) -> None:
-        n = self.max_moved_blocks
-        self.kv_pool = committed(self.kv_pool)
-        for i in range(0, len(swap_out), n):
-            self.swap_space.swap_out(self.kv_pool, swap_out[i:i + n])
-        for i in range(0, len(swap_in), n):
-            self.kv_pool = self.swap_space.swap_in(self.kv_pool, swap_in[i:i + n])
-        for i in range(0, len(copies), n):
-            self.kv_pool = copy_blocks(self.kv_pool, copies[i:i + n])
+        self.load_host_blocks(plan)
 
     # ---- one step ----------------------------------------------------------------------------
     def dispatch(self, plan: SchedulerOutput, prev: _Pending | None = None) -> _Pending:
@@ -200,6 +181,7 @@ class ModelRunner(CompiledStep, DeviceMemory):
         pending = self.execute_model(inputs, prev)
         if not inputs.constrained:
             self.sample(pending)
+        self.load_host_blocks(plan)
         return pending
 
     def prepare_inputs(self, plan: SchedulerOutput, prev: _Pending | None = None) -> InputBatch:
