@@ -19,9 +19,9 @@ KV_OFFLOADING_BACKENDS = ("native",)
 
 
 class HostMoves(NamedTuple):
-    """The tier's part of a plan, in the order the runner applies it."""
-    stores: list[tuple[int, list[int]]]      # (batch id, device blocks): gathered before anything writes them
-    loads: list[tuple[int, int, int]]        # (batch id, slot, device block): copied in before the forward
+    """The tier's part of a plan, in the order the runner applies it (runner/block_ops.HostCacheSpace)."""
+    stores: list[tuple[int, list[int]]]      # (batch id, device blocks): gathered before the step's forward
+    loads: list[tuple[int, int, int]]        # (batch id, slot, device block): copied in after the forward
     drops: list[int]                         # batch ids let go (after the loads)
 
 

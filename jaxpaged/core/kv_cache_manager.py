@@ -106,7 +106,8 @@ class KVCacheManager:
 
     def get_host_blocks(self, request: Request, num_device_hits: int) -> list[tuple[int, int]]:
         """The host tier's (batch, slot) of the full blocks that follow the device's hits, as far as it
-        holds them (the same cap). Does not change state; [] without a tier."""
+        holds them (the same cap); [] without a tier. Stores what this plan evicted so far first (so
+        that it is found too), and changes nothing else."""
         if self.host_cache is None:
             return []
         self._store_evicted()   # what this very plan evicted is found too (loaded from its gather)
