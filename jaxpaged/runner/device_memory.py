@@ -64,7 +64,7 @@ class DeviceMemory:
         Each runs in pieces of at most `max_moved_blocks`, so its compiled buckets are few
         (compiled at start-up) and its temporaries stay small."""
         if plan.host is not None and plan.host.stores:
-            self.host_cache.gather(self.kv_pool, plan.host)
+            self.host_cache.gather(committed(self.kv_pool), plan.host)
         if not (plan.swap_out or plan.swap_in or plan.copies):
             return
         if self.channel is not None:

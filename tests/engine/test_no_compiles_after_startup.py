@@ -36,10 +36,11 @@ def compilations():
 
 def test_no_request_mix_compiles_after_startup(monkeypatch):
     # a pool of 20 blocks of 8 tokens for up to 8 sequences of up to 128 tokens: preemption is certain;
-    # 8 host blocks: some victims swap, the rest are recomputed
+    # 8 host blocks: some victims swap, the rest are recomputed; the host tier stores what the device
+    # cache evicts and the second round loads it back
     llm = LLM(tiny_checkpoint("llama"), dtype="float32", block_size=8, num_gpu_blocks_override=20,
               max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, preemption_mode="swap",
-              swap_space=8 * 6144 / 2**30, use_tqdm=False)
+              swap_space=8 * 6144 / 2**30, kv_offloading_size=0.001, use_tqdm=False)
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(3, 320, n).tolist()} for n in (1, 5, 17, 40, 64, 90, 127, 33, 9)]
     params = [
@@ -69,6 +70,7 @@ def test_no_request_mix_compiles_after_startup(monkeypatch):
         llm.generate(prompts[3], SamplingParams(n=4, temperature=1.0, max_tokens=50), use_tqdm=False)
     metrics = llm.get_metrics()
     assert metrics["jaxpaged:num_preemptions_total"] > 0 and metrics["jaxpaged:swapped_out_blocks_total"] > 0
+    assert metrics["jaxpaged:external_prefix_cache_hits_total"] > 0
     assert compiled == [], f"compiled after start-up: {compiled}"
     assert BatchShape(4, 4, 4, 1) in shapes   # a sequence decoding alone runs the smallest decode bucket
 
