@@ -77,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--answer-len", type=int, default=24)
     parser.add_argument("--blocks", type=int, default=96, help="KV blocks of the small device pool")
     parser.add_argument("--tier-gib", type=float, default=1.0, help="kv_offloading_size of the tier run")
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="the engines' (default: vLLM's 256; fewer compile fewer step shapes at start-up)")
     parser.add_argument("--json", default=None, help="also write the results here")
     ns = parser.parse_args(argv)
 
@@ -93,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     convs = None
     for name, kwargs in runs.items():
         start = time.perf_counter()
+        if ns.max_num_seqs:
+            kwargs["max_num_seqs"] = ns.max_num_seqs
         engine = LLMEngine(EngineArgs(model=ns.model, max_model_len=max_model_len, **kwargs), use_tqdm=False)
         convs = convs or conversations(ns.conversations, ns.turns, ns.system_len, ns.user_len,
                                        engine.model_config.vocab_size)

@@ -9,7 +9,7 @@ from jaxpaged.benchmarks.latency import tiny_model
 
 def test_multiturn_prints_the_tier_against_no_tier_and_the_pool_for_all(capsys, tmp_path):
     assert multiturn.main(["--model", tiny_model(), "--conversations", "4", "--turns", "3", "--system-len", "40",
-                           "--user-len", "16", "--answer-len", "4", "--blocks", "20", "--tier-gib", "0.01",
+                           "--user-len", "16", "--answer-len", "4", "--blocks", "20", "--tier-gib", "0.01", "--max-num-seqs", "4",
                            "--json", str(tmp_path / "runs.json")]) == 0
     out = capsys.readouterr().out
     for name in ("tier", "no tier", "pool for all"):
