@@ -53,6 +53,13 @@ def random_checkpoint(ctx: Context) -> Iterator[Row]:
               {"params M": params / 1e6, "MB": size / 1e6, "s": time.perf_counter() - start}, note=path)
 
 
+def checkpoint_model(ctx: Context, part: str, case: str) -> tuple[str, Row | None]:
+    """The checkpoint part's folder, or an error row (part, case) when it made none."""
+    path = os.path.join(ctx.workdir, MODEL_FOLDER)
+    missing = not os.path.exists(os.path.join(path, "config.json"))
+    return path, Row(part, case, "error", note=f"no model in {path}: see the checkpoint part") if missing else None
+
+
 def engine_prompts(sizes: Sizes, vocab_size: int) -> tuple[list[dict], list[dict]]:
     """(timed prompts, warm-up prompts): same lengths, other tokens (no prefix-cache hits between them)."""
     rng = np.random.default_rng(0)
@@ -76,9 +83,9 @@ def engine_run(ctx: Context, backend: str) -> Iterator[Row]:
     except ValueError as exc:
         yield Row("engine", backend, "error" if platform == "gpu" else "skip", note=str(exc))
         return
-    path = os.path.join(ctx.workdir, MODEL_FOLDER)
-    if not os.path.exists(os.path.join(path, "config.json")):
-        yield Row("engine", backend, "error", note=f"no model in {path}: see the checkpoint part")
+    path, error = checkpoint_model(ctx, "engine", backend)
+    if error is not None:
+        yield error
         return
     sizes = ctx.sizes
     prompts, warm = engine_prompts(sizes, sizes.model["vocab_size"])
@@ -146,9 +153,9 @@ def speculative_step_cost(ctx: Context) -> Iterator[Row]:
     from benchmarks.gpu_check.step import compilations
     from jaxpaged.benchmarks.throughput import StepClock
 
-    path = os.path.join(ctx.workdir, MODEL_FOLDER)
-    if not os.path.exists(os.path.join(path, "config.json")):
-        yield Row("spec", "verify vs decode", "error", note=f"no model in {path}: see the checkpoint part")
+    path, error = checkpoint_model(ctx, "spec", "verify vs decode")
+    if error is not None:
+        yield error
         return
     sizes = ctx.sizes
     prompts, warm = engine_prompts(sizes, sizes.model["vocab_size"])
@@ -187,9 +194,9 @@ def tier_reload(ctx: Context) -> Iterator[Row]:
     rate of the load (the tier's blocks over the time of the step that loads them)."""
     from jaxpaged import LLM, SamplingParams
 
-    path = os.path.join(ctx.workdir, MODEL_FOLDER)
-    if not os.path.exists(os.path.join(path, "config.json")):
-        yield Row("tier", "reload", "error", note=f"no model in {path}: see the checkpoint part")
+    path, error = checkpoint_model(ctx, "tier", "reload")
+    if error is not None:
+        yield error
         return
     sizes = ctx.sizes
     history_len, bs = sizes.tier_history, sizes.block_size

@@ -118,6 +118,17 @@ def backend_kernel(name: str, platform: str) -> Callable | str:
     return get_attention(resolved, platform)
 
 
+def _note(platform: str, name: str) -> str:
+    return "interpret mode" if platform != "gpu" and name.startswith("pallas") else ""
+
+
+def _timed_kernels(platform: str, head_dim: int) -> dict:
+    """Each backend's attention jitted at this head_dim's scale, or why it cannot run here."""
+    kernels = {name: backend_kernel(name, platform) for name in BACKENDS}
+    return {name: k if isinstance(k, str) else jax.jit(functools.partial(k, sm_scale=head_dim ** -0.5))
+            for name, k in kernels.items()}
+
+
 def _unavailable(part: str, case: str, reason: str, platform: str) -> Row:
     # On CPU a GPU-only backend is expected to be missing; on the GPU it is the thing to fix.
     return Row(part, case, "error" if platform == "gpu" else "skip", note=reason)
@@ -154,7 +165,7 @@ def _compare(case, kernel, args, kwargs, truth, dtype, platform) -> Row:
     max_abs = float(np.abs(out - truth).max())
     rel = float(np.linalg.norm(out - truth) / np.linalg.norm(truth))
     tol = REL_TOLERANCE[dtype]
-    note = "interpret mode" if platform != "gpu" and "pallas" in case else ""
+    note = _note(platform, case.split()[0])
     if dtype == "float32" and rel > _IEEE_FP32:
         note = "fp32 at TF32 level, not IEEE"
     return Row("kernels", case, "ok" if rel <= tol else "fail",
@@ -192,8 +203,7 @@ def attention_timing(ctx: Context) -> Iterator[Row]:
     copy_gbps = copy[0] if copy else None
     read = [r.data["read_gbps"] for r in ctx.rows_of("copy") if "read_gbps" in r.data]
     read_gbps = read[0] if read else None
-    kernels = {name: backend_kernel(name, platform) for name in BACKENDS}
-    head_dim = sizes.attention_heads[2]
+    kernels = _timed_kernels(platform, sizes.attention_heads[2])
     for num_seqs in sizes.attention_seqs:
         for context in sizes.attention_contexts:
             try:
@@ -202,12 +212,11 @@ def attention_timing(ctx: Context) -> Iterator[Row]:
                 yield error_row("attention", f"inputs {num_seqs} seqs x {context}", exc)
                 continue
             reference_out = None
-            for name, kernel in kernels.items():
+            for name, fn in kernels.items():
                 case = f"{name} {num_seqs} seqs x {context}"
-                if isinstance(kernel, str):
-                    yield _unavailable("attention", case, kernel, platform)
+                if isinstance(fn, str):
+                    yield _unavailable("attention", case, fn, platform)
                     continue
-                fn = jax.jit(functools.partial(kernel, sm_scale=head_dim ** -0.5))
 
                 def run(case=case, fn=fn, name=name):
                     nonlocal reference_out
@@ -222,12 +231,11 @@ def attention_timing(ctx: Context) -> Iterator[Row]:
                         reference_out = out
                     elif reference_out is not None:
                         metrics["max diff vs ref"] = float(np.abs(out - reference_out).max())
-                    note = "interpret mode" if platform != "gpu" and name.startswith("pallas") else ""
-                    return Row("attention", case, "ok", metrics, note=note,
+                    return Row("attention", case, "ok", metrics, note=_note(platform, name),
                                data={"seconds": seconds, "kv_bytes": kv_bytes})
 
                 yield guarded("attention", case, run)
-            del args
+            args = None   # let the batch go before the next one is built
 
 
 # Dense bf16 tensor-core peaks (NVIDIA's data sheets, without sparsity), by device kind.
@@ -252,21 +260,19 @@ def prefill_attention_timing(ctx: Context) -> Iterator[Row]:
     flops = 4 * num_heads * head_dim * tokens * (tokens + 1) / 2
     kind = jax.devices()[0].device_kind
     peak = next((tf for name, tf in _BF16_PEAK_TFLOPS if name in kind), None) if platform == "gpu" else None
-    for name in BACKENDS:
-        kernel = backend_kernel(name, platform)
+    for name, fn in _timed_kernels(platform, head_dim).items():
         case = f"{name} prefill {tokens} tokens, head_dim {head_dim}"
-        if isinstance(kernel, str):
-            yield _unavailable("attention", case, kernel, platform)
+        if isinstance(fn, str):
+            yield _unavailable("attention", case, fn, platform)
             continue
-        fn = jax.jit(functools.partial(kernel, sm_scale=head_dim ** -0.5))
 
         def run(fn=fn, case=case, name=name):
             seconds = time_call(fn, q, pool, np.int32(0), md, rounds=sizes.timing_rounds, round_s=sizes.timing_round_s)
             metrics = {"ms": seconds * 1e3, "TFLOP/s": flops / seconds / 1e12}
             if peak:
                 metrics["of peak"] = flops / seconds / 1e12 / peak
-            note = "interpret mode" if platform != "gpu" and name.startswith("pallas") else ""
-            return Row("attention", case, "ok", metrics, note=note, data={"seconds": seconds, "flops": flops})
+            return Row("attention", case, "ok", metrics, note=_note(platform, name),
+                       data={"seconds": seconds, "flops": flops})
 
         yield guarded("attention", case, run)
 

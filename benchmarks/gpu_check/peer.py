@@ -6,14 +6,13 @@ ShareGPT's shape (lognormal around a median, clipped), each generating `peer_new
 own (torch stays out of the engine's process); the ratio is `peer_ratio`'s row (the goal: >= 5x).
 """
 
-import os
 import time
 from typing import Iterator
 
 import numpy as np
 
 from benchmarks.gpu_check.common import Context, Row, Sizes
-from benchmarks.gpu_check.engine import MODEL_FOLDER
+from benchmarks.gpu_check.engine import checkpoint_model
 
 
 def peer_workload(sizes: Sizes, vocab_size: int) -> list[list[int]]:
@@ -31,19 +30,12 @@ def _row(case: str, seconds: float, tokens: int, sizes: Sizes, note: str) -> Row
                note=note if tokens == expected else f"{tokens} tokens out, {expected} asked; {note}")
 
 
-def _model(ctx: Context, case: str) -> tuple[str, Row | None]:
-    """The checkpoint part's folder, or an error row when it made none."""
-    path = os.path.join(ctx.workdir, MODEL_FOLDER)
-    missing = not os.path.exists(os.path.join(path, "config.json"))
-    return path, Row("peer", case, "error", note=f"no model in {path}: see the checkpoint part") if missing else None
-
-
 def transformers_run(ctx: Context) -> Iterator[Row]:
     import torch
     import transformers
 
     sizes = ctx.sizes
-    path, error = _model(ctx, "transformers generate_batch")
+    path, error = checkpoint_model(ctx, "peer", "transformers generate_batch")
     if error is not None:
         yield error
         return
@@ -68,7 +60,7 @@ def engine_run(ctx: Context) -> Iterator[Row]:
     from jaxpaged import LLM, SamplingParams
 
     sizes = ctx.sizes
-    path, error = _model(ctx, "jaxpaged")
+    path, error = checkpoint_model(ctx, "peer", "jaxpaged")
     if error is not None:
         yield error
         return

@@ -103,7 +103,10 @@ class HostPrefixCache:
         for batch in list(self.batches):
             self._drop(batch)
 
-    def take_moves(self) -> HostMoves:
+    def take_moves(self) -> HostMoves | None:
+        """The stores, loads and drops since the last call; None when there are none."""
+        if not (self._stores or self._loads or self._drops):
+            return None
         moves = HostMoves(self._stores, self._loads, self._drops)
         self._stores, self._loads, self._drops = [], [], []
         return moves

@@ -219,7 +219,7 @@ class KVCacheManager:
 
     def take_host_moves(self) -> HostMoves | None:
         """The host tier's stores (of what the device cache evicted since the last plan), loads and
-        drops for the next step; None without a tier."""
+        drops for the next step; None without a tier or without any."""
         if self.host_cache is None:
             return None
         self._store_evicted()

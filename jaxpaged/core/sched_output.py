@@ -58,7 +58,7 @@ class SchedulerOutput:
     # the first chunks are plain decodes (PlainDecode: one token, sampled; no drafts, no
     # forks; blocks unchanged since the request's last step), which a runner may take as columns
     num_plain_decodes: int = 0
-    # the host tier's stores, loads and drops (kv_offloading_size), applied with the block moves
+    # the host tier's stores, loads and drops (kv_offloading_size), applied with the block moves; None: none
     host: HostMoves | None = None
     committed: bool = False    # see Scheduler.commit
     dispatched_at: float = 0.0  # perf_counter() when the engine queued the step (its prefill-rate clock)

@@ -238,8 +238,7 @@ class Scheduler(StepUpdates):
                 break
             if self.kv_cache.allocate_slots(request, num_new, hits) is None:
                 if not first:   # loaded, and no room to go on: its blocks join the device cache
-                    self.kv_cache.release_loaded(request)
-                    request.num_computed_tokens = 0
+                    self._unload(request, landed=True)
                 break
             self.waiting.popleft()
             if first:
@@ -254,8 +253,7 @@ class Scheduler(StepUpdates):
         # no room): their blocks go to the device cache instead of being held while others wait
         for request in self.loaded:
             if request.status == RequestStatus.WAITING and request.num_computed_tokens:
-                self.kv_cache.release_loaded(request)
-                request.num_computed_tokens = 0
+                self._unload(request, landed=True)
         self.loaded = loading
 
         finished, self.finished = self.finished, []
@@ -269,9 +267,17 @@ class Scheduler(StepUpdates):
         for request in self.loaded:
             held = self.kv_cache.blocks_of(request.request_id)
             if request.status == RequestStatus.WAITING and blocks.intersection(held):
-                self.kv_cache.free(request)
-                request.num_computed_tokens = 0
+                self._unload(request, landed=False)
         self.kv_cache.host_cache.forget(batches)
+
+    def _unload(self, request: Request, landed: bool) -> None:
+        """A waiting request lets its loaded blocks go and will compute from its first token: into the
+        device cache if their K/V landed, else unregistered."""
+        if landed:
+            self.kv_cache.release_loaded(request)
+        else:
+            self.kv_cache.free(request)
+        request.num_computed_tokens = 0
 
     def _record_lookup(self, request: Request, num_hit_tokens: int, num_host_tokens: int) -> None:
         """An admission's prefix-cache lookup (device, then host tier): counters, num_cached_tokens."""
@@ -344,10 +350,10 @@ class Scheduler(StepUpdates):
         self.num_preemptions += 1
         request.spec_token_ids = []   # proposed for a step it will not run in
         mode = self.config.preemption_mode
-        if mode == "auto":
-            mode = "swap" if self.cost.prefers_swap(len(self.kv_cache.blocks_of(request.request_id)),
-                                                    request.num_computed_tokens) else "recompute"
-        if mode == "swap" and not recompute and self.kv_cache.can_swap_out(request):
+        swap = not recompute and mode != "recompute" and self.kv_cache.can_swap_out(request) and (
+            mode == "swap" or self.cost.prefers_swap(len(self.kv_cache.blocks_of(request.request_id)),
+                                                     request.num_computed_tokens))
+        if swap:
             pairs = self.kv_cache.swap_out(request)
             self.num_swapped_out_blocks += len(pairs)
             request.status = RequestStatus.SWAPPED

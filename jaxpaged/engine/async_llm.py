@@ -16,15 +16,14 @@ device. Callers get a separate copy of the tokenizer.
 import asyncio
 import contextlib
 import copy
-import dataclasses
 import logging
 import queue
 import threading
-import time
 import uuid
 from collections.abc import AsyncIterator
 
 from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.engine.async_outputs import EngineRequestError, OutputThread
 from jaxpaged.engine.llm_engine import LLMEngine, StepFailedError
 from jaxpaged.engine.research import AsyncResearchMixin
 from jaxpaged.engine.streams import CLOSED, RequestMetrics, Stream, merge_deltas, resolve, resolve_value
@@ -35,10 +34,6 @@ __all__ = ["AsyncLLM", "EngineOverloadedError", "EngineRequestError", "RequestMe
 
 logger = logging.getLogger(__name__)
 
-class EngineRequestError(RuntimeError):
-    """An internal failure while the engine processed a request (not a bad input)."""
-
-
 class EngineOverloadedError(RuntimeError):
     """A request refused because `max_num_waiting` requests already wait for a seat in the batch."""
 
@@ -48,7 +43,7 @@ def _check_max_num_waiting(value) -> None:
         raise ValueError(f"max_num_waiting must be an integer >= 1 or None, got {value!r}")
 
 
-class AsyncLLM(AsyncResearchMixin):
+class AsyncLLM(AsyncResearchMixin, OutputThread):
     """Serve many concurrent callers from one continuously batched engine."""
 
     def __init__(self, engine: LLMEngine, max_num_waiting: int | None = None):
@@ -338,53 +333,6 @@ class AsyncLLM(AsyncResearchMixin):
             steps = replica.take_completed()
             if steps:
                 self._completed.put((replica, steps))
-
-    # ---- the output thread ----------------------------------------------------------------
-    def _run_outputs(self) -> None:
-        while True:
-            item = self._completed.get()
-            if item is None:
-                return
-            replica, steps = item
-            try:
-                outputs, stopped = replica.output_processor.process(steps)
-            except Exception as exc:   # a bug on the output side: fail every request, as a failed step would
-                logger.exception("building outputs failed; failing the %d request(s) in flight", len(self._streams))
-                error = EngineRequestError(f"internal engine error: {type(exc).__name__}: {exc}")
-                error.__cause__ = exc
-                self._send(("fail", error))
-                continue
-            if stopped:
-                self._send(("stopped", replica, stopped))
-            if any(out.finished for out in outputs):
-                self._publish_metrics()   # finished requests counted before their callers hear of it
-            self._deliver_outputs(outputs)
-
-    def _deliver_outputs(self, outputs: list[RequestOutput]) -> None:
-        """Output thread: each output to its request's stream (a closed caller's request is aborted)."""
-        now = time.time()
-        for out in outputs:
-            if out.finished:
-                self.engine.release(out.request_id)
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue
-            if stream.metrics.first_token_time is None and any(c.token_ids for c in out.outputs):
-                stream.metrics.first_token_time = now
-            if out.finished:
-                stream.metrics.finished_time = now
-                self._streams.pop(out.request_id, None)
-            out.metrics = dataclasses.replace(stream.metrics)
-            if not self._deliver(stream, out) and not out.finished:
-                self._streams.pop(out.request_id, None)
-                self._send(("abort", out.request_id, None, None))
-
-    def _deliver(self, stream: Stream, item) -> bool:
-        try:
-            stream.put(item)
-            return True
-        except RuntimeError:   # the caller's event loop is closed
-            return False
 
     def _fail_requests(self, error: BaseException, request_ids: list[str] | None = None) -> None:
         """Abort and fail the given requests (default: every request in flight)."""

@@ -271,10 +271,8 @@ class LLMEngine(ResearchMixin):
                     raise error from exc
         else:
             self.runner.run_without_step(plan)
-        if self.runner.host_cache is not None:
-            blocks, batches = self.runner.host_cache.take_failed()
-            if blocks or batches:
-                self.scheduler.loads_failed(blocks, batches)
+        if self.runner.host_cache is not None and self.runner.host_cache.failed_batches:
+            self.scheduler.loads_failed(*self.runner.host_cache.take_failed())
         # with overlap, step t's tokens while step t+1 runs; else this step's own (and a verifying
         # step's: the next proposals need its tokens)
         while len(self._in_flight) > (1 if overlap and not plan.is_empty and not verifies else 0):

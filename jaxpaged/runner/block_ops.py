@@ -65,6 +65,20 @@ def _scatter_blocks(kv_pool, blocks, src, dst):
     return kv_pool.at[:, :, dst].set(blocks[:, :, src], mode="drop")
 
 
+def _scatter_slots(kv_pool: jax.Array, blocks: jax.Array, slots: list[tuple[int, int]]) -> jax.Array:
+    """kv_pool with device block d := slot s of `blocks` (a batch on the device) for each (s, d); donated."""
+    src, dst = _padded(slots, 0, kv_pool.shape[2], size=blocks.shape[2])
+    return _scatter_blocks(kv_pool, blocks, src, dst)
+
+
+def _round_trip_to_nowhere(kv_pool: jax.Array, size: int, space) -> jax.Array:
+    """`size` blocks to pinned host memory and back, scattered out of bounds (nothing written): what a
+    swap or the host tier runs, at one bucket size. Returns the pool (donated)."""
+    src, dst = np.zeros(size, np.int32), np.full(size, kv_pool.shape[2], np.int32)
+    batch = jax.device_put(_gather_blocks(committed(kv_pool), src), space.host_sharding)
+    return _scatter_blocks(committed(kv_pool), jax.device_put(batch, space.device_sharding), src, dst)
+
+
 def warm_up_block_moves(kv_pool: jax.Array, sizes: list[int],
                         swap_space: "HostSwapSpace | HostCacheSpace | None") -> jax.Array:
     """Compile the copy (and swap or host tier) ops for each bucket size by running them, through the
@@ -75,19 +89,16 @@ def warm_up_block_moves(kv_pool: jax.Array, sizes: list[int],
         src, dst = np.zeros(size, np.int32), np.full(size, nowhere, np.int32)
         kv_pool = _copy(kv_pool, src, dst)
         if swap_space is not None:
-            batch = jax.device_put(_gather_blocks(kv_pool, src), swap_space.host_sharding)
-            kv_pool = _scatter_blocks(kv_pool, jax.device_put(batch, swap_space.device_sharding), src, dst)
+            kv_pool = _round_trip_to_nowhere(kv_pool, size, swap_space)
     return kv_pool
 
 
 def time_round_trip(kv_pool: jax.Array, size: int, space: "HostSwapSpace") -> tuple[jax.Array, float]:
     """Seconds of `size` blocks to pinned host memory and back (written nowhere), timed after a first
     round trip compiles the ops; returns the pool (donated) and the seconds."""
-    src, dst = np.zeros(size, np.int32), np.full(size, kv_pool.shape[2], np.int32)
     for _ in range(2):
         start = time.perf_counter()
-        batch = jax.device_put(_gather_blocks(committed(kv_pool), src), space.host_sharding)
-        kv_pool = _scatter_blocks(committed(kv_pool), jax.device_put(batch, space.device_sharding), src, dst)
+        kv_pool = _round_trip_to_nowhere(kv_pool, size, space)
         kv_pool.block_until_ready()
         seconds = time.perf_counter() - start
     return kv_pool, seconds
@@ -140,8 +151,7 @@ class HostSwapSpace:
             moves.setdefault(id(batch), (batch, []))[1].append((index, device_id))
         batches = [batch for batch, _ in moves.values()]
         for blocks, (_, slots) in zip(jax.device_put(batches, self.device_sharding), moves.values()):
-            src, dst = _padded(slots, 0, kv_pool.shape[2], size=blocks.shape[2])
-            kv_pool = _scatter_blocks(kv_pool, blocks, src, dst)
+            kv_pool = _scatter_slots(kv_pool, blocks, slots)
         return kv_pool
 
 
@@ -182,7 +192,6 @@ class HostCacheSpace:
                 source = self.gathered.get(batch)
                 if source is None:
                     source = jax.device_put(self.batches[batch], self.device_sharding)
-                src, dst = _padded(slots, 0, kv_pool.shape[2], size=source.shape[2])
             except Exception as exc:   # noqa: BLE001 -- the blocks are recomputed instead
                 logger.warning("host tier: loading batch %d failed (%s: %s); its requests recompute", batch,
                                type(exc).__name__, exc)
@@ -190,7 +199,7 @@ class HostCacheSpace:
                 self.failed_batches.add(batch)
                 self.batches.pop(batch, None)
                 continue
-            kv_pool = _scatter_blocks(kv_pool, source, src, dst)
+            kv_pool = _scatter_slots(kv_pool, source, slots)
         for batch in moves.drops:
             self.batches.pop(batch, None)
             self.gathered.pop(batch, None)

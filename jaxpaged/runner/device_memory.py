@@ -54,7 +54,7 @@ class DeviceMemory:
     def load_host_blocks(self, plan: SchedulerOutput) -> None:
         """The host tier's loads, queued after the step's forward (their requests compute from the
         next step on: a load's copy overlaps this forward instead of holding it up), then its drops."""
-        if plan.host is not None and (plan.host.loads or plan.host.drops or self.host_cache.gathered):
+        if plan.host is not None:
             self.kv_pool = self.host_cache.load(committed(self.kv_pool), plan.host)
 
     def move_blocks(self, plan: SchedulerOutput) -> None:

@@ -109,6 +109,8 @@ class ModelRunner(CompiledStep, DeviceMemory):
         self.max_decode_seqs = max_decode_queries(max_num_seqs, max_num_batched_tokens, num_speculative_tokens)
         self.plan = model.shard_plan   # its devices (tensor parallelism: the pool is sharded by KV heads)
         self.host_branches = self.plan.local_device.platform in HOST_BRANCH_PLATFORMS
+        # a device with memory of its own: results start their copy to the host as soon as queued (a CPU's
+        # are in host memory, and there the call would wait for the step: dispatch must not)
         self.copy_results_early = self.plan.local_device.platform != "cpu"
         blocks = cdiv(max_model_len, block_size)
         self.max_blocks_per_seq = cdiv(blocks, KV_CHUNK_BLOCKS) * KV_CHUNK_BLOCKS
