@@ -6,7 +6,9 @@ product is computed transposed, with the weight's columns on wgmma's 64-row side
 
     y^T [N, M] = W^T [N, K] @ x^T [K, M]           M padded to a multiple of 8 (wgmma's narrow side)
 
-    grid  = N / 64 programs, one CUDA block of one warpgroup each
+    grid  = N / 64 columns x `splits` programs, one CUDA block of one warpgroup each; a split takes a
+            contiguous share of the K steps (split-K: a 4096-wide weight alone gives 64 programs, under
+            half an H100's 132 SMs), its fp32 partial summed by the wrapper
     step  = 64 or 128 rows of `values` of the program's 64 columns (a group, part of one, or several):
               values tile (int8 / fp8 [rows, 64], or 4-bit bytes [rows / 2, 64]) and x's [M, rows]
               -> SMEM by TMA, `slots` steps in flight
@@ -33,6 +35,7 @@ COLUMNS = 64          # weight columns per program: wgmma's M
 _MAX_STEP_ROWS = 128  # input rows per step when a scale group is longer (or the scale per channel)
 _MAX_SLOTS = 8        # steps in flight at most: a decode matmul waits on memory
 _SMEM_BYTES = 160 * 1024
+_SMS = 132            # streaming multiprocessors when the device does not say (H100 / H200)
 
 
 def _swizzled(dtype, minor: int):
@@ -77,18 +80,40 @@ def _plan(x, values, scale, offset, bits, group_size, interpret):
 
 
 def quantized_matmul_mosaic(x, values, scale, offset=None, *, bits: int, group_size: int, zero: int = 0,
-                            interpret: bool = False, max_slots: int = _MAX_SLOTS) -> jax.Array:
-    """x [M, K] @ the quantized [K, N] weight -> [M, N] in x's dtype, fp32 accumulation. Raises
-    ValueError for shapes or dtypes the kernel cannot handle."""
+                            interpret: bool = False, max_slots: int = _MAX_SLOTS,
+                            num_splits: int | None = None) -> jax.Array:
+    """x [M, K] @ the quantized [K, N] weight -> [M, N] in x's dtype, fp32 accumulation. `num_splits`
+    divides the K steps among programs (None: enough for a program per SM where the steps allow).
+    Raises ValueError for shapes or dtypes the kernel cannot handle."""
     group_rows, value_rows = _plan(x, values, scale, offset, bits, group_size, interpret)
     if max_slots < 2:
         raise ValueError(f"max_slots must be >= 2, got {max_slots}")
+    num_steps = values.shape[0] // value_rows
+    if num_splits is None:
+        num_splits = default_splits(values.shape[1] // COLUMNS, num_steps)
+    if num_splits < 1 or num_steps % num_splits:
+        raise ValueError(f"num_splits must be >= 1 and divide the weight's {num_steps} steps of {value_rows} rows, "
+                         f"got {num_splits}")
     return _matmul(x, values, scale, offset, bits=bits, group_rows=group_rows, zero=zero, value_rows=value_rows,
-                   interpret=interpret, max_slots=max_slots)
+                   interpret=interpret, max_slots=max_slots, splits=num_splits)
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "group_rows", "zero", "value_rows", "interpret", "max_slots"))
-def _matmul(x, values, scale, offset, *, bits, group_rows, zero, value_rows, interpret, max_slots):
+def default_splits(column_programs: int, num_steps: int, sms: int | None = None) -> int:
+    """The fewest splits of the K steps (a divisor of them, leaving at least 4 steps a split so the ring
+    stays full) that give every SM a program; 1 when the columns alone do."""
+    sms = sms or getattr(jax.devices()[0], "core_count", None) or _SMS
+    splits = 1
+    for candidate in range(2, num_steps // 4 + 1):
+        if column_programs * splits >= sms:
+            break
+        if num_steps % candidate == 0:
+            splits = candidate
+    return splits
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "group_rows", "zero", "value_rows", "interpret", "max_slots",
+                                             "splits"))
+def _matmul(x, values, scale, offset, *, bits, group_rows, zero, value_rows, interpret, max_slots, splits):
     m, k = x.shape
     n = values.shape[1]
     padded_m = max(8, -(-m // 8) * 8)
@@ -99,14 +124,17 @@ def _matmul(x, values, scale, offset, *, bits, group_rows, zero, value_rows, int
     has_offset = offset is not None
     operands = [*xs, values, scale.astype(jnp.float32)] + ([offset.astype(jnp.float32)] if has_offset else [])
     step_bytes = (padded_m * value_rows * len(xs) * x.dtype.itemsize + value_rows * COLUMNS * values.dtype.itemsize)
-    slots = max(2, min(max_slots, _SMEM_BYTES // step_bytes))
+    num_steps = values.shape[0] // value_rows // splits
+    slots = max(2, min(max_slots, num_steps + 1, _SMEM_BYTES // step_bytes))
     program = functools.partial(_program, bits=bits, group_rows=group_rows, zero=zero, value_rows=value_rows,
-                                slots=slots, num_steps=values.shape[0] // value_rows, has_offset=has_offset)
+                                slots=slots, num_steps=num_steps, has_offset=has_offset)
+    out_dtype = x.dtype if splits == 1 else jnp.float32      # partials stay fp32 until summed
     out_t = plgpu.kernel(
-        program, out_type=jax.ShapeDtypeStruct((n, padded_m), x.dtype),
-        grid=(n // COLUMNS,), grid_names=("column",),
+        program, out_type=jax.ShapeDtypeStruct((splits * n, padded_m), out_dtype),
+        grid=(n // COLUMNS, splits), grid_names=("column", "split"),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(*operands)
+    out_t = out_t.reshape(splits, n, padded_m).sum(0).astype(x.dtype)
     return out_t[:, :m].T
 
 
@@ -117,14 +145,16 @@ def _program(*refs, bits, group_rows, zero, value_rows, slots, num_steps, has_of
     out_ref = rest[-1]
     dtype, padded_m = x_refs[0].dtype, x_refs[0].shape[0]
     groups = max(1, value_rows // group_rows)      # scale rows a step reads
-    column = lax.axis_index("column")
+    column, split = lax.axis_index("column"), lax.axis_index("split")
     columns = pl.ds(column * COLUMNS, COLUMNS)
+    first_step = split * num_steps              # this split's share of the K steps
 
     def walk(x_smem, v_smem, w_smem, s_smem, barriers, *o_smem):
         o_smem = o_smem[0] if has_offset else None
 
         def issue(step):
             slot = lax.rem(step, slots)
+            step = first_step + step
             for i, x_ref in enumerate(x_refs):
                 plgpu.copy_gmem_to_smem(x_ref.at[:, pl.ds(step * value_rows, value_rows)], x_smem.at[i, slot],
                                         barriers.at[slot])
@@ -190,8 +220,9 @@ def _program(*refs, bits, group_rows, zero, value_rows, slots, num_steps, has_of
         *([plgpu.SMEM((slots, groups, COLUMNS), jnp.float32)] if has_offset else []))
 
     def store(out_smem):
-        out_smem[...] = acc.astype(dtype)
+        out_smem[...] = acc.astype(out_smem.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem, out_ref.at[columns])
+        first_row = (split * (values_ref.shape[1] // COLUMNS) + column) * COLUMNS
+        plgpu.copy_smem_to_gmem(out_smem, out_ref.at[pl.ds(first_row, COLUMNS)])
         plgpu.wait_smem_to_gmem(0)
-    pl.run_scoped(store, plgpu.SMEM((COLUMNS, padded_m), dtype))
+    pl.run_scoped(store, plgpu.SMEM((COLUMNS, padded_m), out_ref.dtype))

@@ -82,7 +82,9 @@ class Sizes:
     step_prompt_len: int                  # prompt tokens of each of those sequences
     step_max_tokens: tuple[int, int]      # (short, long) runs: their difference is (long - short) decode steps
     qmm_rows: tuple[int, ...] = (1, 16, 256)   # quantized matmul timing: activation rows
-    qmm_shape: tuple[int, int] = (4096, 14336)  # its weight [K, N] (an 8B model's gate projection)
+    # its weights [K, N]: an 8B model's gate projection (224 column programs) and its down projection (64:
+    # the Mosaic kernel splits K)
+    qmm_shapes: tuple[tuple[int, int], ...] = ((4096, 14336), (14336, 4096))
     sampler_rows: tuple[int, ...] = (32, 256)     # sampler layouts: sample rows (decode sequences)
     sampler_shape: tuple[int, int] = (896, 151936)   # their LM head [hidden, vocab] (Qwen2.5-0.5B's)
     block_size: int = 16
@@ -126,7 +128,8 @@ DRY = Sizes(
     # 2 step variants instead of the defaults' 35: a 2-core CPU compiles each for ~10 s
     step_engine_args=dict(max_num_seqs=4, max_num_batched_tokens=16), step_workload_lens=(1, 5, 17, 40, 70),
     step_workload_tokens=6, step_decode_seqs=(1, 2, 4), step_prompt_len=8, step_max_tokens=(4, 20),
-    qmm_rows=(1, 5), qmm_shape=(256, 128), prefill_context=48, tier_history=64, sampler_rows=(4,), sampler_shape=(64, 512),
+    qmm_rows=(1, 5), qmm_shapes=((256, 128),), prefill_context=48, tier_history=64, sampler_rows=(4,),
+    sampler_shape=(64, 512),
     peer_requests=4, peer_prompt_len=(8, 3, 20), peer_new_tokens=4, peer_engine_args=dict(max_num_seqs=4),
 )
 

@@ -93,7 +93,7 @@ PARTS = (
     Part("swap", system.swap_round_trip, 60),
     Part("attention", kernels.attention_timing, 120),
     Part("attention:prefill", kernels.prefill_attention_timing, 90),
-    Part("qmatmul", kernels.quantized_matmul_timing, 60),
+    Part("qmatmul", kernels.quantized_matmul_timing, 100),
     Part("sampler", kernels.sampler_layout_timing, 45),
     Part("checkpoint", engine.random_checkpoint, 120),
     Part("step", step.step_check, 200),

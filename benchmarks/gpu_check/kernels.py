@@ -281,54 +281,62 @@ def quantized_matmul_timing(ctx: Context) -> Iterator[Row]:
     """The W8A16 / W4A16 kernels (Mosaic GPU; the Pallas one through Triton) against the bf16 matmul (XLA)
     and de-quantize-then-matmul, at decode-shaped row counts: median ms, and the weight bytes read per
     second as a share of the device's read-only rate (the copy part's; goal: at least as fast as bf16 at
-    1-16 rows, near the int8 / int4 bytes floor)."""
+    1-16 rows, near the int8 / int4 bytes floor). Where the Mosaic kernel splits K, it runs unsplit too."""
+    sizes = ctx.sizes
+    for k, n in sizes.qmm_shapes:
+        w = np.random.default_rng(0).standard_normal((k, n), np.float32) * 0.02
+        for mode in ("int8", "int4"):
+            yield from _quantized_matmul_rows(ctx, w, mode)
+
+
+def _quantized_matmul_rows(ctx: Context, w: np.ndarray, mode: str) -> Iterator[Row]:
     from jaxpaged.kernels.backends import has_wgmma
-    from jaxpaged.kernels.mosaic_matmul import mosaic_matmul_plan, quantized_matmul_mosaic
+    from jaxpaged.kernels.mosaic_matmul import COLUMNS, default_splits, mosaic_matmul_plan, quantized_matmul_mosaic
     from jaxpaged.kernels.quantized_matmul import quantized_matmul_pallas, quantized_matmul_reference
     from jaxpaged.models.quantization import quantize
 
     sizes = ctx.sizes
-    platform = jax.devices()[0].platform
-    interpret = platform != "gpu"
+    interpret = jax.devices()[0].platform != "gpu"
     read = [r.data["read_gbps"] for r in ctx.rows_of("copy") if "read_gbps" in r.data]
-    k, n = sizes.qmm_shape
-    w = np.random.default_rng(0).standard_normal((k, n), np.float32) * 0.02
+    k, n = w.shape
     dense = jnp.asarray(w, jnp.bfloat16)
-    for mode in ("int8", "int4"):
-        q = quantize(w, mode).packed()
-        arrays = tuple(None if a is None else jnp.asarray(a) for a in (q.values, q.scale, q.offset))
-        statics = dict(bits=q.bits, group_size=q.group_size, zero=q.zero)
-        triton = jax.jit(functools.partial(quantized_matmul_pallas, **statics, interpret=interpret))
-        mosaic = jax.jit(functools.partial(quantized_matmul_mosaic, **statics, interpret=interpret))
-        dequantizing = jax.jit(functools.partial(quantized_matmul_reference, **statics))
-        q_bytes = sum(a.nbytes for a in arrays if a is not None)
-        for rows in sizes.qmm_rows:
-            x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, k)), jnp.bfloat16)
-            case = f"w{q.bits}a16 {rows} rows x {k}x{n}"
-            runs_mosaic = ((interpret or has_wgmma())
-                           and mosaic_matmul_plan(x, *arrays, **statics, interpret=interpret) is not None)
+    q = quantize(w, mode).packed()
+    arrays = tuple(None if a is None else jnp.asarray(a) for a in (q.values, q.scale, q.offset))
+    statics = dict(bits=q.bits, group_size=q.group_size, zero=q.zero)
+    mosaic = functools.partial(quantized_matmul_mosaic, **statics, interpret=interpret)
+    kernels = {"mosaic": mosaic, "mosaic unsplit": functools.partial(mosaic, num_splits=1),
+               "triton-lowered": functools.partial(quantized_matmul_pallas, **statics, interpret=interpret)}
+    kernels = {name: jax.jit(kernel) for name, kernel in kernels.items()}
+    dequantizing = jax.jit(functools.partial(quantized_matmul_reference, **statics))
+    q_bytes = sum(a.nbytes for a in arrays if a is not None)
+    for rows in sizes.qmm_rows:
+        x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, k)), jnp.bfloat16)
+        case = f"w{q.bits}a16 {rows} rows x {k}x{n}"
+        plan = mosaic_matmul_plan(x, *arrays, **statics, interpret=interpret) if interpret or has_wgmma() else None
+        split = plan is not None and not interpret and default_splits(n // COLUMNS, arrays[0].shape[0] // plan[1]) > 1
+        names = [name for name in kernels if (name == "triton-lowered" or plan is not None)
+                 and (name != "mosaic unsplit" or split)]
 
-            def run(case=case, x=x, runs_mosaic=runs_mosaic):
-                timed = functools.partial(time_call, rounds=sizes.timing_rounds, round_s=sizes.timing_round_s)
-                bf16_s = timed(jax.jit(lambda x, w: x @ w), x, dense)
-                deq_s = timed(dequantizing, x, *arrays)
-                want = dequantizing(x, *arrays).astype(jnp.float32)
-                metrics = {"bf16 ms": bf16_s * 1e3, "dequant ms": deq_s * 1e3}
-                data = {"bf16_s": bf16_s, "dequant_s": deq_s, "weight_bytes": q_bytes}
-                for name, kernel in (("mosaic", mosaic if runs_mosaic else None), ("triton-lowered", triton)):
-                    if kernel is None:
-                        continue
-                    seconds = timed(kernel, x, *arrays)
-                    metrics |= {f"{name} ms": seconds * 1e3, f"{name} vs bf16": bf16_s / seconds,
-                                f"{name} weight GB/s": q_bytes / seconds / 1e9,
-                                f"{name} max diff vs dequant": float(jnp.abs(kernel(x, *arrays) - want).max())}
-                    if read:
-                        metrics[f"{name} of read"] = q_bytes / seconds / 1e9 / read[0]
-                    data[f"{name}_s"] = seconds
-                note = "interpret mode" if interpret else "" if runs_mosaic else "mosaic: not on this GPU or shape"
-                return Row("qmatmul", case, "ok", metrics, note=note, data=data)
+        def run(case=case, x=x, names=names, plan=plan):
+            timed = functools.partial(time_call, rounds=sizes.timing_rounds, round_s=sizes.timing_round_s)
+            bf16_s = timed(jax.jit(lambda x, w: x @ w), x, dense)
+            deq_s = timed(dequantizing, x, *arrays)
+            want = dequantizing(x, *arrays).astype(jnp.float32)
+            metrics = {"bf16 ms": bf16_s * 1e3, "dequant ms": deq_s * 1e3}
+            data = {"bf16_s": bf16_s, "dequant_s": deq_s, "weight_bytes": q_bytes}
+            for name in names:
+                kernel = kernels[name]
+                seconds = timed(kernel, x, *arrays)
+                metrics |= {f"{name} ms": seconds * 1e3, f"{name} vs bf16": bf16_s / seconds,
+                            f"{name} weight GB/s": q_bytes / seconds / 1e9,
+                            f"{name} max diff vs dequant": float(jnp.abs(kernel(x, *arrays) - want).max())}
+                if read:
+                    metrics[f"{name} of read"] = q_bytes / seconds / 1e9 / read[0]
+                data[f"{name}_s"] = seconds
+            note = "interpret mode" if interpret else "" if plan is not None else "mosaic: not on this GPU or shape"
+            return Row("qmatmul", case, "ok", metrics, note=note, data=data)
 
-            yield guarded("qmatmul", case, run)
+        yield guarded("qmatmul", case, run)
 
 
 def sampler_layout_timing(ctx: Context) -> Iterator[Row]:
