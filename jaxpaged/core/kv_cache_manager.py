@@ -121,15 +121,17 @@ class KVCacheManager:
         return refs
 
     def cached_prefix_tokens(self, token_ids: list[int], cache_salt: str | None = None) -> int:
-        """Tokens of `token_ids` whose full blocks this cache holds, from the start (read only:
-        a data-parallel router asks every replica before it picks one)."""
+        """Tokens of `token_ids` whose full blocks this cache holds, from the start: on the device, then
+        in the host tier as the scheduler would load them (read only: a data-parallel router asks every
+        replica before it picks one)."""
         if not self.enable_caching:
             return 0
-        bs, parent, hits = self.block_size, None, 0
+        bs, parent, hits, on_host = self.block_size, None, 0, False
         for i in range((len(token_ids) - 1) // bs):
             salt = self._salt(cache_salt, len(token_ids)) if i == 0 else None
             parent = hash_block(parent, token_ids[i * bs:(i + 1) * bs], salt)
-            if self.pool.lookup(parent) is None:
+            on_host = on_host or self.pool.lookup(parent) is None
+            if on_host and (self.host_cache is None or self.host_cache.lookup(parent) is None):
                 break
             hits += bs
         return hits

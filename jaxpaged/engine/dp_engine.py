@@ -58,7 +58,8 @@ class DataParallelEngine:
 
     # ---- requests ------------------------------------------------------------------------
     def route(self, token_ids: list[int], cache_salt: str | None = None) -> LLMEngine:
-        """The replica for a prompt: the longest prefix-cache hit, then the fewest unfinished requests."""
+        """The replica for a prompt: the longest prefix-cache hit (device and host tier), then the fewest
+        unfinished requests."""
         hits = [e.kv_cache.cached_prefix_tokens(token_ids, cache_salt) for e in self.engines]
         best = max(hits)
         candidates = [e for e, hit in zip(self.engines, hits) if hit == best]

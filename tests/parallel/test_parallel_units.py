@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from jaxpaged.core.host_cache import HostPrefixCache
 from jaxpaged.core.kv_cache_manager import KVCacheManager
 from jaxpaged.core.request import Request
 from jaxpaged.engine.arg_utils import EngineArgs
@@ -64,6 +65,24 @@ def test_cached_prefix_tokens_counts_the_full_blocks_a_replica_holds():
     assert kv.cached_prefix_tokens(prompt[:4] + [99] * 6) == 4    # diverges in the second block
     assert kv.cached_prefix_tokens(prompt, cache_salt="x") == 0   # another salt shares nothing
     assert kv.cached_prefix_tokens(prompt[:8]) == 4               # the last token is always computed
+
+
+def test_cached_prefix_tokens_counts_the_host_tiers_blocks_after_the_devices():
+    """A replica whose host tier holds a conversation's history is as good a route as one whose device
+    does: the router counts the blocks the scheduler would load."""
+    kv = KVCacheManager(num_blocks=5, block_size=4, host_cache=HostPrefixCache(64, lambda n: n, 8))
+    prompt = list(range(1, 14))
+    request = Request("a", prompt, SamplingParams(max_tokens=1), (), None, 0, 1)
+    kv.allocate_slots(request, len(prompt))       # three full blocks of 4 and a last token
+    kv.free(request)
+    assert kv.cached_prefix_tokens(prompt) == 12
+    kv.allocate_slots(Request("b", [99] * 16, SamplingParams(max_tokens=1), (), None, 0, 1), 16)   # evicts them all
+    kv._store_evicted()
+    assert len(kv.host_cache) == 3 and kv.pool.num_free_blocks() == 0
+    assert kv.cached_prefix_tokens(prompt) == 12      # in host memory
+    assert kv.cached_prefix_tokens(prompt[:4] + [0] * 9) == 4
+    kv.host_cache.clear()
+    assert kv.cached_prefix_tokens(prompt) == 0
 
 
 class _Replica:
