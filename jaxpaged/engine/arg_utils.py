@@ -138,8 +138,6 @@ class EngineArgs:
                 f"an int in [0, {MAX_LOGPROBS}]")
         from jaxpaged.engine.spec_decode import SpeculativeConfig
         spec = SpeculativeConfig.parse(self.speculative_config)   # ValueErrors name the key and what it allows
-        require("kv_offloading_size", self.kv_offloading_size is None or spec is None or spec.method != "draft_model",
-                "None with a draft model (the draft's KV pool is not offloaded)")
         require("speculative_config", spec is None or spec.method != "draft_model" or self.num_nodes == 1,
                 "prompt lookup (method 'ngram') when num_nodes > 1 (a draft model runs on one host only)")
         require("enable_lora", isinstance(self.enable_lora, bool), "True or False")

@@ -75,6 +75,22 @@ def test_history_reloads_from_host_memory_with_the_same_tokens():
     assert set(runner.host_cache.batches) == set(kv.host_cache.batches)
 
 
+def test_a_draft_model_runs_with_the_tier_and_keeps_the_tokens():
+    """Speculative decoding with a draft model: the draft recomputes its own K/V for every sequence it
+    starts (its pool is indexed by the target's block ids), so blocks loaded from the tier serve the
+    target alone; greedy answers as without either."""
+    from tests.engine.test_spec_decode import _truncated_copy
+    from tests.tiny_models import tiny_checkpoint
+    draft = _truncated_copy(tiny_checkpoint("llama"), 1)
+    llm = make_llm(kv_offloading_size=TIER_GIB, speculative_config={"model": draft, "num_speculative_tokens": 2})
+    answers, cached = serve_turn_by_turn(llm, conversations(num=4))
+    assert answers == [a for i, a in enumerate(without_tier()[0]) if i % 6 < 4]
+    m = llm.get_metrics()
+    assert m["jaxpaged:external_prefix_cache_hits_total"] > 0
+    assert m["jaxpaged:spec_decode_num_draft_tokens_total"] > 0
+    assert m["jaxpaged:kv_cache_usage_perc"] == 0.0
+
+
 def test_the_tier_computes_within_15_percent_of_a_pool_that_holds_everything():
     """Prompt tokens computed (prompt tokens less those found cached): the small pool with the tier
     against a device pool large enough for every conversation, same turns."""
