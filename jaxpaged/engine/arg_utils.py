@@ -108,8 +108,6 @@ class EngineArgs:
                 "set together with kv_offloading_size (GiB of host memory for the tier)")
         require("kv_offloading_size", self.kv_offloading_size is None or self.enable_prefix_caching,
                 "None when enable_prefix_caching is off (the host tier is the prefix cache's)")
-        require("kv_offloading_size", self.kv_offloading_size is None or self.num_nodes == 1,
-                "None when num_nodes > 1 (the host tier runs on one host for now)")
         require("attention_backend", self.attention_backend in ATTENTION_BACKENDS,
                 f"one of {', '.join(ATTENTION_BACKENDS)}")
         require("quantization", self.quantization in QUANTIZATIONS,

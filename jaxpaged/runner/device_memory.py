@@ -10,12 +10,13 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxpaged.core.sched_output import SchedulerOutput
 from jaxpaged.parallel import POOL_SPEC
 from jaxpaged.runner.block_ops import committed, copy_blocks, time_round_trip
-from jaxpaged.runner.multihost import OP_MOVE, pairs_payload
+from jaxpaged.runner.multihost import OP_MOVE, OP_TIER_LOAD, OP_TIER_STORE, pairs_payload, tier_load_pieces
 
 
 class DeviceMemory:
@@ -54,8 +55,25 @@ class DeviceMemory:
     def load_host_blocks(self, plan: SchedulerOutput) -> None:
         """The host tier's loads, queued after the step's forward (their requests compute from the
         next step on: a load's copy overlaps this forward instead of holding it up), then its drops."""
-        if plan.host is not None:
-            self.kv_pool = self.host_cache.load(committed(self.kv_pool), plan.host)
+        if plan.host is None:
+            return
+        if self.channel is not None:
+            for args, payload in tier_load_pieces(plan.host, self.tier_payload):
+                self.channel.send(OP_TIER_LOAD, args, payload)
+        self.kv_pool = self.host_cache.load(committed(self.kv_pool), plan.host)
+
+    def follow_host_loads(self, moves) -> None:
+        """A follower rank: the leader's host-tier loads and drops. A load that fails here, but not on
+        the leader, would leave this host's share of the blocks unlike the others': it stops the engine."""
+        self.kv_pool = self.host_cache.load(committed(self.kv_pool), moves)
+        blocks, _ = self.host_cache.take_failed()
+        if blocks:
+            raise RuntimeError(f"host tier: loading blocks {sorted(blocks)} failed on rank {jax.process_index()}")
+
+    @property
+    def tier_payload(self) -> int:
+        """The longest OP_TIER_* payload (ints): a store batch's blocks, or a piece of the loads."""
+        return 3 * self.max_moved_blocks
 
     def move_blocks(self, plan: SchedulerOutput) -> None:
         """The host tier's stores (gathered), swap-outs, swap-ins, then copy-on-write copies: all before
@@ -64,6 +82,9 @@ class DeviceMemory:
         Each runs in pieces of at most `max_moved_blocks`, so its compiled buckets are few
         (compiled at start-up) and its temporaries stay small."""
         if plan.host is not None and plan.host.stores:
+            if self.channel is not None:
+                for batch, blocks in plan.host.stores:
+                    self.channel.send(OP_TIER_STORE, (batch,), np.asarray(blocks, np.int32))
             self.host_cache.gather(committed(self.kv_pool), plan.host)
         if not (plan.swap_out or plan.swap_in or plan.copies):
             return

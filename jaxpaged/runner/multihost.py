@@ -24,7 +24,9 @@ import logging
 import jax
 import numpy as np
 
+from jaxpaged.core.host_cache import HostMoves
 from jaxpaged.runner.batch_builder import BatchShape, bucket_sizes, next_bucket
+from jaxpaged.runner.block_ops import committed
 from jaxpaged.runner.persistent_batch import apply_updates
 from jaxpaged.runner.step import SAMPLER_KINDS
 
@@ -34,7 +36,10 @@ logger = logging.getLogger(__name__)
 # step's tokens go in, whether the sampler follows, the sampler kind the host picked (an index into
 # step.SAMPLER_KINDS; -1: none), whether the step has prompt logprobs.
 # OP_SAMPLE: a held-back sampler and its mask
-OP_STOP, OP_MOVE, OP_UPDATES, OP_STEP, OP_SAMPLE = range(5)
+# OP_TIER_STORE: one batch of the host tier's stores, gathered before the forward; args: its batch id
+# OP_TIER_LOAD: the host tier's loads and drops after the forward, in pieces; args: (loads, drops, last):
+# the last piece applies them all (and moves the plan's stores to host memory)
+OP_STOP, OP_MOVE, OP_UPDATES, OP_STEP, OP_SAMPLE, OP_TIER_STORE, OP_TIER_LOAD = range(7)
 HEADER_SIZE = 10
 PAYLOAD_FLOOR = 256   # payloads are padded to a power of two at least this long (few broadcast shapes)
 
@@ -129,12 +134,34 @@ def split_pairs(payload: np.ndarray, *counts: int) -> list[list[tuple[int, int]]
     return out
 
 
+def tier_load_pieces(moves: HostMoves, size: int) -> list[tuple[tuple[int, int, int], np.ndarray]]:
+    """A plan's host-tier loads (batch, slot, block) and drops as OP_TIER_LOAD (args, payload) pieces of
+    at most `size` ints each; the last is flagged (and sent even when there is nothing to load)."""
+    loads = [list(load) for load in moves.loads]
+    per_piece = max(1, size // 3)
+    pieces = [(tuple(x for load in loads[i:i + per_piece] for x in load), len(loads[i:i + per_piece]), 0)
+              for i in range(0, len(loads), per_piece)]
+    pieces += [(tuple(moves.drops[i:i + size]), 0, len(moves.drops[i:i + size]))
+               for i in range(0, len(moves.drops), size)]
+    pieces = pieces or [((), 0, 0)]
+    return [((num_loads, num_drops, int(i == len(pieces) - 1)), np.asarray(flat, np.int32))
+            for i, (flat, num_loads, num_drops) in enumerate(pieces)]
+
+
+def read_tier_piece(args: tuple[int, ...], payload: np.ndarray) -> tuple[list, list, bool]:
+    """One OP_TIER_LOAD piece: its loads (batch, slot, block), its drops, whether it is the last."""
+    num_loads, num_drops, last = args[:3]
+    loads = [tuple(row) for row in payload[:3 * num_loads].reshape(num_loads, 3).tolist()]
+    return loads, payload[3 * num_loads:3 * num_loads + num_drops].tolist(), bool(last)
+
+
 def follow(runner) -> int:
     """A follower rank's loop: run every device operation rank 0 sends to `runner` (a
     ModelRunner), in order, until it stops; returns the number of steps run."""
     if runner.channel is None or runner.channel.is_leader:
         raise RuntimeError("follow() runs on ranks other than 0 of a multi-host engine")
     last_tokens = runner._no_prev_tokens
+    tier_loads, tier_drops = [], []
     while True:
         op, args, payload = runner.channel.receive()
         if op == OP_STOP:
@@ -156,5 +183,14 @@ def follow(runner) -> int:
             bitmask = payload.reshape(shape.num_logits, runner.bitmask_words)
             runner.slot_state, _, last_tokens = sampler(runner.state, runner.slot_state, sample_rows,
                                                         runner._bitmask_arg(shape, bitmask))
+        elif op == OP_TIER_STORE:
+            runner.host_cache.gather(committed(runner.kv_pool), HostMoves([(args[0], payload.tolist())], [], []))
+        elif op == OP_TIER_LOAD:
+            loads, drops, last = read_tier_piece(args, payload)
+            tier_loads += loads
+            tier_drops += drops
+            if last:
+                runner.follow_host_loads(HostMoves([], tier_loads, tier_drops))
+                tier_loads, tier_drops = [], []
         else:
             raise RuntimeError(f"unknown operation {op} from rank 0")

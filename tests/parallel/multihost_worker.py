@@ -3,7 +3,8 @@ JAX's gloo CPU collectives): tensor parallelism 2 spans both processes.
 
     python -m tests.parallel.multihost_worker RANK PORT CHECKPOINT
 
-Rank 0 generates (greedy, with logprobs; with structured outputs), then runs two requests step by step and aborts one
+Rank 0 generates (greedy, with logprobs; with structured outputs; the first prompts again, from the host
+tier), then runs two requests step by step and aborts one
 midway; it prints RESULT {tokens, logprobs, kept, steps}. Rank 1 follows and prints
 RESULT {steps}: the number of steps it ran, which must equal rank 0's.
 """
@@ -12,10 +13,11 @@ import json
 import sys
 
 
-# swap preemption (block moves), and penalties, min_tokens, logit_bias and n > 1 (slot updates, forks):
-# every kind of device operation a follower replays
+# swap preemption (block moves), the host tier's stores and loads, and penalties, min_tokens, logit_bias and
+# n > 1 (slot updates, forks): every kind of device operation a follower replays
 ENGINE = dict(dtype="float32", max_num_batched_tokens=32, max_num_seqs=4, num_gpu_blocks_override=24, block_size=8,
               preemption_mode="swap", swap_space=64 * 3072 / 2**30,   # 64 host blocks of the tiny model
+              kv_offloading_size=256 * 3072 / 2**30,   # 64 blocks (12 KiB each)
               compile_on_startup=False)   # each step compiles when first met, on both hosts alike
 
 
@@ -45,6 +47,7 @@ def main(rank: int, port: int, path: str) -> dict:
     outs = llm.generate(prompts, params, use_tqdm=False)
     extra = llm.generate(prompts[:4], extra_params(), use_tqdm=False)   # persistent-batch updates, forks
     constrained = llm.generate(prompts[:3], [constrained_params(), params, constrained_params()], use_tqdm=False)
+    again = llm.generate(prompts, params, use_tqdm=False)   # prefixes evicted since: loaded from the host tier
     engine = llm.llm_engine
     engine.add_request("kept", prompts[0], params)
     engine.add_request("aborted", prompts[1], params)
@@ -62,7 +65,9 @@ def main(rank: int, port: int, path: str) -> dict:
                            for o in outs],
               "kept": kept, "steps": runner.steps_run, "extra": [[c.token_ids for c in o.outputs] for o in extra],
               "constrained": [[c.token_ids for c in o.outputs] for o in constrained],
-              "swapped": llm.get_metrics()["jaxpaged:swapped_out_blocks_total"]}
+              "swapped": llm.get_metrics()["jaxpaged:swapped_out_blocks_total"],
+              "again": [o.outputs[0].token_ids for o in again],
+              "tier_hits": llm.get_metrics()["jaxpaged:external_prefix_cache_hits_total"]}
     llm.shutdown()
     return result
 

@@ -50,6 +50,7 @@ def test_two_hosts_give_one_hosts_tokens_and_an_abort_on_rank_0_reaches_both():
     assert leader["constrained"] == [[c.token_ids for c in o.outputs] for o in constrained]
     assert leader["swapped"] > 0   # rank 1 replayed swap-outs and swap-ins too
     assert leader["tokens"] == [o.outputs[0].token_ids for o in outs]
+    assert leader["tier_hits"] > 0 and leader["again"] == leader["tokens"]   # and the host tier's stores and loads
     np.testing.assert_allclose(
         np.array(leader["logprobs"]),
         np.array([[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]),

@@ -168,3 +168,20 @@ def test_several_hosts_need_a_coordinator_and_one_replica():
         EngineArgs(num_nodes=2, node_rank=2, distributed_coordinator="h:1")
     with pytest.raises(ValueError, match="data_parallel_size must be 1 when num_nodes > 1"):
         EngineArgs(num_nodes=2, distributed_coordinator="h:1", data_parallel_size=2)
+
+
+def test_host_tier_moves_reach_followers_in_pieces_that_reassemble():
+    """Several hosts: a plan's host-tier loads and drops travel in payloads of a bounded size (each
+    broadcast shape compiled at start-up); the last piece is flagged, and an empty plan still sends one."""
+    from jaxpaged.core.host_cache import HostMoves
+    from jaxpaged.runner.multihost import read_tier_piece, tier_load_pieces
+
+    moves = HostMoves([], [(1, s, 10 + s) for s in range(5)], [7, 8, 9, 11, 12, 13, 14])
+    pieces = tier_load_pieces(moves, 6)
+    assert len(pieces) == 5 and all(payload.size <= 6 for _, payload in pieces)
+    read = [read_tier_piece(args, payload) for args, payload in pieces]
+    assert [last for _, _, last in read] == [False] * 4 + [True]
+    assert [load for loads, _, _ in read for load in loads] == moves.loads
+    assert [drop for _, drops, _ in read for drop in drops] == moves.drops
+    (args, payload), = tier_load_pieces(HostMoves([(3, [4])], [], []), 6)
+    assert read_tier_piece(args, payload) == ([], [], True)
