@@ -62,10 +62,13 @@ def kv_pool_shape(num_layers: int, num_blocks: int, block_size: int, num_kv_head
     return (num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim)
 
 
-def pages_view(kv_pool: jax.Array) -> jax.Array:
-    """[L * 2 * num_blocks, kv_heads, block_size, head_dim]: row (layer * 2 + kv) * num_blocks + block."""
-    num_layers, two, num_blocks, kv_heads, block_size, head_dim = kv_pool.shape
-    return kv_pool.reshape(num_layers * two * num_blocks, kv_heads, block_size, head_dim)
+def gather_pages(kv_pool: jax.Array, layer: jax.Array, kv: int, block_ids: jax.Array) -> jax.Array:
+    """[*block_ids.shape, kv_heads, block_size, head_dim]: the K (kv 0) or V (kv 1) pages of these blocks
+    of `layer`, gathered straight from the 6-D pool. Block ids must be in range (padding points at block
+    0): XLA's bounds clamping is skipped, which makes CPU gathers several times slower. Not from a
+    [L * 2 * blocks, ...] reshape of the pool: with one KV head XLA lays that reshape out with the
+    degenerate head axis outermost and copies the whole pool for it, every layer (as write_kv's)."""
+    return kv_pool.at[layer, kv, block_ids].get(mode="promise_in_bounds")
 
 
 def quantize_kv(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
@@ -88,18 +91,26 @@ def write_kv(kv_pool: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array,
         scale = jnp.ones((2,), jnp.float32) if kv_scale is None else kv_scale
         k = as_storage(quantize_kv(k, scale[0], kind), kv_pool.dtype)
         v = as_storage(quantize_kv(v, scale[1], kind), kv_pool.dtype)
+    # One scatter into the 6-D pool, each update a head_dim row at (layer, K|V, block, head, offset). Not
+    # into a [rows, head_dim] reshape of the pool: with one KV head (per device: MQA, or tp = kv heads) XLA
+    # lays that reshape out with the degenerate head axis outermost and copies the whole pool twice a
+    # layer (measured on CPU: 89 ms a call at 16k blocks against 0.02 ms in place).
     _, _, num_blocks, kv_heads, block_size, head_dim = kv_pool.shape
-    rows = kv_pool.reshape(-1, head_dim)               # one row per (layer, K|V, block, head, offset)
-    plane_rows = num_blocks * kv_heads * block_size
-    block, offset = slot_mapping // block_size, slot_mapping % block_size
+    num_tokens = slot_mapping.shape[0]
+    block = jnp.where(slot_mapping >= 0, slot_mapping // block_size, num_blocks)   # out of bounds: dropped
+    offset = slot_mapping % block_size
     heads = jnp.arange(kv_heads, dtype=slot_mapping.dtype)
-    k_rows = layer * 2 * plane_rows + (block[:, None] * kv_heads + heads[None, :]) * block_size + offset[:, None]
-    k_rows = jnp.where(slot_mapping[:, None] >= 0, k_rows, rows.shape[0])   # [T, kv_heads]; out of bounds: dropped
-    v_rows = jnp.where(slot_mapping[:, None] >= 0, k_rows + plane_rows, rows.shape[0])
-    indices = jnp.concatenate([k_rows.reshape(-1), v_rows.reshape(-1)])
+
+    def where(kv: int) -> jax.Array:   # [T * kv_heads, 5]
+        parts = (jnp.asarray(layer, slot_mapping.dtype), jnp.asarray(kv, slot_mapping.dtype), block[:, None],
+                 heads[None, :], offset[:, None])
+        return jnp.stack([jnp.broadcast_to(x, (num_tokens, kv_heads)) for x in parts], -1).reshape(-1, 5)
+
+    indices = jnp.concatenate([where(0), where(1)])
     values = jnp.concatenate([k.reshape(-1, head_dim), v.reshape(-1, head_dim)]).astype(kv_pool.dtype)
-    rows = rows.at[indices].set(values, mode="drop", unique_indices=False)
-    return rows.reshape(kv_pool.shape)
+    dims = jax.lax.ScatterDimensionNumbers(update_window_dims=(1,), inserted_window_dims=(0, 1, 2, 3, 4),
+                                           scatter_dims_to_operand_dims=(0, 1, 2, 3, 4))
+    return jax.lax.scatter(kv_pool, indices, values, dims, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 
 
 def calibrated_kv_scale(kv_scale: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array,
