@@ -16,6 +16,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", "-q", default=d.quantization, type=lambda v: None if v == "none" else v,
                         help="auto (the checkpoint's own; a GGUF's blocks are de-quantized at load where float "
                              "weights take at most a quarter of the memory), gguf (keep them), none, int8, fp8, int4")
+    parser.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"],
+                        help="auto: the checkpoint's weights; dummy: random weights of the config's shapes "
+                             "(speed and memory runs without the weights)")
     parser.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, help="auto, fp8, fp8_e4m3, fp8_e5m2")
     parser.add_argument("--calculate-kv-scales", action="store_true", help="fp8 KV scales from the first prompts")
     parser.add_argument("--block-size", type=int, default=d.block_size)

@@ -95,12 +95,23 @@ class Sizes:
     peer_prompt_len: tuple[int, int, int] = (220, 16, 1024)   # median, shortest, longest
     peer_new_tokens: int = 256                                 # every request (ignore_eos), both engines
     peer_engine_args: dict[str, Any] = dataclasses.field(default_factory=dict)   # LLM(model, **these); {}: defaults
+    # the 8B part: Llama-3.1-8B's config (random weights drawn by the engine), decode at these sequence counts
+    large_model: dict[str, Any] = dataclasses.field(default_factory=lambda: dict(LLAMA31_8B))
+    large_decode_seqs: tuple[int, ...] = (32,)
 
 
 _QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                    num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
                    max_position_embeddings=32768, rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645,
                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+
+LLAMA31_8B = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=14336,
+                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                  vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                  tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001, torch_dtype="bfloat16",
+                  hidden_act="silu", attention_bias=False, mlp_bias=False)
 
 GPU = Sizes(
     copy_bytes=2 << 30, timing_rounds=5, timing_round_s=0.05,
@@ -131,6 +142,11 @@ DRY = Sizes(
     qmm_rows=(1, 5), qmm_shapes=((256, 128),), prefill_context=48, tier_history=64, sampler_rows=(4,),
     sampler_shape=(64, 512),
     peer_requests=4, peer_prompt_len=(8, 3, 20), peer_new_tokens=4, peer_engine_args=dict(max_num_seqs=4),
+    large_model=dict(LLAMA31_8B, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=256,
+                     rope_scaling=dict(LLAMA31_8B["rope_scaling"], original_max_position_embeddings=128),
+                     bos_token_id=1, eos_token_id=2),
+    large_decode_seqs=(2,),
 )
 
 

@@ -27,7 +27,7 @@ import tempfile
 import time
 from typing import Callable, Iterable
 
-from benchmarks.gpu_check import engine, kernels, peer, step, system
+from benchmarks.gpu_check import engine, kernels, large, peer, step, system
 from benchmarks.gpu_check.common import STATUSES, Context, Row, error_row
 
 # Candidate jax-triton folders (os.pathsep-separated), tried in order; scripts/gpu_check.sh sets it.
@@ -101,6 +101,8 @@ PARTS = (
     Part("layers:unrolled", functools.partial(step.layers_check, variant="unrolled"), 200),
     Part("layers:cmdbuf", functools.partial(step.layers_check, variant="command-buffers"), 200),
     Part("layers:choice", lambda ctx, limit_s: step.layers_choice(ctx), 10, in_driver=True),
+    # Llama-3.1-8B's shape (weights drawn on the GPU, load_format="dummy"): decode at 32 sequences vs its floor
+    Part("step:8b", large.large_model_check, 240),
     # the same-run peer: transformers' continuous batching against the engine, same weights and workload
     Part("peer:transformers", peer.transformers_run, 240),
     Part("peer:jaxpaged", peer.engine_run, 240),

@@ -156,7 +156,7 @@ def _tensor_parallel_size(llm) -> int:
     return best
 
 
-def _startup_row(llm, seconds: float, compiled: list, engine_args: dict) -> Row:
+def _startup_row(llm, seconds: float, compiled: list, engine_args: dict, case: str = "start-up") -> Row:
     engine = llm.llm_engine
     shapes = engine.runner.warmup_shapes()
     missing = [shape for shape in shapes if shape not in engine.runner._compiled]
@@ -164,7 +164,7 @@ def _startup_row(llm, seconds: float, compiled: list, engine_args: dict) -> Row:
     loaded = getattr(engine, "loaded", None)
     backend = getattr(getattr(loaded, "model", None), "attention_backend", "?")
     given = ", ".join(f"{k} {v}" for k, v in engine_args.items())
-    return Row("step", "start-up", "fail" if missing else "ok",
+    return Row("step", case, "fail" if missing else "ok",
                {"s": seconds, "step variants": len(engine.runner._compiled),
                 "sampler variants": len(engine.runner._samplers), "not compiled": len(missing),
                 "XLA compiles": len(compiled), "compile s (sum)": sum(d for _, d in compiled), "backend": backend,
@@ -211,8 +211,11 @@ def _workload_row(llm, sizes: Sizes) -> Row:
                note=note, data={"compiled": compiled})
 
 
-def _decode_row(llm, sizes: Sizes, num_seqs: int, weight_bytes: int, copy_gbps: float | None) -> Row:
-    """Time one decode step of num_seqs sequences as the difference of two greedy runs."""
+def _decode_row(llm, sizes: Sizes, num_seqs: int, weight_bytes: int, copy_gbps: float | None,
+                model: dict | None = None, case: str = "") -> Row:
+    """Time one decode step of num_seqs sequences as the difference of two greedy runs (of `model`'s
+    shape: the check's Qwen2.5-0.5B unless given)."""
+    m = model or sizes.model
     import jax.numpy as jnp
 
     from jaxpaged import SamplingParams
@@ -223,7 +226,7 @@ def _decode_row(llm, sizes: Sizes, num_seqs: int, weight_bytes: int, copy_gbps: 
 
     def run(max_tokens: int) -> float:
         # fresh random tokens each run: no prefix-cache hits, so every run prefills alike
-        prompts = _workload_prompts(rng, [length] * num_seqs, sizes.model["vocab_size"])
+        prompts = _workload_prompts(rng, [length] * num_seqs, m["vocab_size"])
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -237,7 +240,6 @@ def _decode_row(llm, sizes: Sizes, num_seqs: int, weight_bytes: int, copy_gbps: 
         run(short)   # untimed: the first run of each executable may load it
         t_short, t_long = run(short), run(long)
     step_s = (t_long - t_short) / (long - short)
-    m = sizes.model
     head_dim = m.get("head_dim") or m["hidden_size"] // m["num_attention_heads"]
     itemsize = jnp.dtype(CHECKPOINT_DTYPE).itemsize
     kv_per_token = 2 * m["num_hidden_layers"] * m["num_key_value_heads"] * head_dim * itemsize   # K and V
@@ -254,7 +256,7 @@ def _decode_row(llm, sizes: Sizes, num_seqs: int, weight_bytes: int, copy_gbps: 
     metrics.update({"weights MB": weight_bytes / 1e6, "KV MB": kv_bytes / 1e6, "XLA compiles": len(compiled)})
     if compiled:
         note = f"compiled while timed: {', '.join(sorted({n for n, _ in compiled}))}"
-    return Row("step", f"decode {num_seqs} seqs", "fail" if compiled else "ok", metrics, note=note,
+    return Row("step", case or f"decode {num_seqs} seqs", "fail" if compiled else "ok", metrics, note=note,
                data={"seconds": {short: t_short, long: t_long}, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
                      "compiled": compiled})
 

@@ -30,6 +30,7 @@ class EngineArgs:
     revision: str | None = None
     dtype: str = "auto"                       # auto | float32 | bfloat16 | float16
     quantization: str | None = "auto"         # auto: the checkpoint's own (GGUF blocks kept); None | int8 | fp8 | int4
+    load_format: str = "auto"                 # auto: the checkpoint's weights; dummy: random ones, the config's shapes
     kv_cache_dtype: str = "auto"              # auto: the model dtype; fp8 (= fp8_e4m3) | fp8_e4m3 | fp8_e5m2
     calculate_kv_scales: bool = False         # fp8 KV scales from the first prompt batch (else 1.0)
     block_size: int = 16
@@ -110,6 +111,8 @@ class EngineArgs:
                 "None when enable_prefix_caching is off (the host tier is the prefix cache's)")
         require("attention_backend", self.attention_backend in ATTENTION_BACKENDS,
                 f"one of {', '.join(ATTENTION_BACKENDS)}")
+        from jaxpaged.models.loader import LOAD_FORMATS
+        require("load_format", self.load_format in LOAD_FORMATS, f"one of {', '.join(map(repr, LOAD_FORMATS))}")
         require("quantization", self.quantization in QUANTIZATIONS,
                 f"one of {', '.join(repr(q) for q in QUANTIZATIONS)}")
         require("kv_cache_dtype", self.kv_cache_dtype in KV_CACHE_DTYPES,

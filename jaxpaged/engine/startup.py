@@ -74,7 +74,7 @@ def load_model_and_tokenizer(args: EngineArgs, data_rank: int = 0):
     # one replica on one device keeps JAX's default placement; replicas pin their own devices
     plan = ShardPlan.for_devices(engine_devices(args, data_rank), pin=args.data_parallel_size > 1)
     loaded = load_model(model, args.dtype, args.revision, attention_backend=backend, scan_layers=args.scan_layers,
-                        shard_plan=plan, quantization=args.quantization)
+                        shard_plan=plan, quantization=args.quantization, load_format=args.load_format)
     if args.attention_backend == "auto" and jax.devices()[0].platform == "gpu":
         cfg = loaded.config
         loaded.model.attention_backend = resolve_backend(

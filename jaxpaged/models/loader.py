@@ -191,7 +191,8 @@ def convert_hf_weights(get: Callable[[str], np.ndarray], has: Callable[[str], bo
     return weights
 
 
-def _local_folder(model: str, revision: str | None = None) -> str:
+def _local_folder(model: str, revision: str | None = None, weights: bool = True) -> str:
+    """A local folder, or a hub id's snapshot (its weights too unless `weights` is False)."""
     if os.path.isdir(model):
         return model
     if os.path.exists(model):
@@ -201,8 +202,8 @@ def _local_folder(model: str, revision: str | None = None) -> str:
         raise FileNotFoundError(f"model path {model!r} does not exist")
     try:
         from huggingface_hub import snapshot_download
-        return snapshot_download(model, revision=revision,
-                                 allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
+        patterns = ["*.json", "*.model", "*.txt", "*.jinja"] + (["*.safetensors"] if weights else [])
+        return snapshot_download(model, revision=revision, allow_patterns=patterns)
     except Exception as exc:  # offline, unknown id, gated repo...
         raise FileNotFoundError(
             f"could not find model {model!r} locally nor download it from the Hugging Face hub "
@@ -231,9 +232,15 @@ def _dequantize_gguf_at_load(num_values: int, dtype: str) -> bool:
     return True
 
 
+LOAD_FORMATS = ("auto", "dummy")
+"""vLLM's load_format values jaxpaged takes: auto (the checkpoint's weights: safetensors, GGUF or a
+converted folder) and dummy (random weights of the config's shapes, jaxpaged.models.dummy)."""
+
+
 def load_model(model: str, dtype: str = "auto", revision: str | None = None,
                attention_backend: str = "reference", scan_layers: bool | None = None,
-               shard_plan: ShardPlan = ShardPlan(), quantization: str | None = "auto") -> LoadedModel:
+               shard_plan: ShardPlan = ShardPlan(), quantization: str | None = "auto",
+               load_format: str = "auto") -> LoadedModel:
     """Load weights and config; `model` is a .gguf path, a local folder or a hub id.
 
     `scan_layers`: stack the layer weights and scan over them (True), keep one set of arrays
@@ -242,8 +249,13 @@ def load_model(model: str, dtype: str = "auto", revision: str | None = None,
     returned config is then `sharded_config` (KV heads repeated where tp exceeds them).
     `quantization`: see `jaxpaged.models.quantization.resolve_quantization` ("auto" keeps a GGUF
     file's Q8_0/Q4_0/Q4_1 matrices quantized only where float weights would not fit: see
-    `_dequantize_gguf_at_load`).
+    `_dequantize_gguf_at_load`). `load_format`: one of LOAD_FORMATS.
     """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {', '.join(map(repr, LOAD_FORMATS))}, got {load_format!r}")
+    if load_format == "dummy":
+        from jaxpaged.models.dummy import load_dummy
+        return load_dummy(model, dtype, revision, attention_backend, scan_layers, shard_plan, quantization)
     requested_scan = scan_layers
     if model.endswith(".gguf"):
         from jaxpaged.models.gguf_loader import load_gguf, num_elements, open_gguf, quantized_tensor_types

@@ -97,7 +97,7 @@ def test_kernel_rows_pass_and_timings_are_measured(dry_run):
 
 def test_step_rows_report_start_up_no_compiles_after_it_and_decode_time_against_the_floor(dry_run):
     _, _, rows = dry_run
-    step = {r.case: r for r in rows if r.part == "step"}
+    step = {r.case: r for r in rows if r.part == "step" and not r.case.startswith("8B")}
     decode = [f"decode {n} seqs" for n in DRY.step_decode_seqs]
     memory = ["memory after start-up", "memory after the workload"]   # the GPU allocator's statistics
     busy = f"device busy {max(DRY.step_decode_seqs)} seqs"               # a GPU trace's kernels
@@ -113,6 +113,20 @@ def test_step_rows_report_start_up_no_compiles_after_it_and_decode_time_against_
         m = step[case].metrics
         assert m["XLA compiles"] == 0 and math.isfinite(m["ms/step"]) and m["floor ms"] > 0
         assert m["x floor"] == pytest.approx(m["ms/step"] / m["floor ms"])
+
+
+def test_the_8b_shape_starts_from_its_config_and_decodes_against_its_floor(dry_run):
+    """Llama-3.1-8B's shape (tiny in the dry run) with weights the engine draws (load_format="dummy"):
+    start-up, then decode at 32 sequences (2 here) held to 1.3x its bytes floor."""
+    _, _, rows = dry_run
+    large = {r.case: r for r in rows if r.part == "step" and r.case.startswith("8B")}
+    decode = [f"8B decode {n} seqs" for n in DRY.large_decode_seqs]
+    assert list(large) == ["8B start-up", *decode] and all(r.status == "ok" for r in large.values()), large
+    assert large["8B start-up"].metrics["not compiled"] == 0
+    for case in decode:
+        m = large[case].metrics
+        assert m["XLA compiles"] == 0 and m["floor ms"] > 0 and m["goal x floor"] == 1.3
+        assert m["meets"] == (m["x floor"] <= 1.3) and m["weights MB"] > 0
 
 
 def test_layer_variants_and_the_peer_run_and_are_compared(dry_run):
