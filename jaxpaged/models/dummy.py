@@ -70,7 +70,7 @@ def _uniform(key: jax.Array, shape: tuple[int, ...], dtype, sharding) -> jax.Arr
 def load_dummy(model: str, dtype: str, revision: str | None, attention_backend: str, scan_layers: bool | None,
                shard_plan: ShardPlan, quantization: str | None):
     """loader.load_model for load_format="dummy": the config of `model` (a folder holding config.json, or
-    a hub id), random weights. dtype "auto" is the config's `torch_dtype` (float32 when it names none)."""
+    a hub id), random weights. dtype "auto" is the config's (`torch_dtype`; float32 when it names none)."""
     from transformers import AutoConfig
 
     from jaxpaged.models.config import model_config_from_hf
@@ -84,7 +84,8 @@ def load_dummy(model: str, dtype: str, revision: str | None, attention_backend: 
     folder = _local_folder(model, revision, weights=False)
     hf_config = AutoConfig.from_pretrained(folder)
     cfg = model_config_from_hf(hf_config)
-    configured = str(getattr(hf_config, "torch_dtype", None) or "float32").removeprefix("torch.")
+    configured = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)   # older transformers
+    configured = str(configured or "float32").removeprefix("torch.")
     dtype = resolve_dtype(dtype, configured if configured in ("float32", "bfloat16", "float16") else "float32")
     quantization = resolve_quantization(quantization, None)
     weights = dummy_weights(cfg, dtype, resolve_scan_layers(scan_layers, cfg), shard_plan, quantization)
