@@ -79,13 +79,19 @@ def quantize_kv(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
 
 def write_kv(kv_pool: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array,
              slot_mapping: jax.Array, kv_scale: jax.Array | None = None) -> jax.Array:
-    """Scatter k, v ([T, kv_heads, head_dim]) into `layer` of the pool at `slot_mapping` (i32[T]).
+    """Scatter k, v ([T, kv_heads, head_dim]) into `layer` of the pool at `slot_mapping` (i32[T]), a
+    non-finite V as 0 (see below).
 
     Pure: returns the updated pool. Slots < 0 (padding tokens) are dropped. Inside a jit
     whose pool is donated (or a loop carry) XLA performs the scatter in place. An fp8 pool
     stores the bytes of k / kv_scale[0] and v / kv_scale[1] (f32[2], this layer's scales; readers
     multiply back, see `scaled_attention`).
     """
+    # A non-finite V is stored as 0. Attention masks keys past a sequence's length by zeroing their
+    # weights, and 0 x inf is NaN: a block's slots past the end of the sequence that now holds it keep
+    # an earlier owner's V (one that overflowed, say in float16), which would make the new owner's
+    # output NaN. K needs nothing: masked scores are replaced, not multiplied.
+    v = jnp.where(jnp.isfinite(v), v, jnp.zeros_like(v))
     kind = fp8_type(kv_pool.dtype)
     if kind is not None:   # the values' bytes, scattered in place like any other pool's
         scale = jnp.ones((2,), jnp.float32) if kv_scale is None else kv_scale

@@ -7,6 +7,7 @@ walk on the same inputs, with chunks small enough that pages of one sequence str
 """
 
 import dataclasses
+import functools
 import math
 import re
 
@@ -191,3 +192,27 @@ def test_a_layer_writes_and_reads_the_pool_in_place(kv_heads, decode_only):
 
     hlo = jax.jit(layer_step, donate_argnums=0).lower(kv_pool, q).compile().as_text()
     assert _pool_sized_copies(hlo, kv_pool.size) == []
+
+
+@pytest.mark.parametrize("kernel", ["reference", "pallas"])
+def test_an_earlier_owners_overflowed_v_does_not_reach_the_next_owner(kernel):
+    """A block's slots past the end of the sequence holding it keep what an earlier owner wrote there:
+    V that overflowed (inf, NaN) is stored as 0, so the masked keys' zero weights cannot make NaN (0 x
+    inf) of the new owner's output."""
+    from jaxpaged.kernels.mosaic_attention import ragged_paged_attention_mosaic
+
+    attention = (ragged_paged_attention_reference if kernel == "reference"
+                 else functools.partial(ragged_paged_attention_mosaic, interpret=True))
+    q, kv_pool, layer, md, kwargs = random_case(np.random.default_rng(31), head_dim=64, group=2, block_size=8,
+                                                num_seqs=3, dtype=jnp.float32)
+    clean = attention(q, kv_pool, layer, md, **kwargs)
+    tables, kv_lens = np.asarray(md.block_tables), np.asarray(md.kv_lens)
+    stale = [tables[i, pos // 8] * 8 + pos % 8 for i, n in enumerate(kv_lens) if n % 8
+             for pos in range(n, -(-n // 8) * 8)]
+    assert stale
+    k = jnp.zeros((len(stale), kv_pool.shape[3], 64), jnp.float32)
+    v = jnp.full(k.shape, jnp.inf).at[::2].set(jnp.nan)
+    poisoned = write_kv(kv_pool, jnp.int32(layer), k, v, jnp.asarray(stale, jnp.int32))
+    out = attention(q, poisoned, layer, md, **kwargs)
+    live = live_tokens(md)
+    np.testing.assert_allclose(np.asarray(out)[:live], np.asarray(clean)[:live], rtol=1e-5, atol=1e-5)
