@@ -107,12 +107,12 @@ def write_kv(kv_pool: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array,
     offset = slot_mapping % block_size
     heads = jnp.arange(kv_heads, dtype=slot_mapping.dtype)
 
-    def where(kv: int) -> jax.Array:   # [T * kv_heads, 5]
+    def positions(kv: int) -> jax.Array:   # [T * kv_heads, 5]
         parts = (jnp.asarray(layer, slot_mapping.dtype), jnp.asarray(kv, slot_mapping.dtype), block[:, None],
                  heads[None, :], offset[:, None])
         return jnp.stack([jnp.broadcast_to(x, (num_tokens, kv_heads)) for x in parts], -1).reshape(-1, 5)
 
-    indices = jnp.concatenate([where(0), where(1)])
+    indices = jnp.concatenate([positions(0), positions(1)])
     values = jnp.concatenate([k.reshape(-1, head_dim), v.reshape(-1, head_dim)]).astype(kv_pool.dtype)
     dims = jax.lax.ScatterDimensionNumbers(update_window_dims=(1,), inserted_window_dims=(0, 1, 2, 3, 4),
                                            scatter_dims_to_operand_dims=(0, 1, 2, 3, 4))
