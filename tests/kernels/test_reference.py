@@ -181,7 +181,8 @@ def test_a_layer_writes_and_reads_the_pool_in_place(kv_heads, decode_only):
     with one KV head (MQA, or tensor parallelism as wide as the KV heads) XLA on CPU copied the whole
     pool twice a layer for a [rows, head_dim] view of it (a decode step of 1 s against 1 ms at 1 GiB)."""
     q, kv_pool, layer, md, kwargs = random_case(np.random.default_rng(5), head_dim=64, group=2, block_size=16,
-                                                num_seqs=2, dtype=jnp.float32, kv_heads=kv_heads, decode_only=decode_only)
+                                                num_seqs=2, dtype=jnp.float32, kv_heads=kv_heads,
+                                                decode_only=decode_only)
     kv_pool = jnp.zeros((2, 2, 512, *kv_pool.shape[3:]), kv_pool.dtype)
     slots = jnp.arange(q.shape[0], dtype=jnp.int32)
 

@@ -24,6 +24,13 @@ def config_only(tmp_path, arch: str = "llama") -> str:
     return str(folder)
 
 
+def arrays(loaded) -> dict:
+    """name -> array of every weight (the model's fp8 KV scales too)."""
+    from flax import nnx
+    leaves = jax.tree_util.tree_leaves_with_path(nnx.state(loaded.model, nnx.Param))
+    return {jax.tree_util.keystr(path): leaf for path, leaf in leaves}
+
+
 def structure(loaded) -> dict:
     """name -> (shape, dtype, sharding) of every weight array of a loaded model."""
     return {name: (x.shape, x.dtype, x.sharding) for name, x in arrays(loaded).items()}
@@ -39,16 +46,10 @@ def test_dummy_weights_take_the_checkpoints_layout(tmp_path, arch, scan_layers, 
                        quantization=quantization, load_format="dummy")
     assert structure(dummy) == structure(real)
     assert dummy.config == real.config and dummy.quantization == real.quantization
-    floats = [np.asarray(x) for name, x in arrays(dummy).items() if x.dtype == np.float32 and "kv_scales" not in name]
+    floats = [np.asarray(x) for name, x in arrays(dummy).items()
+              if x.dtype == np.float32 and "kv_scales" not in name]   # the model's own, 1.0
     assert all(np.abs(x).max() <= DUMMY_RANGE for x in floats)
     assert np.std(np.concatenate([x.ravel() for x in floats])) > DUMMY_RANGE / 4   # drawn, not zeros
-
-
-def arrays(loaded) -> dict:
-    """name -> array of every weight (the model's fp8 KV scales too)."""
-    from flax import nnx
-    leaves = jax.tree_util.tree_leaves_with_path(nnx.state(loaded.model, nnx.Param))
-    return {jax.tree_util.keystr(path): leaf for path, leaf in leaves}
 
 
 def test_a_dummy_model_generates_from_its_config_alone(tmp_path):
