@@ -143,12 +143,15 @@ class ShardPlan:
         """value on this plan's devices with `spec` (replicated by default)."""
         return jax.device_put(value, self.array_sharding(spec))
 
-    def zeros(self, shape: tuple[int, ...], dtype, spec: P = P()) -> jax.Array:
-        """Zeros created straight in their sharding (no host copy, no gather, nothing on another device)."""
+    def make(self, fn, spec: P = P(), *args) -> jax.Array:
+        """fn(*args) computed straight in its sharding (no host copy, no gather, nothing on another
+        device); on the default device, as it comes."""
         sharding = self.array_sharding(spec)
-        if sharding is None:
-            return jax.numpy.zeros(shape, dtype)
-        return jax.jit(lambda: jax.numpy.zeros(shape, dtype), out_shardings=sharding)()
+        return fn(*args) if sharding is None else jax.jit(fn, out_shardings=sharding)(*args)
+
+    def zeros(self, shape: tuple[int, ...], dtype, spec: P = P()) -> jax.Array:
+        """Zeros created straight in their sharding."""
+        return self.make(lambda: jax.numpy.zeros(shape, dtype), spec)
 
     def replicate(self, tree):
         """Every array of `tree` replicated on this plan's devices (unchanged on the default device).

@@ -13,10 +13,13 @@ import itertools
 import jax
 import numpy as np
 
-from jaxpaged.models.config import ModelConfig
-from jaxpaged.models.llama import layer_weight_shapes, weight_shapes
+from jaxpaged.models.config import ModelConfig, model_config_from_hf
 from jaxpaged.models.hf_names import QUANTIZABLE
-from jaxpaged.models.quantization import quantize
+from jaxpaged.models.llama import layer_weight_shapes, weight_shapes
+from jaxpaged.models.loader import (_DTYPES, LoadedModel, _local_folder, put_weight, resolve_dtype,
+                                    resolve_scan_layers, sharded_config)
+from jaxpaged.models.quantization import quantize, resolve_quantization
+from jaxpaged.models.registry import model_class_for
 from jaxpaged.parallel import ShardPlan
 
 DUMMY_RANGE = 1e-3
@@ -27,15 +30,16 @@ def dummy_weights(cfg: ModelConfig, dtype: str, scan_layers: bool, plan: ShardPl
     """Random weights in the engine's layout, as `loader.convert_hf_weights` returns a checkpoint's:
     `cfg` is the checkpoint's config (the layers' shapes are those of `sharded_config(cfg, plan.size)`),
     stacked [num_layers, ...] when `scan_layers`, else a list of per-layer dicts."""
-    from jaxpaged.models.loader import _DTYPES, put_weight, sharded_config
-
     np_dtype = _DTYPES[dtype]
     key, count = jax.random.key(seed), itertools.count()
     rng = np.random.default_rng(seed)
 
     def device_draw(name: str, shape: tuple[int, ...], stacked: bool = False) -> jax.Array:
-        sharding = plan.array_sharding(plan.weight_spec(name, stacked))
-        return _uniform(jax.random.fold_in(key, next(count)), shape, np_dtype, sharding)
+        """Drawn where it lives, in its dtype (no float32 temporary of an 8B model's largest stack); the key
+        is an argument, not a constant XLA could fold."""
+        def draw(key):
+            return jax.random.uniform(key, shape, np_dtype, -DUMMY_RANGE, DUMMY_RANGE)
+        return plan.make(draw, plan.weight_spec(name, stacked), jax.random.fold_in(key, next(count)))
 
     def host_quantized(name: str, shape: tuple[int, ...]):
         value = rng.uniform(-DUMMY_RANGE, DUMMY_RANGE, shape).astype(np.float32)
@@ -60,24 +64,11 @@ def dummy_weights(cfg: ModelConfig, dtype: str, scan_layers: bool, plan: ShardPl
     return weights
 
 
-def _uniform(key: jax.Array, shape: tuple[int, ...], dtype, sharding) -> jax.Array:
-    """Drawn where it lives, in its dtype (no float32 temporary of an 8B model's largest stack)."""
-    def draw(key):
-        return jax.random.uniform(key, shape, dtype, -DUMMY_RANGE, DUMMY_RANGE)
-    return (jax.jit(draw, out_shardings=sharding) if sharding is not None else jax.jit(draw))(key)
-
-
 def load_dummy(model: str, dtype: str, revision: str | None, attention_backend: str, scan_layers: bool | None,
                shard_plan: ShardPlan, quantization: str | None):
     """loader.load_model for load_format="dummy": the config of `model` (a folder holding config.json, or
     a hub id), random weights. dtype "auto" is the config's (`torch_dtype`; float32 when it names none)."""
     from transformers import AutoConfig
-
-    from jaxpaged.models.config import model_config_from_hf
-    from jaxpaged.models.loader import (LoadedModel, _local_folder, resolve_dtype, resolve_scan_layers,
-                                        sharded_config)
-    from jaxpaged.models.quantization import resolve_quantization
-    from jaxpaged.models.registry import model_class_for
 
     if model.endswith(".gguf"):
         raise ValueError("load_format='dummy' takes a model folder with config.json or a hub id, not a .gguf file")

@@ -174,8 +174,8 @@ class CompiledStep:
                                            self.swap_space or self.host_cache)
         self.slot_state = warm_up_updates(self.slot_state, self.plan)
         if self.channel is not None:   # several hosts: the step inputs' broadcasts, up to the largest step's
-            self.channel.warm_up(max(*(max(StepLayout.of(s).size, s.num_logits * self.bitmask_words) for s in shapes),
-                                     self.tier_payload if self.host_cache else 0))
+            largest = max(max(StepLayout.of(s).size, s.num_logits * self.bitmask_words) for s in shapes)
+            self.channel.warm_up(max(largest, self.tier_payload if self.host_cache else 0))   # and the tier's
 
 
 def max_decode_queries(max_num_seqs: int, max_num_batched_tokens: int, num_speculative_tokens: int) -> int:

@@ -137,13 +137,12 @@ def split_pairs(payload: np.ndarray, *counts: int) -> list[list[tuple[int, int]]
 def tier_load_pieces(moves: HostMoves, size: int) -> list[tuple[tuple[int, int, int], np.ndarray]]:
     """A plan's host-tier loads (batch, slot, block) and drops as OP_TIER_LOAD (args, payload) pieces of
     at most `size` ints each; the last is flagged (and sent even when there is nothing to load)."""
-    loads = [list(load) for load in moves.loads]
     per_piece = max(1, size // 3)
-    pieces = [(tuple(x for load in loads[i:i + per_piece] for x in load), len(loads[i:i + per_piece]), 0)
-              for i in range(0, len(loads), per_piece)]
-    pieces += [(tuple(moves.drops[i:i + size]), 0, len(moves.drops[i:i + size]))
-               for i in range(0, len(moves.drops), size)]
-    pieces = pieces or [((), 0, 0)]
+    load_groups = [moves.loads[i:i + per_piece] for i in range(0, len(moves.loads), per_piece)]
+    drop_groups = [moves.drops[i:i + size] for i in range(0, len(moves.drops), size)]
+    pieces = ([([x for load in group for x in load], len(group), 0) for group in load_groups]
+              + [(group, 0, len(group)) for group in drop_groups])
+    pieces = pieces or [([], 0, 0)]
     return [((num_loads, num_drops, int(i == len(pieces) - 1)), np.asarray(flat, np.int32))
             for i, (flat, num_loads, num_drops) in enumerate(pieces)]
 
