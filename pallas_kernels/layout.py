@@ -123,9 +123,15 @@ def calibrated_kv_scale(kv_scale: jax.Array, k: jax.Array, v: jax.Array, slot_ma
                         dtype) -> jax.Array:
     """A layer's K and V scales (f32[2]) for an fp8 pool: kv_scale where set (> 0); where 0 (vLLM's
     calculate_kv_scales, not yet calibrated) the largest |K| and |V| of this batch's tokens over the fp8
-    type's largest value, so the batch's values just fit."""
+    type's largest value, so the batch's values just fit. Non-finite values (an overflowed float16
+    activation) do not count: an infinite scale would zero every value stored under it for good."""
     valid = (slot_mapping >= 0)[:, None, None]
-    amax = jnp.stack([jnp.max(jnp.where(valid, jnp.abs(x.astype(jnp.float32)), 0.0)) for x in (k, v)])
+
+    def largest(x):
+        x = jnp.abs(x.astype(jnp.float32))
+        return jnp.max(jnp.where(valid & jnp.isfinite(x), x, 0.0))
+
+    amax = jnp.stack([largest(k), largest(v)])
     fresh = jnp.maximum(amax / float(jnp.finfo(fp8_type(dtype)).max), 1e-8)
     return jnp.where(kv_scale > 0, kv_scale, fresh)
 

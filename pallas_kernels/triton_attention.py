@@ -224,7 +224,10 @@ def _target_compute_capability() -> int | None:
     abstract = jax.sharding.get_abstract_mesh().abstract_device
     if abstract is None or abstract.platform not in ("gpu", "cuda") or jax.devices()[0].platform == "gpu":
         return None
-    from jax._src.pallas.triton import gpu_info  # jax's own table of GPU kinds, as jax-triton uses it
+    try:  # jax's own table of GPU kinds, as jax-triton uses it: jax._src.gpu_info from JAX 0.12
+        from jax._src import gpu_info
+    except ImportError:  # JAX 0.11
+        from jax._src.pallas.triton import gpu_info
     return gpu_info.get_gpu_info().compute_capability
 
 

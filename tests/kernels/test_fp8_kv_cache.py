@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from jax.sharding import use_abstract_mesh
 
-from jaxpaged.kernels.layout import as_storage, fp8_values, kv_pool_shape, kv_storage_dtype, scaled_attention, write_kv
+from jaxpaged.kernels.layout import (as_storage, calibrated_kv_scale, fp8_values, kv_pool_shape, kv_storage_dtype,
+                                     scaled_attention, write_kv)
 from jaxpaged.kernels.pallas_attention import ragged_paged_attention_pallas
 from jaxpaged.kernels.reference import ragged_paged_attention_reference
 from tests.kernels.cases import live_tokens, random_case
@@ -74,6 +75,19 @@ def test_write_kv_stores_values_divided_by_the_layer_scales(fp8):
             got_v, want_v = got_v.at[0, 0].set(0.0), want_v.at[0, 0].set(0.0)
         np.testing.assert_allclose(got_v, want_v, rtol=rel, atol=1e-1)
     assert float(jnp.abs(back[0]).max()) == 0.0   # the other layer is untouched
+
+
+def test_calibrated_scales_skip_non_finite_values():
+    """A first batch with an overflowed value (inf in float16) still calibrates finite scales from the
+    rest; padding rows (slot -1) do not count; a scale already set is kept."""
+    k = jnp.asarray([[[1.0, -4.0]], [[jnp.inf, 2.0]], [[100.0, 0.0]]], jnp.float16)
+    v = jnp.asarray([[[0.5, jnp.nan]], [[-8.0, 1.0]], [[100.0, 0.0]]], jnp.float16)
+    slots = jnp.asarray([0, 1, -1], jnp.int32)
+    fp8_max = float(jnp.finfo(jnp.float8_e4m3fn).max)
+    scales = calibrated_kv_scale(jnp.zeros((2,), jnp.float32), k, v, slots, jnp.uint8)
+    np.testing.assert_allclose(np.asarray(scales), [4.0 / fp8_max, 8.0 / fp8_max], rtol=1e-6)
+    kept = calibrated_kv_scale(jnp.asarray([0.5, 0.0], jnp.float32), k, v, slots, jnp.uint8)
+    np.testing.assert_allclose(np.asarray(kept), [0.5, 8.0 / fp8_max], rtol=1e-6)
 
 
 REFERENCE_PATHS = [dict(), dict(decode_only=True, q_tile=1), dict(sliding_window=9, soft_cap=5.0)]
