@@ -190,7 +190,7 @@ class LLM:
         if any(isinstance(p, dict) and p.get("cache_salt") is not None for p in prompts):
             raise ValueError("cache_salt is not supported by beam_search yet; drop it from the prompt dicts")
         engine = self.llm_engine.replicas()[0]   # with data parallelism, beam search runs on the first replica
-        token_lists = [engine._tokenize(p)[1] for p in prompts]
+        token_lists = [engine.input_processor.tokenize(p)[1] for p in prompts]
         return run_beam_search(engine, token_lists, params, _per_prompt(lora_request, len(prompts)))
 
     def shutdown(self) -> None:

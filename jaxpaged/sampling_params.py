@@ -146,6 +146,9 @@ class SamplingParams:
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: list[int] | None = None   # sample only among these tokens
+    bad_words: list[str] | None = None   # never generate these words (with and without a leading space)
+    truncate_prompt_tokens: int | None = None   # keep only the prompt's last k tokens; -1: as many as fit
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -158,6 +161,13 @@ class SamplingParams:
         self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids, "a list of token ids")
         if self.top_k == -1:
             self.top_k = 0
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _as_list("allowed_token_ids", self.allowed_token_ids,
+                                              "None or a non-empty list of token ids")
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        if self.bad_words is not None:
+            self.bad_words = _as_list("bad_words", self.bad_words, "None or a list of non-empty strings")
         if self.logit_bias is not None:
             self.logit_bias = self._normalized_logit_bias(self.logit_bias)
         if isinstance(self.structured_outputs, dict):   # as the server's JSON body gives it
@@ -221,6 +231,21 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must be >= 0 in every entry, got {self.stop_token_ids!r}")
         if self.seed is not None:
             _require_int("seed", self.seed, "or None")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must be None or a non-empty list of token ids, got []")
+            for token_id in self.allowed_token_ids:
+                _require_int("allowed_token_ids", token_id, ">= 0 in every entry")
+                if token_id < 0:
+                    raise ValueError(f"allowed_token_ids must be >= 0 in every entry, got {self.allowed_token_ids!r}")
+        for word in self.bad_words or ():
+            if not isinstance(word, str) or not word.strip():
+                raise ValueError(f"bad_words must contain non-empty strings, got {self.bad_words!r}")
+        if self.truncate_prompt_tokens is not None:
+            _require_int("truncate_prompt_tokens", self.truncate_prompt_tokens, ">= 1 or -1 (as many as fit)")
+            if self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1:
+                raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 or -1 (as many as fit), "
+                                 f"got {self.truncate_prompt_tokens!r}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams or None, got "
                              f"{self.structured_outputs!r}")

@@ -24,6 +24,7 @@ import jaxpaged
 from jaxpaged import AsyncLLM
 from jaxpaged.chat_utils import render_chat
 from jaxpaged.engine.async_llm import EngineOverloadedError
+from jaxpaged.engine.input_processor import truncate_prompt
 from jaxpaged.server import protocol as P
 from jaxpaged.server.json_body import default_max_request_body_bytes, read_json
 from jaxpaged.server.metrics import MetricsExporter
@@ -181,6 +182,10 @@ class _Server:
     async def _generate(self, request: Request, req: P.ParsedRequest, inputs: list, prefix: str,
                         tools=None) -> Response:
         model = self.model(req.model)
+        keep = req.request.truncate_prompt_tokens
+        if keep is not None:   # vLLM's left truncation, before the context-length rule is checked
+            inputs = [({**prompt, "prompt_token_ids": cut}, cut) for prompt, ids in inputs
+                      for cut in [truncate_prompt(ids, keep, self.engine.max_model_len)]]
         params = [P.build_sampling_params(req, len(ids), self.engine.max_model_len) for _, ids in inputs]
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         salt = req.request.cache_salt   # checked by protocol.py; the engine hashes it into the first block

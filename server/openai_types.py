@@ -107,9 +107,8 @@ class JsonSchemaFormat(_Strict):
     json_schema: JsonSchemaSpec
 
 
-_MessageList = Annotated[list[Message], Field(min_length=1, description='a non-empty list of messages {"role", '
-                                                                         '"content", "name"?, "tool_calls"?, '
-                                                                         '"tool_call_id"?}')]
+_MessageList = Annotated[list[Message], Field(min_length=1, description='a non-empty list of messages '
+                                              '{"role", "content", "name"?, "tool_calls"?, "tool_call_id"?}')]
 
 
 class StreamOptions(_Strict):
@@ -133,8 +132,7 @@ class _Request(_Strict):
     frequency_penalty: float | None = None
     stop: str | list[str] | None = Field(None, description="a string or a list of strings")
     logit_bias: dict[str, float] | None = Field(None, description="an object mapping token ids to biases")
-    # vLLM's
-    top_k: int | None = None
+    top_k: int | None = None   # vLLM's fields from here
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int | None = None
@@ -142,6 +140,9 @@ class _Request(_Strict):
     ignore_eos: bool | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    allowed_token_ids: Annotated[list[int], Field(min_length=1)] | None = None   # sample only among these
+    bad_words: list[str] | None = None   # words never generated
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None   # the prompt's last k tokens (-1: all that fit)
     # requests share prefix-cache blocks only under the same salt (tenants never see each other's)
     cache_salt: Annotated[str, Field(min_length=1)] | None = Field(None, description="a non-empty string")
     structured_outputs: dict[str, Any] | None = Field(

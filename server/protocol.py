@@ -208,7 +208,8 @@ def _message_dict(message: Message) -> dict:
 # fields of _Request (a getattr of another name would read model_extra: a value no model checked)
 _SAMPLING_KEYS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                   "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
-                  "include_stop_str_in_output", "skip_special_tokens", "logit_bias")
+                  "include_stop_str_in_output", "skip_special_tokens", "logit_bias", "allowed_token_ids",
+                  "bad_words", "truncate_prompt_tokens")
 
 
 def build_sampling_params(req: ParsedRequest, prompt_len: int, max_model_len: int) -> SamplingParams:

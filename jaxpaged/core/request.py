@@ -65,6 +65,14 @@ class Request:
         self.lora_request = lora_request      # multi-LoRA: its adapter (a LoRARequest), None: the base model
         self.lora_slot = -1                   # the adapter's slot in the step (set when scheduled; -1: base)
         self.matcher = None                   # structured outputs: its grammar matcher (opaque here)
+        # bad_words as token ids (set by the engine, which has the tokenizer): a word of one token is
+        # banned from the start (banned_token_ids); a longer one's last token only where the output so far
+        # ends with its other tokens (bad_word_sequences, checked by the host before each sampler)
+        self.banned_token_ids: tuple[int, ...] = ()
+        self.bad_word_sequences: tuple[tuple[int, ...], ...] = ()
+        # its sampler waits for a token mask the host builds from its latest token: a grammar, or a bad
+        # word of several tokens (an attribute, not a property: a step reads it for every decode)
+        self.needs_host_mask = False
         self.block_hashes: list[bytes] = []   # chained hashes of the full blocks of all_token_ids
         # tokens it had when its K/V began from the first token: a length-dependent rope (LongRoPE)
         # encodes every position for this length (ForwardBatch.rope_lens); 0: not scheduled yet
@@ -108,6 +116,20 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status in FINISHED
+
+    def constrain(self, matcher, bad_words_token_ids: list[list[int]]) -> None:
+        """Set its grammar matcher (None: none) and its bad words as token ids."""
+        self.matcher = matcher
+        self.banned_token_ids = tuple(sorted({word[0] for word in bad_words_token_ids if len(word) == 1}))
+        self.bad_word_sequences = tuple(tuple(word) for word in bad_words_token_ids if len(word) > 1)
+        self.needs_host_mask = matcher is not None or bool(self.bad_word_sequences)
+
+    def bad_word_bans(self) -> list[int]:
+        """The tokens its next one must not be: the last token of each bad word of several tokens whose
+        other tokens end the output so far (vLLM's bad_words read the output, not the prompt)."""
+        out = self.output_token_ids
+        return [word[-1] for word in self.bad_word_sequences
+                if len(word) - 1 <= len(out) and tuple(out[len(out) - len(word) + 1:]) == word[:-1]]
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -77,7 +77,7 @@ def run_beam_search(engine, prompts: list[list[int]], params: BeamSearchParams,
     groups = []
     for prompt, lora in zip(prompts, loras or [None] * len(prompts)):
         # (a beam's prompt stays under max_model_len, which the KV cache holds: a beam always fits alone)
-        engine._validate(prompt, sampling)
+        engine.input_processor.validate(prompt, sampling)
         groups.append(_Group(prompt, params, lora))
     while any(g.beams for g in groups):
         asked = []   # (group, beam, request id)

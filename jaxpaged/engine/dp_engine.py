@@ -68,8 +68,10 @@ class DataParallelEngine:
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, lora_request=None) -> str:
         first = self.engines[0]
-        text, token_ids = first._tokenize(prompt)   # ValueError on a bad prompt, before anything is queued
-        salt = first._cache_salt(prompt)
+        processor = first.input_processor   # ValueError on a bad prompt, before anything is queued
+        text, token_ids = processor.tokenize(prompt)
+        salt = processor.cache_salt(prompt)
+        token_ids = processor.truncate(token_ids, getattr(params, "truncate_prompt_tokens", None))
         if request_id is None:   # a fresh id the caller has not taken
             request_id = next(i for i in (f"dp-{n}" for n in self._ids) if i not in self._owner)
         request_id = str(request_id)

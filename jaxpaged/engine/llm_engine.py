@@ -32,6 +32,7 @@ import numpy as np
 from jaxpaged.core.request import Request, RequestStatus
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.generation_config import load_generation_defaults
+from jaxpaged.engine.input_processor import InputProcessor
 from jaxpaged.engine.metrics import PREFIX, EngineMetrics
 from jaxpaged.engine.spec_decode import SpeculativeConfig, Speculator
 from jaxpaged.engine.research import ResearchMixin
@@ -83,6 +84,8 @@ class LLMEngine(ResearchMixin):
         self._in_flight = collections.deque()           # (plan, pending) dispatched, not fetched, oldest first
         self._ids = itertools.count()
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)   # structured outputs
+        self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
+                                              args.max_logprobs, self.scheduler.check_prompt_len)
         self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
         if draft is not None:
             self.speculator.use_draft_model(build_draft_proposer(args, draft, num_blocks, self.max_model_len, use_tqdm))
@@ -118,10 +121,9 @@ class LLMEngine(ResearchMixin):
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.output_processor.states:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        text, token_ids = self._tokenize(prompt)
-        cache_salt = self._cache_salt(prompt)
-        self._validate(token_ids, params)
-        cache_salt = self._add_lora(lora_request, cache_salt)
+        processed = self.input_processor.process(prompt, params)
+        text, token_ids = processed.text, processed.token_ids
+        cache_salt = self._add_lora(lora_request, processed.cache_salt)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
         core_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         clash = [c for c in core_ids if c in self.output_processor.seqs or c in self.scheduler.requests]
@@ -135,7 +137,7 @@ class LLMEngine(ResearchMixin):
             seed = self._seed_for(params, i)
             request = Request(core_id, token_ids, params, self.eos_token_ids, arrival_time, seed, max_tokens,
                               cache_salt, lora_request)
-            request.matcher = matchers[i]
+            request.constrain(matchers[i], processed.bad_words_token_ids)
             sequences.append(SequenceState(request, i, self.tokenizer, request_id))
         state = RequestState(request_id, text, token_ids, sequences, lora_request)
         # n > 1: one sequence prefills; the others fork off it (sharing its blocks) when it samples
@@ -150,49 +152,6 @@ class LLMEngine(ResearchMixin):
         if params.seed is None:
             return int(self._rng.integers(0, 2**32))
         return (params.seed + 0x9E3779B9 * index) & 0xFFFFFFFF
-
-    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer; pass prompt_token_ids instead")
-            return prompt, list(self.tokenizer.encode(prompt))
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
-            return None, [int(t) for t in prompt]
-        raise ValueError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
-
-    @staticmethod
-    def _cache_salt(prompt) -> str | None:
-        """A prompt dict's `cache_salt`: requests share prefix-cache blocks only under the same salt."""
-        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-        if salt is not None and (not isinstance(salt, str) or not salt):
-            raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
-        return salt
-
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        if not token_ids:
-            raise ValueError("prompt must not be empty (got 0 tokens)")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
-        self.scheduler.check_prompt_len(len(token_ids))
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > self.args.max_logprobs:
-                raise ValueError(f"{name}={value} is more than this engine's max_logprobs "
-                                 f"({self.args.max_logprobs}); allowed: None or [0, {self.args.max_logprobs}]")
-        for name, ids in (("stop_token_ids", params.stop_token_ids or []),
-                          ("logit_bias", list((params.logit_bias or {}).keys()))):
-            bad = [t for t in ids if not 0 <= int(t) < vocab]
-            if bad:
-                raise ValueError(f"{name} token id {bad[0]} is out of range [0, {vocab})")
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request and free its blocks at once (unknown ids are ignored)."""

@@ -20,8 +20,8 @@ proposals miss (no n-gram match, or no draft accepted): it is proposed for only 
 asynchronously, as without it, almost all the time.
 
 Requests whose sampling reads device state the drafts would have to update (penalties,
-logit_bias, min_tokens not yet reached, structured outputs) are never proposed for: they decode
-as without speculation. Beam search and speculation together are refused.
+logit_bias, allowed_token_ids, bad_words, min_tokens not yet reached, structured outputs) are never
+proposed for: they decode as without speculation. Beam search and speculation together are refused.
 """
 
 import dataclasses
@@ -104,7 +104,8 @@ def eligible(request) -> bool:
     """Whether drafts may be verified for `request` without changing its distribution (its sampling
     reads no per-step device state that the drafts would have to advance)."""
     p = request.sampling_params
-    return (request.matcher is None and not p.logit_bias and not p.presence_penalty and not p.frequency_penalty
+    return (not request.needs_host_mask and not p.logit_bias and not p.allowed_token_ids
+            and not request.banned_token_ids and not p.presence_penalty and not p.frequency_penalty
             and p.repetition_penalty == 1.0 and request.num_output_tokens >= p.min_tokens)
 
 
@@ -218,6 +219,8 @@ class _DraftSequence:
         self.seed = 0
         self.eos_token_ids = ()
         self.matcher = None
+        self.needs_host_mask = False
+        self.banned_token_ids = ()
         self.pending_forks = []
         self.lora_slot = -1   # the draft model runs without adapters
         self.prompt_token_ids = request.prompt_token_ids

@@ -189,15 +189,17 @@ def max_decode_queries(max_num_seqs: int, max_num_batched_tokens: int, num_specu
 def sampler_kind(requests) -> str:
     """The sampler a step's sampling requests need (host_branches; see step.SAMPLER_KINDS). Each
     test errs towards the more general kind, which is right for every row too: "greedy" only if
-    every row is what sampler.is_plain_greedy calls plain (greedy in f32, no bias, penalties,
-    logprobs, grammar or pending min_tokens), "untruncated" only if no random row has top-k or top-p."""
+    every row is what sampler.is_plain_greedy calls plain (greedy in f32, no bias, allowed or bad
+    words, penalties, logprobs, grammar or pending min_tokens), "untruncated" only if no random row
+    has top-k or top-p."""
     def greedy(p):   # as the device compares: in f32 (0.0, the usual greedy, decides at once)
         return p.temperature == 0.0 or np.float32(p.temperature) < np.float32(GREEDY_EPS)
 
     def plain(request):
         p = request.sampling_params
-        return (greedy(p) and not p.logit_bias and not uses_output_tokens(p) and not p.logprobs
-                and request.matcher is None and p.min_tokens <= request.num_sampled_tokens)
+        return (greedy(p) and not p.logit_bias and not p.allowed_token_ids and not request.banned_token_ids
+                and not uses_output_tokens(p) and not p.logprobs and not request.needs_host_mask
+                and p.min_tokens <= request.num_sampled_tokens)
 
     if all(plain(r) for r in requests):
         return "greedy"

@@ -19,7 +19,7 @@ class InputBatch:
     buffer: np.ndarray                                # i32[StepLayout.size]
     requests: list                                    # per sampled request (n > 1 forks too), its first sample row:
     rows: list[int]                                   #   the request and the row, in row order
-    constrained: list[tuple[int, object]]             # (sample row, Request with a grammar matcher)
+    constrained: list[tuple[int, object]]             # (sample row, Request needing a host mask: a grammar...)
     spec_rows: list[tuple[str, int, int]]             # (request_id, first sample row, drafts verified)
     lp_rows: list[tuple[str, int, int, int]]          # (request_id, first flat token, count, start position)
     sampler_kind: str | None = None                   # the sampler the host picked (None: the step's cond picks)
@@ -30,7 +30,7 @@ REQUEST = operator.attrgetter("request")
 START = operator.attrgetter("start")
 LORA_SLOT = operator.attrgetter("lora_slot")
 NUM_PLACEHOLDERS = operator.attrgetter("num_placeholders")
-MATCHER = operator.attrgetter("matcher")
+HOST_MASKED = operator.attrgetter("needs_host_mask")
 
 
 class GeneralColumns:
@@ -75,7 +75,7 @@ class GeneralColumns:
         if chunk.samples:
             self.requests.append(request)
             self.rows.append(row)
-            if request.matcher is not None:
+            if request.needs_host_mask:
                 self.constrained.append((row, request))
             if d:
                 self.spec_rows.append((request.request_id, row, d))
@@ -99,7 +99,7 @@ class GeneralColumns:
         row = self.offset + len(self.logits_at)
         self.requests.append(child)
         self.rows.append(row)
-        if child.matcher is not None:
+        if child.needs_host_mask:
             self.constrained.append((row, child))
         self.row_draft.append(-1)
         self.row_first.append(row)

@@ -46,7 +46,7 @@ from jaxpaged.runner.compiled_step import (HOST_BRANCH_PLATFORMS, SAMPLER_KINDS,
                                            max_decode_queries, sampler_kind)
 from jaxpaged.runner.device_memory import DeviceMemory
 from jaxpaged.runner.multihost import OP_SAMPLE, OP_STEP, OP_STOP, OP_UPDATES, StepChannel, follow, is_multihost
-from jaxpaged.runner.input_batch import (LORA_SLOT, MATCHER, NUM_PLACEHOLDERS, REQUEST, START, GeneralColumns,
+from jaxpaged.runner.input_batch import (HOST_MASKED, LORA_SLOT, NUM_PLACEHOLDERS, REQUEST, START, GeneralColumns,
                                          InputBatch)
 from jaxpaged.runner.persistent_batch import SlotState, SlotTable, StepLayout, apply_updates, pack_updates
 from jaxpaged.runner.step_results import StepResult, unpack_prompt_logprobs
@@ -264,8 +264,8 @@ class ModelRunner(CompiledStep, DeviceMemory):
         v["prev_source"][num_prev:num_prev + len(g.prev_source)] = g.prev_source
         pack_updates(in_step, layout.num_updates, v["updates"])
         constrained = g.constrained
-        if k and list(map(MATCHER, requests)).count(None) < k:   # structured outputs among the decodes
-            constrained = [(i, r) for i, r in enumerate(requests) if r.matcher is not None] + constrained
+        if k and any(map(HOST_MASKED, requests)):   # structured outputs or bad words among the decodes
+            constrained = [(i, r) for i, r in enumerate(requests) if r.needs_host_mask] + constrained
         requests += g.requests
         kind = None
         if self.host_branches:

@@ -10,7 +10,8 @@ it then gets a fresh slot, rebuilt from the host, when it runs again.
                                                      the request's rope length (ForwardBatch.rope_lens)
     output_counts   i32[R + 1, V]                    tokens sampled so far (penalties)
     prompt_mask     bool[R + 1, V]                   tokens of the prompt (repetition penalty)
-    logit_bias      f32[R + 1, V]                    the request's logit_bias
+    logit_bias      f32[R + 1, V]                    the request's logit_bias, allowed_token_ids (-inf
+                                                     elsewhere) and bad words of one token (-inf)
     min_tokens_ban  bool[R + 1, V]                   EOS and stop tokens, masked until min_tokens
 
 Row R is padding: a greedy request with no blocks (padding sample rows read it). The host only
@@ -51,6 +52,16 @@ RESETS_PER_CALL = 8                   # rows one apply_updates call may clear
 
 def _f32_bits(x: float) -> int:
     return int(np.float32(x).view(np.int32))
+
+
+def seeded_bias(params, banned_token_ids=()) -> dict[int, float]:
+    """The entries of a request's logit_bias row (its other entries are 0, or -inf where it has
+    allowed_token_ids): logit_bias on the allowed tokens, -inf on the banned ones (bad words of one
+    token), as vLLM applies allowed_token_ids, then bad words, then logit_bias."""
+    bias = params.logit_bias or {}
+    if params.allowed_token_ids:
+        bias = {int(t): bias.get(int(t), 0.0) for t in params.allowed_token_ids}
+    return {**bias, **{int(t): -np.inf for t in banned_token_ids}}
 
 
 def default_params() -> np.ndarray:
@@ -106,10 +117,13 @@ def _apply_updates(state: SlotState, updates: jax.Array) -> SlotState:
     # at most RESETS_PER_CALL rows are cleared (the host splits calls so), before any other update
     (reset_at,) = jnp.nonzero(updates[:, 0] == RESET, size=RESETS_PER_CALL, fill_value=updates.shape[0])
     reset_rows = jnp.concatenate([updates[:, 1], jnp.array([R1], jnp.int32)])[reset_at]
+    # a reset's value: the f32 bits of the bias its row starts from (-inf where allowed_token_ids is set)
+    base_bias = jax.lax.bitcast_convert_type(jnp.concatenate([updates[:, 3], jnp.zeros((1,), jnp.int32)])[reset_at],
+                                             jnp.float32)
     state = dataclasses.replace(
         state, output_counts=state.output_counts.at[reset_rows].set(0, mode="drop"),
         prompt_mask=state.prompt_mask.at[reset_rows].set(False, mode="drop"),
-        logit_bias=state.logit_bias.at[reset_rows].set(0.0, mode="drop"),
+        logit_bias=state.logit_bias.at[reset_rows].set(base_bias[:, None], mode="drop"),
         min_tokens_ban=state.min_tokens_ban.at[reset_rows].set(False, mode="drop"))
     state = apply_step_updates(state, updates)
     rows, index, value = _by_kind(updates, PROMPT, R1)
@@ -117,7 +131,7 @@ def _apply_updates(state: SlotState, updates: jax.Array) -> SlotState:
     rows, index, value = _by_kind(updates, COUNT, R1)
     counts = state.output_counts.at[rows, index].add(value, mode="drop")
     rows, index, value = _by_kind(updates, BIAS, R1)
-    bias = state.logit_bias.at[rows, index].add(jax.lax.bitcast_convert_type(value, jnp.float32), mode="drop")
+    bias = state.logit_bias.at[rows, index].set(jax.lax.bitcast_convert_type(value, jnp.float32), mode="drop")
     rows, index, value = _by_kind(updates, BAN, R1)
     ban = state.min_tokens_ban.at[rows, index].set(True, mode="drop")
     return dataclasses.replace(state, output_counts=counts, prompt_mask=prompt_mask, logit_bias=bias,
@@ -221,7 +235,7 @@ class SlotTable:
         banned = []
         if p.min_tokens > request.num_sampled_tokens:
             banned = list(p.stop_token_ids or []) + ([] if p.ignore_eos else list(request.eos_token_ids))
-        bias = p.logit_bias or {}
+        bias = seeded_bias(p, request.banned_token_ids)
         row = default_params()
         row[P_TEMPERATURE] = _f32_bits(p.temperature)
         row[P_TOP_K] = min(max(p.top_k, 0), np.iinfo(np.int32).max)   # past the vocabulary: all kept
@@ -241,7 +255,7 @@ class SlotTable:
         if not (penalised or bias or banned):
             return   # the step never reads this slot's [.., V] rows
         seed = self.seed_updates
-        seed.append((RESET, slot, 0, 0))
+        seed.append((RESET, slot, 0, _f32_bits(-np.inf if p.allowed_token_ids else 0.0)))
         if penalised:
             seed += [(PROMPT, slot, t, 1) for t in set(request.prompt_token_ids)]
             seed += [(COUNT, slot, t, n) for t, n in collections.Counter(request.output_token_ids).items()]

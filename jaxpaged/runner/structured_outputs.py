@@ -10,6 +10,10 @@ disallowed tokens on the device. A row whose request finished meanwhile allows e
 
 A request's matcher advances on each of its tokens as the engine applies them; preemption
 keeps it (recompute re-prefills tokens the matcher already consumed; nothing rolls back).
+
+Bad words of several tokens ride the same mask: the row of a request whose output ends with all but
+the last token of one has that token's bit cleared (a word of one token is banned on the device
+from the start, through the request's logit_bias row: runner/persistent_batch.py).
 """
 
 import json
@@ -82,15 +86,21 @@ class GrammarCompiler:
 
 
 def step_bitmask(constrained: list[tuple[int, object]], num_rows: int, words: int) -> np.ndarray | None:
-    """A step's bitmask i32[num_rows, words] from its constrained (sample row, Request) pairs, the
-    other rows allowing everything; None when no row is constrained. A request that finished
-    meanwhile (its token will be dropped) allows everything too."""
+    """A step's bitmask i32[num_rows, words] from its constrained (sample row, Request) pairs (those
+    whose `needs_host_mask`: the tokens the grammar allows, less the bad words' bans), the other rows
+    allowing everything; None when no row is constrained. A request that finished meanwhile (its token
+    will be dropped) allows everything too."""
     if not constrained:
         return None
     bitmask = np.full((num_rows, words), -1, np.int32)
+    bits = bitmask.view(np.uint32)
     for row, request in constrained:
-        if not request.is_finished:
+        if request.is_finished:
+            continue
+        if request.matcher is not None:
             fill_bitmask(bitmask, row, request.matcher)
+        for token in request.bad_word_bans():
+            bits[row, token >> 5] &= ~np.uint32(1 << (token & 31))
     return bitmask
 
 

@@ -119,6 +119,11 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     ({"prompt": "hi", "cache_salt": ""}, 400, "cache_salt"),
     ({"prompt": "hi", "cache_salt": 7}, 400, "cache_salt"),
+    ({"prompt": "hi", "allowed_token_ids": []}, 400, "allowed_token_ids"),
+    ({"prompt": "hi", "allowed_token_ids": [3, 100000]}, 400, "allowed_token_ids"),
+    ({"prompt": "hi", "bad_words": ["ok", " "]}, 400, "bad_words"),
+    ({"prompt": "hi", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
+    ({"prompt": "hi", "truncate_prompt_tokens": -2}, 400, "truncate_prompt_tokens"),
 ]
 BAD_CHATS = [
     ({"model": MODEL}, 400, "messages"),
@@ -138,6 +143,7 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}],
       "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, "tool_choice"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "bad_words": "word"}, 400, "bad_words"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {}}]}, 400,
      "tools"),
 ]
@@ -191,6 +197,24 @@ def test_response_format_and_structured_outputs_constrain_the_output(client):
     out = client.completions.create(model=MODEL, prompt="Hi", max_tokens=12, temperature=1.0,
                                     extra_body={"structured_outputs": {"regex": "[0-9]{4}"}})
     assert out.choices[0].text.isdigit() and len(out.choices[0].text) == 4
+
+
+def test_allowed_token_ids_bad_words_and_truncate_prompt_tokens(client, urls):
+    """vLLM's fields: sampling among two one-letter tokens; the free answer's first word banned; a prompt
+    past max_model_len (256) cut to its last 10 tokens."""
+    ids = [httpx.post(urls[0] + "/tokenize", json={"prompt": c}).json()["tokens"] for c in "ab"]
+    assert all(len(i) == 1 for i in ids)
+    out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, temperature=1.0, n=3,
+                                    extra_body={"allowed_token_ids": ids[0] + ids[1], "ignore_eos": True})
+    assert all(len(c.text) == 8 and set(c.text) <= {"a", "b"} for c in out.choices)
+    kw = dict(model=MODEL, prompt="Hello world", max_tokens=4, temperature=0.0, logprobs=1)
+    first = client.completions.create(**kw).choices[0].logprobs.tokens[0]
+    assert first.strip()
+    avoided = client.completions.create(**kw, extra_body={"bad_words": [first]}).choices[0].logprobs.tokens[0]
+    assert avoided != first
+    long = client.completions.create(model=MODEL, prompt=list(range(3, 300)), max_tokens=2,
+                                     extra_body={"truncate_prompt_tokens": 10})
+    assert long.usage.prompt_tokens == 10 and long.usage.completion_tokens == 2
 
 
 def test_response_format_constrains_completions_too(client):   # vLLM's: not OpenAI's completions field

@@ -1,0 +1,110 @@
+"""A request's input, made ready for the scheduler (vLLM V1's InputProcessor): the prompt tokenized
+and truncated, every field checked against this model (a ValueError naming the field queues
+nothing), bad words turned into token ids."""
+
+import dataclasses
+
+import numpy as np
+
+from jaxpaged.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass
+class ProcessedPrompt:
+    text: str | None               # the prompt as the user gave it (None: token ids only)
+    token_ids: list[int]           # the tokens the request starts from (truncated where asked)
+    cache_salt: str | None
+    bad_words_token_ids: list[list[int]]
+
+
+def truncate_prompt(token_ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int) -> list[int]:
+    """The prompt's last `truncate_prompt_tokens` tokens (vLLM's left truncation); -1: the last
+    max_model_len - 1, as many as leave room for one generated token (vLLM's -1 keeps max_model_len,
+    which no prompt may fill). Values SamplingParams refuses (0, below -1) truncate nothing."""
+    if truncate_prompt_tokens is None or truncate_prompt_tokens == 0 or truncate_prompt_tokens < -1:
+        return token_ids
+    keep = max_model_len - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    return token_ids[-keep:]
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_logprobs: int, check_prompt_len):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_logprobs = max_logprobs
+        self.check_prompt_len = check_prompt_len   # the scheduler's: ValueError for a prompt that cannot run
+
+    def process(self, prompt, params: SamplingParams) -> ProcessedPrompt:
+        text, token_ids = self.tokenize(prompt)
+        cache_salt = self.cache_salt(prompt)
+        token_ids = self.truncate(token_ids, params.truncate_prompt_tokens)
+        self.validate(token_ids, params)
+        return ProcessedPrompt(text, token_ids, cache_salt, self.bad_words_token_ids(params.bad_words))
+
+    def tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; pass prompt_token_ids instead")
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
+            return None, [int(t) for t in prompt]
+        raise ValueError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    @staticmethod
+    def cache_salt(prompt) -> str | None:
+        """A prompt dict's `cache_salt`: requests share prefix-cache blocks only under the same salt."""
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+        return salt
+
+    def truncate(self, token_ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
+        return truncate_prompt(token_ids, truncate_prompt_tokens, self.max_model_len)
+
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("prompt must not be empty (got 0 tokens)")
+        vocab = self.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
+        self.check_prompt_len(len(token_ids))
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise ValueError(f"{name}={value} is more than this engine's max_logprobs "
+                                 f"({self.max_logprobs}); allowed: None or [0, {self.max_logprobs}]")
+        for name, ids in (("stop_token_ids", params.stop_token_ids or []),
+                          ("logit_bias", list((params.logit_bias or {}).keys())),
+                          ("allowed_token_ids", params.allowed_token_ids or [])):
+            bad = [t for t in ids if not 0 <= int(t) < vocab]
+            if bad:
+                raise ValueError(f"{name} token id {bad[0]} is out of range [0, {vocab})")
+
+    def bad_words_token_ids(self, bad_words: list[str] | None) -> list[list[int]]:
+        """Each bad word as token ids, as vLLM tokenizes them: the word with its leading spaces
+        stripped, and with one leading space where that gives as many tokens but another first one
+        (the word in the middle of a text)."""
+        if not bad_words:
+            return []
+        if self.tokenizer is None:
+            raise ValueError("bad_words need the model's tokenizer; this engine has none")
+        words = []
+        for word in bad_words:
+            plain = list(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = list(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            words.append(plain)
+            if len(spaced) == len(plain) and spaced[0] != plain[0]:
+                words.append(spaced)
+        bad = [t for word in words for t in word if not 0 <= t < self.vocab_size]
+        if bad:   # a tokenizer larger than the model's embedding
+            raise ValueError(f"bad_words token id {bad[0]} is out of range [0, {self.vocab_size})")
+        return words
