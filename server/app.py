@@ -183,9 +183,11 @@ class _Server:
                         tools=None) -> Response:
         model = self.model(req.model)
         keep = req.request.truncate_prompt_tokens
-        if keep is not None:   # vLLM's left truncation, before the context-length rule is checked
-            inputs = [({**prompt, "prompt_token_ids": cut}, cut) for prompt, ids in inputs
-                      for cut in [truncate_prompt(ids, keep, self.engine.max_model_len)]]
+        if keep is not None:   # vLLM's left truncation, before the context-length rule is checked; a cut
+            # prompt's text is dropped, so that an echo shows the tokens the model saw
+            cuts = [(prompt, truncate_prompt(ids, keep, self.engine.max_model_len)) for prompt, ids in inputs]
+            inputs = [({"prompt_token_ids": cut} if len(cut) < len(prompt["prompt_token_ids"]) else prompt, cut)
+                      for prompt, cut in cuts]
         params = [P.build_sampling_params(req, len(ids), self.engine.max_model_len) for _, ids in inputs]
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         salt = req.request.cache_salt   # checked by protocol.py; the engine hashes it into the first block

@@ -101,6 +101,8 @@ class InputProcessor:
         for word in bad_words:
             plain = list(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
             spaced = list(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            if not plain:   # a text the tokenizer drops (nothing to ban)
+                continue
             words.append(plain)
             if len(spaced) == len(plain) and spaced[0] != plain[0]:
                 words.append(spaced)

@@ -215,6 +215,11 @@ def test_allowed_token_ids_bad_words_and_truncate_prompt_tokens(client, urls):
     long = client.completions.create(model=MODEL, prompt=list(range(3, 300)), max_tokens=2,
                                      extra_body={"truncate_prompt_tokens": 10})
     assert long.usage.prompt_tokens == 10 and long.usage.completion_tokens == 2
+    ids = httpx.post(urls[0] + "/tokenize", json={"prompt": "Hello world! How are you"}).json()["tokens"]
+    seen = httpx.post(urls[0] + "/detokenize", json={"tokens": ids[-2:]}).json()["prompt"]
+    cut = client.completions.create(model=MODEL, prompt="Hello world! How are you", max_tokens=1, echo=True,
+                                    extra_body={"truncate_prompt_tokens": 2})   # the echo: what the model saw
+    assert cut.choices[0].text.startswith(seen) and not cut.choices[0].text.startswith("Hello")
 
 
 def test_response_format_constrains_completions_too(client):   # vLLM's: not OpenAI's completions field
