@@ -40,7 +40,10 @@ class InputProcessor:
         cache_salt = self.cache_salt(prompt)
         token_ids = self.truncate(token_ids, params.truncate_prompt_tokens)
         self.validate(token_ids, params)
-        return ProcessedPrompt(text, token_ids, cache_salt, self.bad_words_token_ids(params.bad_words))
+        bad_words = self.bad_words_token_ids(params.bad_words)
+        if params.allowed_token_ids and set(params.allowed_token_ids) <= {w[0] for w in bad_words if len(w) == 1}:
+            raise ValueError("allowed_token_ids leaves no token to sample: bad_words bans every one of them")
+        return ProcessedPrompt(text, token_ids, cache_salt, bad_words)
 
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

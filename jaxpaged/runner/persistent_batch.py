@@ -50,8 +50,12 @@ UPDATES_PER_CALL = 4096               # capacity of one apply_updates call
 RESETS_PER_CALL = 8                   # rows one apply_updates call may clear
 
 
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
 def _f32_bits(x: float) -> int:
-    return int(np.float32(x).view(np.int32))
+    """The bits of x as a float32; a finite x past float32's range (temperature=1e39) is its largest."""
+    return int(np.float32(min(max(x, -_F32_MAX), _F32_MAX) if np.isfinite(x) else x).view(np.int32))
 
 
 def seeded_bias(params, banned_token_ids=()) -> dict[int, float]:

@@ -173,7 +173,9 @@ def _apply_penalties(logits, md):
     counts = _rows_of(md, md.output_counts)
     output_mask = counts > 0
     seen = output_mask if md.prompt_mask is None else output_mask | _rows_of(md, md.prompt_mask)
-    rep = jnp.where(seen, md.repetition_penalty[:, None], 1.0)
+    # within [1e-30, 1e30]: a penalty that float32 flushes to 0 (or its reciprocal) would turn a masked
+    # -inf into a NaN (-inf x 0), which an argmax picks; the limits change nothing a logit can show
+    rep = jnp.where(seen, jnp.clip(md.repetition_penalty, 1e-30, 1e30)[:, None], 1.0)
     # Dividing a negative logit would raise it, so those are multiplied instead.
     logits = jnp.where(logits > 0, logits / rep, logits * rep)
     logits = logits - md.frequency_penalty[:, None] * counts.astype(jnp.float32)
@@ -256,7 +258,9 @@ def _random_sample(logits, md, truncation: bool = True, layout: SamplerLayout = 
     no row has top-k or top-p (the caller knows), and their skip's conditional is left out."""
     is_greedy = md.temperature < GREEDY_EPS
     temperature = jnp.where(is_greedy, 1.0, md.temperature)
-    logits = logits / temperature[:, None]
+    # a masked token stays masked: XLA divides by multiplying with 1 / T, which a temperature past
+    # ~1e38 flushes to 0, and -inf x 0 is a NaN, which an argmax would pick
+    logits = jnp.where(logits == -jnp.inf, -jnp.inf, logits / temperature[:, None])
     # min_p in logit space: p_i < min_p * p_max  <=>  l_i < l_max + log(min_p).
     floor = jnp.max(logits, axis=-1) + jnp.log(md.min_p)
     logits = jnp.where(logits < floor[:, None], -jnp.inf, logits)

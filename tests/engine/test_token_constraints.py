@@ -134,5 +134,26 @@ def test_token_ids_past_the_vocabulary_queue_nothing():
     engine = llm.llm_engine
     with pytest.raises(ValueError, match=r"allowed_token_ids token id 320 is out of range \[0, 320\)"):
         engine.add_request("past", {"prompt_token_ids": PROMPT}, greedy(allowed_token_ids=[5, 320]))
+    word = word_from(llm, list(range(60, 320)), 1)   # a token that is a word of its own
+    token = engine.input_processor.bad_words_token_ids([word])[0][0]
+    with pytest.raises(ValueError, match="allowed_token_ids leaves no token to sample: bad_words bans every one"):
+        engine.add_request("none", {"prompt_token_ids": PROMPT}, greedy(allowed_token_ids=[token], bad_words=[word]))
     assert not engine.has_unfinished_requests()
     assert SamplingParams(bad_words="Paris").bad_words == ["Paris"]   # one word, as stop takes one string
+
+
+@pytest.mark.parametrize("extreme", [dict(temperature=1e38), dict(temperature=1e39),
+                                     dict(temperature=1.0, repetition_penalty=1e-38)])
+def test_masked_tokens_stay_masked_at_extreme_temperatures_and_penalties(extreme):
+    """A temperature past float32's reciprocal range, or a repetition penalty float32 flushes to 0, once
+    turned the masks' -inf into NaNs that the argmax picked (a fuzzer's find)."""
+    llm = tiny_llm()
+    allowed = [5, 6]
+    banned = tokens(llm, PROMPT, greedy())[0]
+    params = [SamplingParams(max_tokens=6, seed=i, ignore_eos=True, allowed_token_ids=allowed, **extreme)
+              for i in range(4)]
+    params += [SamplingParams(max_tokens=6, seed=i, ignore_eos=True, logit_bias={banned: -100}, min_tokens=6,
+                              stop_token_ids=[banned], **extreme) for i in range(4)]
+    outs = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": PROMPT}] * 8, params, use_tqdm=False)]
+    assert all(set(o) <= set(allowed) for o in outs[:4]), outs[:4]
+    assert all(banned not in o and len(o) == 6 for o in outs[4:]), outs[4:]

@@ -59,7 +59,7 @@ def assert_error(response: httpx.Response, status: int | None = None, param: str
 
 def assert_still_serving(url: str) -> None:
     wait_idle(url)
-    answer = HTTP.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 3})
+    answer = HTTP.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "ignore_eos": True})
     assert answer.status_code == 200 and answer.json()["choices"][0]["finish_reason"] == "length"
     assert gauge(metrics(url), "kv_cache_usage_perc") == 0.0
 
