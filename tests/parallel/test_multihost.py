@@ -35,7 +35,12 @@ def test_two_hosts_give_one_hosts_tokens_and_an_abort_on_rank_0_reaches_both():
              for rank in (0, 1)]
     results = []
     for proc in procs:
-        out, err = proc.communicate(timeout=600)
+        try:
+            out, err = proc.communicate(timeout=600)
+        except subprocess.TimeoutExpired:   # a hang: neither host may outlive the test
+            for p in procs:
+                p.kill()
+            raise
         lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
         assert proc.returncode == 0 and lines, err[-4000:]
         results.append(json.loads(lines[-1][len("RESULT "):]))
