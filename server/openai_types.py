@@ -143,6 +143,7 @@ class _Request(_Strict):
     allowed_token_ids: Annotated[list[int], Field(min_length=1)] | None = None   # sample only among these
     bad_words: list[str] | None = None   # words never generated
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None   # the prompt's last k tokens (-1: all that fit)
+    return_tokens_as_token_ids: bool | None = None   # logprobs name each token "token_id:<id>", not by its text
     # requests share prefix-cache blocks only under the same salt (tenants never see each other's)
     cache_salt: Annotated[str, Field(min_length=1)] | None = Field(None, description="a non-empty string")
     structured_outputs: dict[str, Any] | None = Field(
@@ -227,34 +228,6 @@ class ChatCompletionRequest(_Request):
         if value == "required" and not names:
             raise ValueError('"required" needs tools to call')
         return value
-
-
-# ---- vLLM's other JSON routes: keys beyond these are ignored, as vLLM has more of its own ----
-class TokenizeRequest(_Strict):
-    """/tokenize: a prompt, or messages (and tools) rendered by the chat template."""
-    model: str | None = None
-    prompt: str | None = None
-    add_special_tokens: bool | None = None
-    messages: _MessageList | None = None
-    tools: list[Tool] | None = None
-    add_generation_prompt: bool | None = None
-
-
-class DetokenizeRequest(_Strict):
-    model: str | None = None
-    tokens: list[int] = Field(description="a list of token ids")
-
-
-_AdapterField = Annotated[str, Field(min_length=1, description="a non-empty string")]
-
-
-class LoadLoRAAdapterRequest(_Strict):
-    lora_name: _AdapterField
-    lora_path: _AdapterField
-
-
-class UnloadLoRAAdapterRequest(_Strict):
-    lora_name: _AdapterField
 
 
 # ---- responses -----------------------------------------------------------------------------

@@ -277,7 +277,15 @@ def _finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else _LOGPROB_FLOOR
 
 
+def token_id_name(token_id: int) -> str:
+    """A token as vLLM's return_tokens_as_token_ids names it in logprobs (a token that is part of a
+    character has no text of its own)."""
+    return f"token_id:{token_id}"
+
+
 def _token_text(token_id: int, entry: dict[int, Logprob] | None, decode) -> str:
+    if decode is token_id_name:
+        return token_id_name(token_id)
     lp = entry.get(token_id) if entry else None
     return lp.decoded_token if lp is not None and lp.decoded_token is not None else decode(token_id)
 

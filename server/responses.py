@@ -79,6 +79,8 @@ class Reply:
         self.server, self.req, self.model, self.request_id = server, req, model, request_id
         self.created = int(time.time())
         self.n = params.n
+        # a token as logprobs name it: its text, or "token_id:<id>" (vLLM's return_tokens_as_token_ids)
+        self.decode = P.token_id_name if req.request.return_tokens_as_token_ids else server.decode_token
         self.cursors: dict[int, _Cursor] = {}
         # the request's tools.ToolPlan when they may be called: a reader per choice, and what a choice
         # that called reports as finish_reason
@@ -97,7 +99,7 @@ class Reply:
         finish = {"finish_reason": c.finish_reason if done else None,
                   "stop_reason": c.stop_reason if done else None}
         want = self.req.logprobs is not None
-        decode = self.server.decode_token
+        decode = self.decode
         if self.req.kind == "chat":
             lps = P.chat_logprobs(token_ids, entries, self.req.logprobs, decode) if want else None
             if self.req.stream:
@@ -158,7 +160,7 @@ class Reply:
                             "finish_reason": None, "stop_reason": None})
             cursor.started = True
         if choices and self.req.logprobs is not None and token_ids:
-            choices[0]["logprobs"] = P.chat_logprobs(token_ids, entries, self.req.logprobs, self.server.decode_token)
+            choices[0]["logprobs"] = P.chat_logprobs(token_ids, entries, self.req.logprobs, self.decode)
         if done and choices:
             choices[-1].update(finish_reason=self._finish_reason(c, cursor.reader), stop_reason=c.stop_reason)
         cursor.chars, cursor.tokens, cursor.done = len(c.text), len(c.token_ids), done

@@ -199,29 +199,6 @@ def test_response_format_and_structured_outputs_constrain_the_output(client):
     assert out.choices[0].text.isdigit() and len(out.choices[0].text) == 4
 
 
-def test_allowed_token_ids_bad_words_and_truncate_prompt_tokens(client, urls):
-    """vLLM's fields: sampling among two one-letter tokens; the free answer's first word banned; a prompt
-    past max_model_len (256) cut to its last 10 tokens."""
-    ids = [httpx.post(urls[0] + "/tokenize", json={"prompt": c}).json()["tokens"] for c in "ab"]
-    assert all(len(i) == 1 for i in ids)
-    out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, temperature=1.0, n=3,
-                                    extra_body={"allowed_token_ids": ids[0] + ids[1], "ignore_eos": True})
-    assert all(len(c.text) == 8 and set(c.text) <= {"a", "b"} for c in out.choices)
-    kw = dict(model=MODEL, prompt="Hello world", max_tokens=4, temperature=0.0, logprobs=1)
-    first = client.completions.create(**kw).choices[0].logprobs.tokens[0]
-    assert first.strip()
-    avoided = client.completions.create(**kw, extra_body={"bad_words": [first]}).choices[0].logprobs.tokens[0]
-    assert avoided != first
-    long = client.completions.create(model=MODEL, prompt=list(range(3, 300)), max_tokens=2,
-                                     extra_body={"truncate_prompt_tokens": 10})
-    assert long.usage.prompt_tokens == 10 and long.usage.completion_tokens == 2
-    ids = httpx.post(urls[0] + "/tokenize", json={"prompt": "Hello world! How are you"}).json()["tokens"]
-    seen = httpx.post(urls[0] + "/detokenize", json={"tokens": ids[-2:]}).json()["prompt"]
-    cut = client.completions.create(model=MODEL, prompt="Hello world! How are you", max_tokens=1, echo=True,
-                                    extra_body={"truncate_prompt_tokens": 2})   # the echo: what the model saw
-    assert cut.choices[0].text.startswith(seen) and not cut.choices[0].text.startswith("Hello")
-
-
 def test_response_format_constrains_completions_too(client):   # vLLM's: not OpenAI's completions field
     out = client.completions.create(model=MODEL, prompt="Hi", max_tokens=40, temperature=1.0, n=3, seed=1,
                                     extra_body={"response_format": {"type": "json_object"}})

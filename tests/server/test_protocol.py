@@ -9,6 +9,7 @@ import pytest
 
 from jaxpaged.server import openai_types as T
 from jaxpaged.server import protocol as P
+from jaxpaged.server import vllm_types as V
 from jaxpaged.server.openapi import openapi_schema
 
 HI = [{"role": "user", "content": "hi"}]
@@ -95,9 +96,9 @@ def test_tools_and_a_tool_history_are_parsed_into_plain_dicts():
     assert req.tool_choice == {"type": "function", "function": {"name": "get_weather"}}
     plain = P.parse_chat_request({"messages": HI, "tools": [], "tool_choice": "auto"})   # asks for nothing
     assert (plain.tools, plain.tool_choice, plain.parallel_tool_calls) == ([], "auto", True)
-    tokenize = P.validate(T.TokenizeRequest, {"messages": HI, "tools": [WEATHER]})   # /tokenize's
+    tokenize = P.validate(V.TokenizeRequest, {"messages": HI, "tools": [WEATHER]})   # /tokenize's
     assert P.tool_dicts(tokenize.tools) == [WEATHER] and P.message_dicts(tokenize.messages) == HI
-    assert refused(lambda body: P.validate(T.TokenizeRequest, body), {"tools": [{"type": "function"}]}).param == "tools"
+    assert refused(lambda body: P.validate(V.TokenizeRequest, body), {"tools": [{"type": "function"}]}).param == "tools"
 
 
 def test_prompts_and_stream_usage_are_read():

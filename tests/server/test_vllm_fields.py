@@ -1,0 +1,64 @@
+"""vLLM's request fields beyond OpenAI's, over HTTP with the official client: allowed_token_ids, bad_words,
+truncate_prompt_tokens, return_tokens_as_token_ids."""
+
+import httpx
+import openai
+import pytest
+
+from jaxpaged import AsyncLLM
+from jaxpaged.server import build_app
+from tests.server.helpers import MODEL, serving
+from tests.server.test_async_llm import tiny_engine_args
+
+
+@pytest.fixture(scope="module")
+def url():
+    engine = AsyncLLM.from_engine_args(tiny_engine_args(), use_tqdm=False)
+    with serving(build_app(engine, [MODEL])) as urls:
+        yield urls[0]
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_allowed_token_ids_bad_words_and_truncate_prompt_tokens(client, url):
+    """vLLM's fields: sampling among two one-letter tokens; the free answer's first word banned; a prompt
+    past max_model_len (256) cut to its last 10 tokens."""
+    ids = [httpx.post(url + "/tokenize", json={"prompt": c}).json()["tokens"] for c in "ab"]
+    assert all(len(i) == 1 for i in ids)
+    out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, temperature=1.0, n=3,
+                                    extra_body={"allowed_token_ids": ids[0] + ids[1], "ignore_eos": True})
+    assert all(len(c.text) == 8 and set(c.text) <= {"a", "b"} for c in out.choices)
+    kw = dict(model=MODEL, prompt="Hello world", max_tokens=4, temperature=0.0, logprobs=1)
+    first = client.completions.create(**kw).choices[0].logprobs.tokens[0]
+    assert first.strip()
+    avoided = client.completions.create(**kw, extra_body={"bad_words": [first]}).choices[0].logprobs.tokens[0]
+    assert avoided != first
+    long = client.completions.create(model=MODEL, prompt=list(range(3, 300)), max_tokens=2,
+                                     extra_body={"truncate_prompt_tokens": 10})
+    assert long.usage.prompt_tokens == 10 and long.usage.completion_tokens == 2
+    ids = httpx.post(url + "/tokenize", json={"prompt": "Hello world! How are you"}).json()["tokens"]
+    seen = httpx.post(url + "/detokenize", json={"tokens": ids[-2:]}).json()["prompt"]
+    cut = client.completions.create(model=MODEL, prompt="Hello world! How are you", max_tokens=1, echo=True,
+                                    extra_body={"truncate_prompt_tokens": 2})   # the echo: what the model saw
+    assert cut.choices[0].text.startswith(seen) and not cut.choices[0].text.startswith("Hello")
+
+
+def test_return_tokens_as_token_ids_names_logprobs_tokens_by_id(client, url):
+    kw = dict(model=MODEL, max_tokens=4, temperature=0.0)
+    plain = client.completions.create(prompt="Hello", logprobs=2, **kw, extra_body={"ignore_eos": True})
+    named = client.completions.create(prompt="Hello", logprobs=2, **kw,
+                                      extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    tokens = named.choices[0].logprobs.tokens
+    assert len(tokens) == 4 and all(t.startswith("token_id:") for t in tokens)
+    assert all(k.startswith("token_id:") for top in named.choices[0].logprobs.top_logprobs for k in top)
+    ids = [int(t.split(":")[1]) for t in tokens]   # the very tokens of the plain answer
+    assert httpx.post(url + "/detokenize", json={"tokens": ids}).json()["prompt"] == plain.choices[0].text
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "Hello"}], logprobs=True,
+                                          top_logprobs=2, **kw, extra_body={"return_tokens_as_token_ids": True})
+    content = chat.choices[0].logprobs.content
+    assert all(c.token.startswith("token_id:") and c.top_logprobs[0].token.startswith("token_id:") for c in content)
+    assert all(c.bytes == list(c.token.encode()) for c in content)
