@@ -144,6 +144,7 @@ class _Request(_Strict):
     bad_words: list[str] | None = None   # words never generated
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None   # the prompt's last k tokens (-1: all that fit)
     return_tokens_as_token_ids: bool | None = None   # logprobs name each token "token_id:<id>", not by its text
+    return_token_ids: bool | None = None   # choices carry their token ids, and the prompt's
     # requests share prefix-cache blocks only under the same salt (tenants never see each other's)
     cache_salt: Annotated[str, Field(min_length=1)] | None = Field(None, description="a non-empty string")
     structured_outputs: dict[str, Any] | None = Field(
@@ -263,6 +264,8 @@ class CompletionChoice(_Out):
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None   # vLLM's: the stop token id or stop string that ended it
+    token_ids: list[int] | None = None          # vLLM's return_token_ids: the tokens of `text` (generated)
+    prompt_token_ids: list[int] | None = None   # and the prompt's (a stream: in the choice's first chunk)
 
 
 class CompletionResponse(_Out):
@@ -301,6 +304,7 @@ class ChatChoice(_Out):
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None   # vLLM's return_token_ids: the generated tokens
 
 
 class ChatCompletionResponse(_Out):
@@ -310,6 +314,7 @@ class ChatCompletionResponse(_Out):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None   # vLLM's return_token_ids: the rendered conversation's tokens
 
 
 class DeltaFunctionCall(_Out):
@@ -336,6 +341,7 @@ class ChunkChoice(_Out):
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None   # vLLM's return_token_ids: this chunk's new tokens
 
 
 class ChatCompletionChunk(_Out):
@@ -345,6 +351,7 @@ class ChatCompletionChunk(_Out):
     model: str
     choices: list[ChunkChoice]
     usage: Usage | None = None   # only in the last chunk, with stream_options.include_usage
+    prompt_token_ids: list[int] | None = None   # vLLM's return_token_ids: in the first chunk only
 
 
 class ErrorInfo(_Out):

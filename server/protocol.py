@@ -324,9 +324,10 @@ def chat_logprobs(token_ids: list[int], entries: list, top_n: int, decode) -> di
 
 
 def response(kind: str, request_id: str, created: int, model: str, choices: list, usage_: dict | None = None,
-             chunk: bool = False) -> dict:
+             chunk: bool = False, prompt_token_ids: list[int] | None = None) -> dict:
     """The response (or stream chunk) as a plain dict, checked against its model; the keys given stay,
-    nulls included (OpenAI sends "logprobs": null), and a chunk has "usage" only when given."""
+    nulls included (OpenAI sends "logprobs": null), and a chunk has "usage" only when given.
+    `prompt_token_ids`: a chat response's (vLLM's return_token_ids), sent when given."""
     if kind == "completion":
         shape, obj = CompletionResponse, "text_completion"
     else:
@@ -335,6 +336,8 @@ def response(kind: str, request_id: str, created: int, model: str, choices: list
     body = {"id": request_id, "object": obj, "created": created, "model": model, "choices": choices}
     if usage_ is not None or not chunk:
         body["usage"] = usage_
+    if prompt_token_ids is not None:
+        body["prompt_token_ids"] = list(prompt_token_ids)
     try:
         return shape.model_validate(body).model_dump(mode="json", exclude_unset=True)
     except ValidationError as exc:   # the server's own mistake: not a ValueError, which would read as a 400

@@ -81,6 +81,8 @@ class Reply:
         self.n = params.n
         # a token as logprobs name it: its text, or "token_id:<id>" (vLLM's return_tokens_as_token_ids)
         self.decode = P.token_id_name if req.request.return_tokens_as_token_ids else server.decode_token
+        self.token_ids = bool(req.request.return_token_ids)   # vLLM's return_token_ids
+        self.sent_prompt_ids = False   # a chat stream sends the prompt's token ids in its first chunk
         self.cursors: dict[int, _Cursor] = {}
         # the request's tools.ToolPlan when they may be called: a reader per choice, and what a choice
         # that called reports as finish_reason
@@ -98,6 +100,10 @@ class Reply:
         index = i * self.n + c.index   # prompt i's choices come after those of prompts 0..i-1
         finish = {"finish_reason": c.finish_reason if done else None,
                   "stop_reason": c.stop_reason if done else None}
+        if self.token_ids:
+            finish["token_ids"] = list(token_ids)
+            if self.req.kind == "completion" and (not self.req.stream or not started):
+                finish["prompt_token_ids"] = list(out.prompt_token_ids)
         want = self.req.logprobs is not None
         decode = self.decode
         if self.req.kind == "chat":
@@ -137,7 +143,15 @@ class Reply:
             self.server.observe(out)
             choices += [self._choice(i, out, c, c.text, c.token_ids, c.logprobs or [], 0, self.req.echo, True)
                         for c in out.outputs]
-        return P.response(self.req.kind, self.request_id, self.created, self.model, choices, self._usage(finals))
+        return P.response(self.req.kind, self.request_id, self.created, self.model, choices, self._usage(finals),
+                          prompt_token_ids=self._chat_prompt_ids(finals[0]))
+
+    def _chat_prompt_ids(self, out, first: bool = False) -> list[int] | None:
+        """A chat response's prompt token ids where return_token_ids asks (a stream: its first chunk only)."""
+        if not self.token_ids or self.req.kind != "chat" or (first and self.sent_prompt_ids):
+            return None
+        self.sent_prompt_ids = first
+        return out.prompt_token_ids
 
     def _tool_deltas(self, i: int, c, cursor: _Cursor) -> list[dict]:
         """A streamed choice of a request with tools: the reader's content and tool-call fragments
@@ -161,6 +175,9 @@ class Reply:
             cursor.started = True
         if choices and self.req.logprobs is not None and token_ids:
             choices[0]["logprobs"] = P.chat_logprobs(token_ids, entries, self.req.logprobs, self.decode)
+        if self.token_ids:
+            for j, choice in enumerate(choices):
+                choice["token_ids"] = list(token_ids) if j == 0 else []
         if done and choices:
             choices[-1].update(finish_reason=self._finish_reason(c, cursor.reader), stop_reason=c.stop_reason)
         cursor.chars, cursor.tokens, cursor.done = len(c.text), len(c.token_ids), done
@@ -175,7 +192,7 @@ class Reply:
         text = c.text[cursor.chars:]
         token_ids = c.token_ids[cursor.tokens:]
         entries = (c.logprobs or [])[cursor.tokens:len(c.token_ids)]
-        wants_tokens = self.req.logprobs is not None and token_ids
+        wants_tokens = (self.req.logprobs is not None or self.token_ids) and token_ids
         if not (text or done or wants_tokens or not cursor.started):
             return None
         echo = self.req.echo and not cursor.started
@@ -199,7 +216,7 @@ class Reply:
                         choices = [] if choice is None else [choice]
                     for choice in choices:
                         yield event(P.response(self.req.kind, self.request_id, self.created, self.model, [choice],
-                                                chunk=True))
+                                                chunk=True, prompt_token_ids=self._chat_prompt_ids(out, first=True)))
             if self.req.include_usage:
                 yield event(P.response(self.req.kind, self.request_id, self.created, self.model, [],
                                         self._usage(finals), chunk=True))

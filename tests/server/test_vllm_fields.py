@@ -1,5 +1,5 @@
 """vLLM's request fields beyond OpenAI's, over HTTP with the official client: allowed_token_ids, bad_words,
-truncate_prompt_tokens, return_tokens_as_token_ids."""
+truncate_prompt_tokens, return_tokens_as_token_ids, return_token_ids."""
 
 import httpx
 import openai
@@ -62,3 +62,28 @@ def test_return_tokens_as_token_ids_names_logprobs_tokens_by_id(client, url):
     content = chat.choices[0].logprobs.content
     assert all(c.token.startswith("token_id:") and c.top_logprobs[0].token.startswith("token_id:") for c in content)
     assert all(c.bytes == list(c.token.encode()) for c in content)
+
+
+def test_return_token_ids_whole_and_streamed(client, url):
+    """Each choice's generated token ids (a stream: each chunk's new ones) and the prompt's, as vLLM."""
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    kw = dict(model=MODEL, max_tokens=6, temperature=0.0, extra_body=extra)
+    whole = client.completions.create(prompt="Hello world", **kw).choices[0]
+    prompt = httpx.post(url + "/tokenize", json={"prompt": "Hello world"}).json()["tokens"]
+    assert whole.prompt_token_ids == prompt and len(whole.token_ids) == 6
+    assert httpx.post(url + "/detokenize", json={"tokens": whole.token_ids}).json()["prompt"] == whole.text
+    chunks = [c.choices[0] for c in client.completions.create(prompt="Hello world", stream=True, **kw) if c.choices]
+    assert [t for c in chunks for t in c.token_ids] == whole.token_ids
+    assert chunks[0].prompt_token_ids == prompt and all(getattr(c, "prompt_token_ids", None) is None
+                                                        for c in chunks[1:])
+
+    messages = [{"role": "user", "content": "Hello"}]
+    chat = client.chat.completions.create(messages=messages, **kw)
+    assert chat.prompt_token_ids == httpx.post(url + "/tokenize", json={"messages": messages}).json()["tokens"]
+    ids = chat.choices[0].token_ids
+    assert len(ids) == 6 and httpx.post(url + "/detokenize", json={"tokens": ids}).json()["prompt"] == \
+        chat.choices[0].message.content
+    stream = list(client.chat.completions.create(messages=messages, stream=True, **kw))
+    assert [t for c in stream for t in (getattr(c.choices[0], "token_ids", None) or [])] == ids
+    assert stream[0].prompt_token_ids == chat.prompt_token_ids
+    assert all(getattr(c, "prompt_token_ids", None) is None for c in stream[1:])
