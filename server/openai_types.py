@@ -145,6 +145,7 @@ class _Request(_Strict):
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None   # the prompt's last k tokens (-1: all that fit)
     return_tokens_as_token_ids: bool | None = None   # logprobs name each token "token_id:<id>", not by its text
     return_token_ids: bool | None = None   # choices carry their token ids, and the prompt's
+    prompt_logprobs: int | None = None   # each prompt token's logprob and its best candidates (not streamed)
     # requests share prefix-cache blocks only under the same salt (tenants never see each other's)
     cache_salt: Annotated[str, Field(min_length=1)] | None = Field(None, description="a non-empty string")
     structured_outputs: dict[str, Any] | None = Field(
@@ -160,6 +161,13 @@ class _Request(_Strict):
     def _only_when_streaming(cls, value, info: ValidationInfo):
         if value is not None and not info.data.get("stream"):
             raise ValueError("is only allowed when stream is true")
+        return value
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _not_streamed(cls, value, info: ValidationInfo):
+        if value is not None and info.data.get("stream"):
+            raise ValueError("is not available when stream is true (as in vLLM)")
         return value
 
 
@@ -258,6 +266,15 @@ class CompletionLogprobs(_Out):
     text_offset: list[int]
 
 
+class PromptLogprob(_Out):
+    logprob: float
+    rank: int | None = None           # 1: the likeliest token of the vocabulary
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]   # per prompt token (None: the first), by token id
+
+
 class CompletionChoice(_Out):
     index: int
     text: str
@@ -266,6 +283,7 @@ class CompletionChoice(_Out):
     stop_reason: int | str | None = None   # vLLM's: the stop token id or stop string that ended it
     token_ids: list[int] | None = None          # vLLM's return_token_ids: the tokens of `text` (generated)
     prompt_token_ids: list[int] | None = None   # and the prompt's (a stream: in the choice's first chunk)
+    prompt_logprobs: PromptLogprobs | None = None   # vLLM's prompt_logprobs
 
 
 class CompletionResponse(_Out):
@@ -315,6 +333,7 @@ class ChatCompletionResponse(_Out):
     choices: list[ChatChoice]
     usage: Usage | None = None
     prompt_token_ids: list[int] | None = None   # vLLM's return_token_ids: the rendered conversation's tokens
+    prompt_logprobs: PromptLogprobs | None = None   # vLLM's prompt_logprobs
 
 
 class DeltaFunctionCall(_Out):

@@ -233,6 +233,11 @@ def build_sampling_params(req: ParsedRequest, prompt_len: int, max_model_len: in
     if structured is not None:
         kwargs["structured_outputs"] = structured
     prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
+    asked = req.request.prompt_logprobs   # vLLM's field: one value serves both, so they must agree
+    if asked is not None and prompt_logprobs is not None and asked != prompt_logprobs:
+        raise APIError(400, f"prompt_logprobs ({asked}) must equal logprobs ({prompt_logprobs}) with echo, "
+                            "which returns the prompt's logprobs too", "prompt_logprobs", "invalid_value")
+    prompt_logprobs = asked if asked is not None else prompt_logprobs
     try:
         return SamplingParams(max_tokens=max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs,
                               **kwargs)
@@ -259,7 +264,8 @@ def bad_request(exc: ValueError, req: ParsedRequest) -> APIError:
     match = re.match(r"[a-z_]+", str(exc))
     name = match.group(0) if match else None
     if name in ("max_tokens", "prompt_logprobs") or (name == "logprobs" and req.kind == "chat"):
-        name = {"max_tokens": req.max_tokens_param, "prompt_logprobs": "logprobs", "logprobs": "top_logprobs"}[name]
+        echoed = "logprobs" if req.request.prompt_logprobs is None else "prompt_logprobs"   # echo asks them too
+        name = {"max_tokens": req.max_tokens_param, "prompt_logprobs": echoed, "logprobs": "top_logprobs"}[name]
     elif name == "prompt" and req.kind == "chat":
         name = "messages"
     elif name not in ChatCompletionRequest.model_fields and name not in CompletionRequest.model_fields:
@@ -294,6 +300,13 @@ def _best(entry: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
     return sorted(entry.items(), key=lambda kv: -kv[1].logprob)
 
 
+def prompt_logprobs(entries: list, decode) -> list[dict | None]:
+    """vLLM's prompt_logprobs: per prompt token (None: the first) its candidates by token id."""
+    return [None if entry is None else
+            {str(t): {"logprob": _finite(lp.logprob), "rank": lp.rank, "decoded_token": _token_text(t, entry, decode)}
+             for t, lp in entry.items()} for entry in entries]
+
+
 def completion_logprobs(token_ids: list[int], entries: list, text_offset: int, decode) -> dict:
     """/v1/completions format; an entry of None (the first prompt token) has no logprob."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -324,10 +337,10 @@ def chat_logprobs(token_ids: list[int], entries: list, top_n: int, decode) -> di
 
 
 def response(kind: str, request_id: str, created: int, model: str, choices: list, usage_: dict | None = None,
-             chunk: bool = False, prompt_token_ids: list[int] | None = None) -> dict:
+             chunk: bool = False, **prompt) -> dict:
     """The response (or stream chunk) as a plain dict, checked against its model; the keys given stay,
     nulls included (OpenAI sends "logprobs": null), and a chunk has "usage" only when given.
-    `prompt_token_ids`: a chat response's (vLLM's return_token_ids), sent when given."""
+    `prompt`: a chat response's prompt_token_ids and prompt_logprobs (vLLM's), each sent when not None."""
     if kind == "completion":
         shape, obj = CompletionResponse, "text_completion"
     else:
@@ -336,8 +349,7 @@ def response(kind: str, request_id: str, created: int, model: str, choices: list
     body = {"id": request_id, "object": obj, "created": created, "model": model, "choices": choices}
     if usage_ is not None or not chunk:
         body["usage"] = usage_
-    if prompt_token_ids is not None:
-        body["prompt_token_ids"] = list(prompt_token_ids)
+    body.update({key: value for key, value in prompt.items() if value is not None})
     try:
         return shape.model_validate(body).model_dump(mode="json", exclude_unset=True)
     except ValidationError as exc:   # the server's own mistake: not a ValueError, which would read as a 400

@@ -104,6 +104,8 @@ class Reply:
             finish["token_ids"] = list(token_ids)
             if self.req.kind == "completion" and (not self.req.stream or not started):
                 finish["prompt_token_ids"] = list(out.prompt_token_ids)
+        if self.req.kind == "completion" and self.req.request.prompt_logprobs is not None:   # never streamed
+            finish["prompt_logprobs"] = P.prompt_logprobs(out.prompt_logprobs or [], self.decode)
         want = self.req.logprobs is not None
         decode = self.decode
         if self.req.kind == "chat":
@@ -143,8 +145,11 @@ class Reply:
             self.server.observe(out)
             choices += [self._choice(i, out, c, c.text, c.token_ids, c.logprobs or [], 0, self.req.echo, True)
                         for c in out.outputs]
+        chat_lps = None
+        if self.req.kind == "chat" and self.req.request.prompt_logprobs is not None:
+            chat_lps = P.prompt_logprobs(finals[0].prompt_logprobs or [], self.decode)
         return P.response(self.req.kind, self.request_id, self.created, self.model, choices, self._usage(finals),
-                          prompt_token_ids=self._chat_prompt_ids(finals[0]))
+                          prompt_token_ids=self._chat_prompt_ids(finals[0]), prompt_logprobs=chat_lps)
 
     def _chat_prompt_ids(self, out, first: bool = False) -> list[int] | None:
         """A chat response's prompt token ids where return_token_ids asks (a stream: its first chunk only)."""
@@ -216,7 +221,7 @@ class Reply:
                         choices = [] if choice is None else [choice]
                     for choice in choices:
                         yield event(P.response(self.req.kind, self.request_id, self.created, self.model, [choice],
-                                                chunk=True, prompt_token_ids=self._chat_prompt_ids(out, first=True)))
+                                                chunk=True, prompt_token_ids=self._chat_prompt_ids(out, True)))
             if self.req.include_usage:
                 yield event(P.response(self.req.kind, self.request_id, self.created, self.model, [],
                                         self._usage(finals), chunk=True))

@@ -1,7 +1,8 @@
 """vLLM's request fields beyond OpenAI's, over HTTP with the official client: allowed_token_ids, bad_words,
-truncate_prompt_tokens, return_tokens_as_token_ids, return_token_ids."""
+truncate_prompt_tokens, return_tokens_as_token_ids, return_token_ids, prompt_logprobs."""
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -87,3 +88,24 @@ def test_return_token_ids_whole_and_streamed(client, url):
     assert [t for c in stream for t in (getattr(c.choices[0], "token_ids", None) or [])] == ids
     assert stream[0].prompt_token_ids == chat.prompt_token_ids
     assert all(getattr(c, "prompt_token_ids", None) is None for c in stream[1:])
+
+
+def test_prompt_logprobs_whole_responses_and_bad_values(client, url):
+    kw = dict(model=MODEL, max_tokens=1, temperature=0.0)
+    prompt = httpx.post(url + "/tokenize", json={"prompt": "Hello world"}).json()["tokens"]
+    out = client.completions.create(prompt="Hello world", **kw, extra_body={"prompt_logprobs": 2}).choices[0]
+    lps = out.prompt_logprobs
+    assert len(lps) == len(prompt) and lps[0] is None
+    assert all(str(t) in entry and 2 <= len(entry) <= 3 for t, entry in zip(prompt[1:], lps[1:]))
+    echoed = client.completions.create(prompt="Hello world", echo=True, logprobs=2, **kw).choices[0].logprobs
+    got = [entry[str(t)]["logprob"] for t, entry in zip(prompt[1:], lps[1:])]
+    np.testing.assert_allclose(got, echoed.token_logprobs[1:len(prompt)], rtol=1e-5)
+    messages = [{"role": "user", "content": "Hello"}]
+    chat = client.chat.completions.create(messages=messages, **kw, extra_body={"prompt_logprobs": 0})
+    assert len(chat.prompt_logprobs) == chat.usage.prompt_tokens and chat.prompt_logprobs[0] is None
+    bad = [({"prompt": "Hi", "prompt_logprobs": 2, "stream": True}, "not available when stream is true"),
+           ({"prompt": "Hi", "prompt_logprobs": 30}, "prompt_logprobs"),
+           ({"prompt": "Hi", "prompt_logprobs": 1, "echo": True, "logprobs": 2}, "must equal logprobs")]
+    for body, message in bad:
+        error = httpx.post(url + "/v1/completions", json=body).json()["error"]
+        assert error["param"] == "prompt_logprobs" and message in error["message"], error
