@@ -100,12 +100,13 @@ class Reply:
         index = i * self.n + c.index   # prompt i's choices come after those of prompts 0..i-1
         finish = {"finish_reason": c.finish_reason if done else None,
                   "stop_reason": c.stop_reason if done else None}
+        ids = {}   # vLLM's: return_token_ids, and a completion's prompt_logprobs
         if self.token_ids:
-            finish["token_ids"] = list(token_ids)
+            ids["token_ids"] = list(token_ids)
             if self.req.kind == "completion" and (not self.req.stream or not started):
-                finish["prompt_token_ids"] = list(out.prompt_token_ids)
+                ids["prompt_token_ids"] = list(out.prompt_token_ids)
         if self.req.kind == "completion" and self.req.request.prompt_logprobs is not None:   # never streamed
-            finish["prompt_logprobs"] = P.prompt_logprobs(out.prompt_logprobs or [], self.decode)
+            ids["prompt_logprobs"] = P.prompt_logprobs(out.prompt_logprobs or [], self.decode)
         want = self.req.logprobs is not None
         decode = self.decode
         if self.req.kind == "chat":
@@ -114,7 +115,7 @@ class Reply:
                 delta = {} if started else {"role": "assistant"}
                 if text or not started:
                     delta["content"] = text
-                return {"index": index, "delta": delta, "logprobs": lps, **finish}
+                return {"index": index, "delta": delta, "logprobs": lps, **finish, **ids}
             message = {"role": "assistant", "content": text}
             if self.tool_reader is not None:
                 reader = self.tool_reader()
@@ -124,14 +125,14 @@ class Reply:
                 if calls:
                     message["tool_calls"] = [call.to_openai() for call in calls]
                 finish["finish_reason"] = self._finish_reason(c, reader) if done else None
-            return {"index": index, "message": message, "logprobs": lps, **finish}
+            return {"index": index, "message": message, "logprobs": lps, **finish, **ids}
         if echo:
             text = self.server.prompt_text(out) + text
             if want:
                 token_ids = list(out.prompt_token_ids) + list(token_ids)
                 entries = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + list(entries)
         lps = P.completion_logprobs(token_ids, entries, offset, decode) if want else None
-        return {"index": index, "text": text, "logprobs": lps, **finish}
+        return {"index": index, "text": text, "logprobs": lps, **finish, **ids}
 
     def _usage(self, finals) -> dict:
         finals = [f for f in finals if f is not None]
