@@ -236,11 +236,11 @@ class SamplingParams:
                 raise ValueError("allowed_token_ids must be None or a non-empty list of token ids, got []")
             for token_id in self.allowed_token_ids:
                 _require_int("allowed_token_ids", token_id, ">= 0 in every entry")
-                if token_id < 0:
-                    raise ValueError(f"allowed_token_ids must be >= 0 in every entry, got {self.allowed_token_ids!r}")
+                if token_id < 0:   # the entry, not the list: it may hold a whole vocabulary
+                    raise ValueError(f"allowed_token_ids must be >= 0 in every entry, got {token_id!r} in it")
         for word in self.bad_words or ():
             if not isinstance(word, str) or not word.strip():
-                raise ValueError(f"bad_words must contain non-empty strings, got {self.bad_words!r}")
+                raise ValueError(f"bad_words must contain non-empty strings, got {word!r} in it")
         if self.truncate_prompt_tokens is not None:
             _require_int("truncate_prompt_tokens", self.truncate_prompt_tokens, ">= 1 or -1 (as many as fit)")
             if self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1:
