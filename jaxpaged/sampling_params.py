@@ -75,6 +75,16 @@ def _as_list(name: str, value: object, allowed: str) -> list:
     raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
+def truncate_prompt(token_ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int) -> list[int]:
+    """The prompt's last `truncate_prompt_tokens` tokens (vLLM's left truncation); -1: the last
+    max_model_len - 1, as many as leave room for one generated token (vLLM's -1 keeps max_model_len,
+    which no prompt may fill). Values SamplingParams refuses (0, below -1) truncate nothing."""
+    if truncate_prompt_tokens is None or truncate_prompt_tokens == 0 or truncate_prompt_tokens < -1:
+        return token_ids
+    keep = max_model_len - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    return token_ids[max(len(token_ids) - keep, 0):]
+
+
 @dataclass
 class StructuredOutputsParams:
     """Constrain a request's output (vLLM's names): exactly one of

@@ -24,7 +24,7 @@ import jaxpaged
 from jaxpaged import AsyncLLM
 from jaxpaged.chat_utils import render_chat
 from jaxpaged.engine.async_llm import EngineOverloadedError
-from jaxpaged.engine.input_processor import truncate_prompt
+from jaxpaged.sampling_params import truncate_prompt
 from jaxpaged.server import protocol as P
 from jaxpaged.server.json_body import default_max_request_body_bytes, read_json
 from jaxpaged.server.metrics import MetricsExporter

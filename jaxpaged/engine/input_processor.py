@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import SamplingParams, truncate_prompt
 
 
 @dataclasses.dataclass
@@ -15,16 +15,6 @@ class ProcessedPrompt:
     token_ids: list[int]           # the tokens the request starts from (truncated where asked)
     cache_salt: str | None
     bad_words_token_ids: list[list[int]]
-
-
-def truncate_prompt(token_ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int) -> list[int]:
-    """The prompt's last `truncate_prompt_tokens` tokens (vLLM's left truncation); -1: the last
-    max_model_len - 1, as many as leave room for one generated token (vLLM's -1 keeps max_model_len,
-    which no prompt may fill). Values SamplingParams refuses (0, below -1) truncate nothing."""
-    if truncate_prompt_tokens is None or truncate_prompt_tokens == 0 or truncate_prompt_tokens < -1:
-        return token_ids
-    keep = max_model_len - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
-    return token_ids[-keep:]
 
 
 class InputProcessor:
