@@ -29,11 +29,11 @@ from jaxpaged.server import protocol as P
 from jaxpaged.server.json_body import default_max_request_body_bytes, read_json
 from jaxpaged.server.metrics import MetricsExporter
 from jaxpaged.server.openai_types import ModelList
-from jaxpaged.server.vllm_types import (DetokenizeRequest, LoadLoRAAdapterRequest, TokenizeRequest,
-                                        UnloadLoRAAdapterRequest)
 from jaxpaged.server.openapi import openapi_schema
 from jaxpaged.server.responses import Reply, internal_error, prepend
 from jaxpaged.server.tools import ToolSettings, plan_tools
+from jaxpaged.server.vllm_types import (DetokenizeRequest, LoadLoRAAdapterRequest, TokenizeRequest,
+                                        UnloadLoRAAdapterRequest)
 
 logger = logging.getLogger(__name__)
 

@@ -1,14 +1,13 @@
 """vLLM's request fields beyond OpenAI's, over HTTP with the official client: allowed_token_ids, bad_words,
 truncate_prompt_tokens, return_tokens_as_token_ids, return_token_ids, prompt_logprobs."""
 
-import httpx
 import numpy as np
 import openai
 import pytest
 
 from jaxpaged import AsyncLLM
 from jaxpaged.server import build_app
-from tests.server.helpers import MODEL, serving
+from tests.server.helpers import HTTP, MODEL, serving
 from tests.server.test_async_llm import tiny_engine_args
 
 
@@ -28,7 +27,7 @@ def client(url):
 def test_allowed_token_ids_bad_words_and_truncate_prompt_tokens(client, url):
     """vLLM's fields: sampling among two one-letter tokens; the free answer's first word banned; a prompt
     past max_model_len (256) cut to its last 10 tokens."""
-    ids = [httpx.post(url + "/tokenize", json={"prompt": c}).json()["tokens"] for c in "ab"]
+    ids = [HTTP.post(url + "/tokenize", json={"prompt": c}).json()["tokens"] for c in "ab"]
     assert all(len(i) == 1 for i in ids)
     out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, temperature=1.0, n=3,
                                     extra_body={"allowed_token_ids": ids[0] + ids[1], "ignore_eos": True})
@@ -41,8 +40,8 @@ def test_allowed_token_ids_bad_words_and_truncate_prompt_tokens(client, url):
     long = client.completions.create(model=MODEL, prompt=list(range(3, 300)), max_tokens=2,
                                      extra_body={"truncate_prompt_tokens": 10})
     assert long.usage.prompt_tokens == 10 and long.usage.completion_tokens == 2
-    ids = httpx.post(url + "/tokenize", json={"prompt": "Hello world! How are you"}).json()["tokens"]
-    seen = httpx.post(url + "/detokenize", json={"tokens": ids[-2:]}).json()["prompt"]
+    ids = HTTP.post(url + "/tokenize", json={"prompt": "Hello world! How are you"}).json()["tokens"]
+    seen = HTTP.post(url + "/detokenize", json={"tokens": ids[-2:]}).json()["prompt"]
     cut = client.completions.create(model=MODEL, prompt="Hello world! How are you", max_tokens=1, echo=True,
                                     extra_body={"truncate_prompt_tokens": 2})   # the echo: what the model saw
     assert cut.choices[0].text.startswith(seen) and not cut.choices[0].text.startswith("Hello")
@@ -57,7 +56,7 @@ def test_return_tokens_as_token_ids_names_logprobs_tokens_by_id(client, url):
     assert len(tokens) == 4 and all(t.startswith("token_id:") for t in tokens)
     assert all(k.startswith("token_id:") for top in named.choices[0].logprobs.top_logprobs for k in top)
     ids = [int(t.split(":")[1]) for t in tokens]   # the very tokens of the plain answer
-    assert httpx.post(url + "/detokenize", json={"tokens": ids}).json()["prompt"] == plain.choices[0].text
+    assert HTTP.post(url + "/detokenize", json={"tokens": ids}).json()["prompt"] == plain.choices[0].text
     chat = client.chat.completions.create(messages=[{"role": "user", "content": "Hello"}], logprobs=True,
                                           top_logprobs=2, **kw, extra_body={"return_tokens_as_token_ids": True})
     content = chat.choices[0].logprobs.content
@@ -70,9 +69,9 @@ def test_return_token_ids_whole_and_streamed(client, url):
     extra = {"return_token_ids": True, "ignore_eos": True}
     kw = dict(model=MODEL, max_tokens=6, temperature=0.0, extra_body=extra)
     whole = client.completions.create(prompt="Hello world", **kw).choices[0]
-    prompt = httpx.post(url + "/tokenize", json={"prompt": "Hello world"}).json()["tokens"]
+    prompt = HTTP.post(url + "/tokenize", json={"prompt": "Hello world"}).json()["tokens"]
     assert whole.prompt_token_ids == prompt and len(whole.token_ids) == 6
-    assert httpx.post(url + "/detokenize", json={"tokens": whole.token_ids}).json()["prompt"] == whole.text
+    assert HTTP.post(url + "/detokenize", json={"tokens": whole.token_ids}).json()["prompt"] == whole.text
     chunks = [c.choices[0] for c in client.completions.create(prompt="Hello world", stream=True, **kw) if c.choices]
     assert [t for c in chunks for t in c.token_ids] == whole.token_ids
     assert chunks[0].prompt_token_ids == prompt and all(getattr(c, "prompt_token_ids", None) is None
@@ -80,9 +79,9 @@ def test_return_token_ids_whole_and_streamed(client, url):
 
     messages = [{"role": "user", "content": "Hello"}]
     chat = client.chat.completions.create(messages=messages, **kw)
-    assert chat.prompt_token_ids == httpx.post(url + "/tokenize", json={"messages": messages}).json()["tokens"]
+    assert chat.prompt_token_ids == HTTP.post(url + "/tokenize", json={"messages": messages}).json()["tokens"]
     ids = chat.choices[0].token_ids
-    assert len(ids) == 6 and httpx.post(url + "/detokenize", json={"tokens": ids}).json()["prompt"] == \
+    assert len(ids) == 6 and HTTP.post(url + "/detokenize", json={"tokens": ids}).json()["prompt"] == \
         chat.choices[0].message.content
     stream = list(client.chat.completions.create(messages=messages, stream=True, **kw))
     assert [t for c in stream for t in (getattr(c.choices[0], "token_ids", None) or [])] == ids
@@ -92,7 +91,7 @@ def test_return_token_ids_whole_and_streamed(client, url):
 
 def test_prompt_logprobs_whole_responses_and_bad_values(client, url):
     kw = dict(model=MODEL, max_tokens=1, temperature=0.0)
-    prompt = httpx.post(url + "/tokenize", json={"prompt": "Hello world"}).json()["tokens"]
+    prompt = HTTP.post(url + "/tokenize", json={"prompt": "Hello world"}).json()["tokens"]
     out = client.completions.create(prompt="Hello world", **kw, extra_body={"prompt_logprobs": 2}).choices[0]
     lps = out.prompt_logprobs
     assert len(lps) == len(prompt) and lps[0] is None
@@ -107,5 +106,5 @@ def test_prompt_logprobs_whole_responses_and_bad_values(client, url):
            ({"prompt": "Hi", "prompt_logprobs": 30}, "prompt_logprobs"),
            ({"prompt": "Hi", "prompt_logprobs": 1, "echo": True, "logprobs": 2}, "must equal logprobs")]
     for body, message in bad:
-        error = httpx.post(url + "/v1/completions", json=body).json()["error"]
+        error = HTTP.post(url + "/v1/completions", json=body).json()["error"]
         assert error["param"] == "prompt_logprobs" and message in error["message"], error
