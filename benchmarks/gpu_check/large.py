@@ -16,6 +16,7 @@ from benchmarks.gpu_check.common import Context, Row, guarded
 LARGE_FOLDER = "model-8b"
 FLOOR_GOAL = 1.3   # decode ms/step at most this many times the bytes floor at 32 sequences
 
+
 def large_model_check(ctx: Context) -> Iterator[Row]:
     from benchmarks.gpu_check.step import _decode_row, _startup_row, compilations
     from jaxpaged import LLM

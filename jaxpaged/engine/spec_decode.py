@@ -29,6 +29,8 @@ import json
 
 import numpy as np
 
+from jaxpaged.runner.sampler import uses_bias_row, uses_output_tokens
+
 MAX_BACKOFF = 4   # a request that keeps missing is proposed for every 2**MAX_BACKOFF steps
 METHODS = ("ngram", "draft_model")
 
@@ -104,9 +106,8 @@ def eligible(request) -> bool:
     """Whether drafts may be verified for `request` without changing its distribution (its sampling
     reads no per-step device state that the drafts would have to advance)."""
     p = request.sampling_params
-    return (not request.needs_host_mask and not p.logit_bias and not p.allowed_token_ids
-            and not request.banned_token_ids and not p.presence_penalty and not p.frequency_penalty
-            and p.repetition_penalty == 1.0 and request.num_output_tokens >= p.min_tokens)
+    return (not request.needs_host_mask and not uses_bias_row(request) and not uses_output_tokens(p)
+            and request.num_output_tokens >= p.min_tokens)
 
 
 class Speculator:

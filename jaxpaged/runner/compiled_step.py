@@ -26,8 +26,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpaged.runner.batch_builder import PREFILL_Q_TILE, BatchShape, bucket_sizes
 from jaxpaged.runner.block_ops import warm_up_block_moves
-from jaxpaged.runner.persistent_batch import StepLayout, warm_up_updates
-from jaxpaged.runner.sampler import SamplerLayout, uses_output_tokens
+from jaxpaged.runner.persistent_batch import warm_up_updates
+from jaxpaged.runner.sampler import SamplerLayout, uses_bias_row, uses_output_tokens
+from jaxpaged.runner.step_input import StepLayout
 from jaxpaged.runner.step import (LOGIT_ROW_CHUNK, SAMPLER_KINDS, PromptStatics, SampleStatics, StepStatics,
                                   forward_fn, prompt_logprobs_fn, sample_fn)
 from jaxpaged.sampling_params import GREEDY_EPS
@@ -197,9 +198,8 @@ def sampler_kind(requests) -> str:
 
     def plain(request):
         p = request.sampling_params
-        return (greedy(p) and not p.logit_bias and not p.allowed_token_ids and not request.banned_token_ids
-                and not uses_output_tokens(p) and not p.logprobs and not request.needs_host_mask
-                and p.min_tokens <= request.num_sampled_tokens)
+        return (greedy(p) and not uses_bias_row(request) and not uses_output_tokens(p) and not p.logprobs
+                and not request.needs_host_mask and p.min_tokens <= request.num_sampled_tokens)
 
     if all(plain(r) for r in requests):
         return "greedy"

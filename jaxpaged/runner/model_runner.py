@@ -48,7 +48,8 @@ from jaxpaged.runner.device_memory import DeviceMemory
 from jaxpaged.runner.multihost import OP_SAMPLE, OP_STEP, OP_STOP, OP_UPDATES, StepChannel, follow, is_multihost
 from jaxpaged.runner.input_batch import (HOST_MASKED, LORA_SLOT, NUM_PLACEHOLDERS, REQUEST, START, GeneralColumns,
                                          InputBatch)
-from jaxpaged.runner.persistent_batch import SlotState, SlotTable, StepLayout, apply_updates, pack_updates
+from jaxpaged.runner.persistent_batch import SlotState, SlotTable, apply_updates, pack_updates
+from jaxpaged.runner.step_input import StepLayout
 from jaxpaged.runner.step_results import StepResult, unpack_prompt_logprobs
 from jaxpaged.runner.structured_outputs import bitmask_words, step_bitmask
 from jaxpaged.sampling_params import MAX_LOGPROBS

@@ -282,6 +282,13 @@ def uses_output_tokens(params) -> bool:
     return bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0)
 
 
+def uses_bias_row(request) -> bool:
+    """Whether a request's sampling adds its slot's logit_bias row: logit_bias, allowed_token_ids, or bad
+    words of one token (persistent_batch.seeded_bias)."""
+    p = request.sampling_params
+    return bool(p.logit_bias or p.allowed_token_ids or request.banned_token_ids)
+
+
 def is_plain_greedy(md: SamplingMetadata) -> jax.Array:
     """bool: every row greedy with no bias, penalties or top logprobs (traced: picks the fast path)."""
     plain = (jnp.all(md.temperature < GREEDY_EPS) & ~jnp.any(md.has_logit_bias) & ~jnp.any(penalised_rows(md))

@@ -34,9 +34,9 @@ from jax.sharding import PartitionSpec as P
 from jaxpaged.core.kv_cache_manager import cdiv
 from jaxpaged.models.batch import ForwardBatch
 from jaxpaged.parallel import POOL_SPEC, ShardPlan
-from jaxpaged.runner.persistent_batch import (SlotState, StepLayout, apply_step_updates, attention_metadata,
-                                              count_sampled, emitted_rows, forward_batch_arrays,
-                                              sampling_metadata)
+from jaxpaged.runner.persistent_batch import SlotState, apply_step_updates
+from jaxpaged.runner.step_input import (StepLayout, attention_metadata, count_sampled, emitted_rows,
+                                        forward_batch_arrays, sampling_metadata)
 from jaxpaged.runner.sampler import SamplerLayout, is_plain_greedy, plain_greedy, sample, token_logprobs
 
 

@@ -11,7 +11,7 @@ from scipy import stats
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.engine.spec_decode import SpeculativeConfig, ngram_proposal
-from jaxpaged.runner.persistent_batch import emitted_rows
+from jaxpaged.runner.step_input import emitted_rows
 from jaxpaged.runner.sampler import sample
 from tests.engine.test_memory_features import make_llm, workload
 from tests.fixtures_smollm2 import BUILTIN_LEVEL, QUICKSTART_SHAPE

@@ -12,6 +12,7 @@ import pytest
 
 from jaxpaged.core.request import Request
 from jaxpaged.runner import persistent_batch as pb
+from jaxpaged.runner import step_input as si
 from jaxpaged.runner.batch_builder import SeqChunk, choose_shape
 from tests.forward_batch import build_forward_batch
 from jaxpaged.runner.sampler import sample
@@ -24,7 +25,7 @@ BS, MAX_BLOCKS, SLOTS, V = 4, 8, 6, 50
 @jax.jit
 def _device_batch(state, updates, fields):
     state = pb.apply_step_updates(state, updates)
-    positions, slot_mapping, kv_lens, tables, *_ = pb.forward_batch_arrays(fields, state.block_tables, BS,
+    positions, slot_mapping, kv_lens, tables, *_ = si.forward_batch_arrays(fields, state.block_tables, BS,
                                                                           state.params)
     return state, positions, slot_mapping, kv_lens, tables
 
@@ -72,7 +73,7 @@ def test_device_batch_matches_the_host_builder_over_steps_with_slot_reuse():
             table.sync_blocks(slots[-1], chunk.block_ids, start // BS)
             chunks.append(chunk)
         shape = choose_shape(chunks, token_floor=16, seq_floor=4, max_seqs=SLOTS)
-        layout = pb.StepLayout(shape.num_tokens, shape.num_seqs)
+        layout = si.StepLayout(shape.num_tokens, shape.num_seqs)
         before, in_step = table.take_updates(layout.num_updates)
         assert before == []
         updates_sent.append(len(in_step))
@@ -167,7 +168,7 @@ def test_sampler_reads_the_same_inputs_from_slots_as_from_host_metadata():
     row_slots = np.full(S, table.pad_slot, np.int32)
     row_slots[:len(slots)] = slots
     logits = jnp.asarray(rng.normal(size=(S, V)) * 3, jnp.float32)
-    got = jax.jit(lambda st, rs, lg: sample(lg, pb.sampling_metadata(st, rs, 4)))(state, row_slots, logits)
+    got = jax.jit(lambda st, rs, lg: sample(lg, si.sampling_metadata(st, rs, 4)))(state, row_slots, logits)
 
     banned = [({t: float("-inf") for t in [8, 9, 3]} if r.sampling_params.min_tokens > r.num_sampled_tokens
                else None) for r in requests]
@@ -183,7 +184,7 @@ def test_sampler_reads_the_same_inputs_from_slots_as_from_host_metadata():
     assert int(got.token_ids[2]) not in (3, 8, 9)
 
     # counting the sampled tokens on the device equals counting them on the host
-    state = pb.count_sampled(state, jnp.asarray(row_slots[:len(slots)].tolist() + [SLOTS + 1] * (S - len(slots))),
+    state = si.count_sampled(state, jnp.asarray(row_slots[:len(slots)].tolist() + [SLOTS + 1] * (S - len(slots))),
                              got.token_ids)
     for r, slot, token in zip(requests, slots, np.asarray(got.token_ids)):
         if r.sampling_params.frequency_penalty:
