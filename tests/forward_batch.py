@@ -1,7 +1,7 @@
 """A ForwardBatch packed on the host from SeqChunks: what model tests (and repository tools) feed a
 model's forward directly, and the reference the engine's device-built batch is tested against (the
-runner builds positions, slot mapping and block tables on the device from its persistent batch:
-jaxpaged/runner/persistent_batch.py)."""
+runner builds positions, slot mapping and block tables on the device from its persistent batch and
+packed input: jaxpaged/runner/step_input.py)."""
 
 import jax.numpy as jnp
 import numpy as np

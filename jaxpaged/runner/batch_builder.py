@@ -1,8 +1,8 @@
 """Bucketed step shapes, and each sequence's share of a step (SeqChunk).
 
 `choose_shape` picks a step's bucket. The runner builds the step's batch on the device from its
-persistent batch (persistent_batch.py); tests/forward_batch.py packs the same batch on the host,
-the reference it is tested against.
+persistent batch and packed input (step_input.forward_batch_arrays); tests/forward_batch.py packs the
+same batch on the host, the reference it is tested against.
 
 Buckets keep the number of compiled shapes small: tokens per step and sequences per step
 are rounded up to powers of two (from a floor), block tables always have
