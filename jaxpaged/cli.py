@@ -44,6 +44,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="auto: sampling defaults and EOS ids from the model's generation_config.json; "
                              "vllm: ignore it; or a folder holding one")
     parser.add_argument("--preemption-mode", default=d.preemption_mode, choices=["auto", "recompute", "swap"])
+    parser.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"],
+                        help="fcfs: requests in arrival order; priority: by each request's priority (the lower, "
+                             "the sooner), then arrival; the running request of the lowest is preempted first")
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     parser.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,

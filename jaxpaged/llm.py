@@ -129,13 +129,14 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request=None, priority: list[int] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
         A bad prompt or parameter raises ValueError before anything is queued. Each prompt's
         output is its final (cumulative) one, whatever `output_kind` the params ask for.
         `lora_request`: a LoRARequest for every prompt, or a list of one (or None) per prompt
-        (the engine needs enable_lora).
+        (the engine needs enable_lora). `priority`: one int per prompt, the lower the sooner (the
+        engine needs scheduling_policy="priority").
         """
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
@@ -147,7 +148,10 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts; "
                                  "pass one SamplingParams or one per prompt")
-        return self._run(prompts, params_list, use_tqdm, _per_prompt(lora_request, len(prompts)))
+        if priority is not None and (isinstance(priority, (str, bytes)) or not hasattr(priority, "__len__")
+                                     or len(priority) != len(prompts)):
+            raise ValueError(f"priority must be a list of one int per prompt ({len(prompts)}), got {priority!r}")
+        return self._run(prompts, params_list, use_tqdm, _per_prompt(lora_request, len(prompts)), priority)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None,
@@ -203,15 +207,16 @@ class LLM:
                                "requests go to rank 0")
 
     def _run(self, prompts: list, params_list: list[SamplingParams], use_tqdm: bool,
-             loras: list | None = None) -> list[RequestOutput]:
+             loras: list | None = None, priorities: Sequence[int] | None = None) -> list[RequestOutput]:
         self._check_leader()
         engine = self.llm_engine
         ids = []
         try:
-            for prompt, params, lora in zip(prompts, params_list, loras or [None] * len(prompts)):
+            for prompt, params, lora, priority in zip(prompts, params_list, loras or [None] * len(prompts),
+                                                      priorities or [0] * len(prompts)):
                 request_id = f"gen-{self._counter}"
                 self._counter += 1
-                ids.append(engine.add_request(request_id, prompt, params, lora_request=lora))
+                ids.append(engine.add_request(request_id, prompt, params, lora_request=lora, priority=priority))
         except Exception:
             for request_id in ids:
                 engine.abort_request(request_id)

@@ -195,8 +195,9 @@ class _Server:
         if salt is not None:
             inputs = [({**prompt, "cache_salt": salt}, ids) for prompt, ids in inputs]
         lora = (self.loras or {}).get(model)   # a request naming an adapter runs with it
-        gens = [self.engine.generate(prompt, sp, f"{request_id}-{i}", output_kind="cumulative", lora_request=lora)
-                for i, ((prompt, _), sp) in enumerate(zip(inputs, params))]
+        priority = req.request.priority or 0
+        gens = [self.engine.generate(prompt, sp, f"{request_id}-{i}", output_kind="cumulative", lora_request=lora,
+                                     priority=priority) for i, ((prompt, _), sp) in enumerate(zip(inputs, params))]
         # a client that hangs up before its first token (a long prefill) aborts its requests then
         gone, firsts = await _unless_disconnected(request, asyncio.gather(*(anext(g) for g in gens),
                                                                           return_exceptions=True))

@@ -146,6 +146,7 @@ class _Request(_Strict):
     return_tokens_as_token_ids: bool | None = None   # logprobs name each token "token_id:<id>", not by its text
     return_token_ids: bool | None = None   # choices carry their token ids, and the prompt's
     prompt_logprobs: int | None = None   # each prompt token's logprob and its best candidates (not streamed)
+    priority: int | None = None   # --scheduling-policy priority: the lower, the sooner (else only 0)
     # requests share prefix-cache blocks only under the same salt (tenants never see each other's)
     cache_salt: Annotated[str, Field(min_length=1)] | None = Field(None, description="a non-empty string")
     structured_outputs: dict[str, Any] | None = Field(

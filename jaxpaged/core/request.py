@@ -42,8 +42,9 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: Any,
                  eos_token_ids: tuple[int, ...] = (), arrival_time: float | None = None,
                  seed: int = 0, max_tokens: int | None = None, cache_salt: str | None = None,
-                 lora_request: Any = None):
+                 lora_request: Any = None, priority: int = 0):
         self.request_id = request_id
+        self.priority = priority              # scheduling_policy="priority": the lower, the sooner
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids

@@ -1,10 +1,16 @@
 """Continuous batching: decide, each step, which requests compute how many tokens.
 
 One token budget per step (`max_num_batched_tokens`); running requests first, in order,
-then waiting requests in arrival order. A step freely mixes decodes (1 token), whole
+then waiting requests in the policy's order. A step freely mixes decodes (1 token), whole
 prompts and (with chunked prefill) prompt chunks. When the pool runs out of blocks the
-newest running request is preempted: its blocks are freed (recompute) and it returns to
-the front of the waiting queue, keeping the tokens it generated.
+last running request is preempted: its blocks are freed (recompute) or swapped out, and it
+goes back to the waiting (or swapped) queue, keeping the tokens it generated.
+
+The policy (vLLM's `scheduling_policy`, request_queue.py) orders the queues and the running list.
+"fcfs": arrival order, the newest running request preempted first, a preempted one back in front.
+"priority": by (priority, arrival time), the running list too, so that the request preempted is
+the one of the highest key, and a waiting request that outranks all those swapped out is admitted
+before them. As in vLLM, a waiting request never preempts a running one: it waits for free blocks.
 
 LongRoPE (Phi-3) encodes every position with other factors once a sequence is longer than
 the model's original length, and transformers then recomputes the sequence's whole cache.
@@ -14,37 +20,17 @@ recompute when it outgrows it (once), and its K/V is computed anew with the long
 Only host state changes here: the plan goes out as a `SchedulerOutput`.
 """
 
-import dataclasses
-from collections import deque
+import bisect
 
 from jaxpaged.core.kv_cache_manager import KVCacheManager, cdiv
-from jaxpaged.core.preemption import PREEMPTION_MODES, PreemptionCost
+from jaxpaged.core.preemption import PreemptionCost
 from jaxpaged.core.request import Request, RequestStatus
+from jaxpaged.core.request_queue import make_queue, priority_key
+from jaxpaged.core.sched_config import SchedulerConfig
 from jaxpaged.core.sched_output import PlainDecode, ScheduledChunk, SchedulerOutput, StepUpdate
 from jaxpaged.core.sched_update import StepUpdates
 
 __all__ = ["ScheduledChunk", "Scheduler", "SchedulerConfig", "SchedulerOutput", "StepUpdate"]
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    enable_chunked_prefill: bool = True
-    preemption_mode: str = "recompute"
-    max_loras: int = 0                 # multi-LoRA: most adapters running at once (0: no LoRA)
-
-    def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
-                             f"({self.max_model_len}) when chunked prefill is off, or no long prompt could run")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
-                             f"got {self.preemption_mode!r}")
 
 
 class Scheduler(StepUpdates):
@@ -52,9 +38,10 @@ class Scheduler(StepUpdates):
         self.config = config
         self.kv_cache = kv_cache
         self.cost = cost or PreemptionCost(block_bytes=0)   # preemption_mode="auto": swap or recompute
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.swapped: deque[Request] = deque()
+        self.by_priority = config.policy == "priority"
+        self.waiting = make_queue(config.policy)
+        self.running: list[Request] = []    # "priority": sorted by priority_key
+        self.swapped = make_queue(config.policy)
         self.requests: dict[str, Request] = {}
         self.finished: list[Request] = []      # finished since the last plan (it hands them to the runner)
         self.loaded: list[Request] = []        # waiting with blocks the last plan loads from the host tier
@@ -83,7 +70,7 @@ class Scheduler(StepUpdates):
             raise ValueError(f"n={self._num_seats(request)} sequences for one request is more than "
                              f"max_num_seqs ({self.config.max_num_seqs})")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def check_prompt_len(self, num_tokens: int) -> None:
         """ValueError unless a prompt of `num_tokens` leaves room for one generated token."""
@@ -118,7 +105,7 @@ class Scheduler(StepUpdates):
         child.rope_len = parent.rope_len
         child.status = RequestStatus.RUNNING
         self.requests[child.request_id] = child
-        self.running.append(child)
+        self._run(child)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -192,7 +179,9 @@ class Scheduler(StepUpdates):
         loras = {r.lora_int_id for r in self.running if r.lora_int_id}
         # swapped requests come back before any new request is admitted
         while self.swapped and budget > 0 and not preempted:
-            request = self.swapped[0]
+            request = self.swapped.peek()
+            if self.waiting and self._outranks_swapped(self.waiting.peek()):
+                break
             if seats + self._num_seats(request) > self.config.max_num_seqs or not self._lora_fits(request, loras):
                 break
             num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
@@ -204,19 +193,19 @@ class Scheduler(StepUpdates):
             self.kv_cache.allocate_slots(request, num_new)
             swap_in += pairs
             self.num_swapped_in_blocks += len(pairs)
-            self.swapped.popleft()
+            self.swapped.pop()
             seats += self._start_running(request, num_new, chunks)
             loras.add(request.lora_int_id)
             budget -= num_new
 
         passed = []   # waiting requests of adapters that cannot run now, back in front in their order
         loading = []  # admitted with host-tier hits: they compute from the next step, once loaded
-        while self.waiting and budget > 0 and not preempted and not self.swapped:
-            request = self.waiting[0]
-            if seats + self._num_seats(request) > self.config.max_num_seqs:
+        while self.waiting and budget > 0 and not preempted:
+            request = self.waiting.peek()
+            if seats + self._num_seats(request) > self.config.max_num_seqs or not self._outranks_swapped(request):
                 break
             if not self._lora_fits(request, loras):
-                passed.append(self.waiting.popleft())
+                passed.append(self.waiting.pop())
                 continue
             hits, host_hits, num_hit_tokens = [], [], 0
             first = request.num_computed_tokens == 0   # else loaded from the host tier last step
@@ -231,7 +220,7 @@ class Scheduler(StepUpdates):
                     break
                 self._record_lookup(request, num_hit_tokens, len(host_hits) * bs)
                 request.num_computed_tokens = num_hit_tokens + len(host_hits) * bs
-                loading.append(self.waiting.popleft())
+                loading.append(self.waiting.pop())
                 continue
             num_new = self._num_new_tokens(request, request.num_computed_tokens + num_hit_tokens, budget)
             if num_new == 0:
@@ -240,15 +229,15 @@ class Scheduler(StepUpdates):
                 if not first:   # loaded, and no room to go on: its blocks join the device cache
                     self._unload(request, landed=True)
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
             if first:
                 self._record_lookup(request, num_hit_tokens, 0)
             request.num_computed_tokens += num_hit_tokens
             seats += self._start_running(request, num_new, chunks)
             loras.add(request.lora_int_id)
             budget -= num_new
-        self.waiting.extendleft(reversed(passed))
-        self.waiting.extendleft(reversed(loading))
+        self.waiting.prepend_all(passed)
+        self.waiting.prepend_all(loading)
         # loaded for the last plan but not admitted in this one (a request in front could not run, or
         # no room): their blocks go to the device cache instead of being held while others wait
         for request in self.loaded:
@@ -296,6 +285,18 @@ class Scheduler(StepUpdates):
             request.block_hashes = []
         request.rope_len = num_tokens
 
+    def _outranks_swapped(self, request: Request) -> bool:
+        """A waiting request may be admitted: nothing is swapped out, or ("priority") it outranks all
+        that is. Swapped requests otherwise come back first (their K/V is kept on the host)."""
+        return not self.swapped or (self.by_priority and priority_key(request) < priority_key(self.swapped.peek()))
+
+    def _run(self, request: Request) -> None:
+        """Into the running list: last ("fcfs"), or after those of its key or less ("priority")."""
+        if self.by_priority:
+            bisect.insort_right(self.running, request, key=priority_key)
+        else:
+            self.running.append(request)
+
     def _lora_fits(self, request: Request, loras: set[int]) -> bool:
         """The request's adapter is running already, or one more fits under max_loras."""
         lora = request.lora_int_id
@@ -309,7 +310,7 @@ class Scheduler(StepUpdates):
     def _start_running(self, request: Request, num_new: int, chunks: list[ScheduledChunk]) -> int:
         """Move a request (swapped in or admitted) to running with its first chunk; returns its seats."""
         request.status = RequestStatus.RUNNING
-        self.running.append(request)
+        self._run(request)
         chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new,
                                      self.kv_cache.blocks_of(request.request_id)))
         return self._num_seats(request)
@@ -357,17 +358,20 @@ class Scheduler(StepUpdates):
             pairs = self.kv_cache.swap_out(request)
             self.num_swapped_out_blocks += len(pairs)
             request.status = RequestStatus.SWAPPED
-            self.swapped.appendleft(request)
+            self.swapped.prepend(request)
             return pairs
         self.kv_cache.free(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
-        self.waiting.appendleft(request)
+        self.waiting.prepend(request)
         return []
 
     def check_invariants(self) -> None:
         self.kv_cache.check_invariants()
         assert sum(map(self._num_seats, self.running)) <= self.config.max_num_seqs
+        if self.by_priority:
+            keys = list(map(priority_key, self.running))
+            assert keys == sorted(keys), "the running list is out of priority order"
         for request in self.running:
             held = len(self.kv_cache.blocks_of(request.request_id)) * self.kv_cache.block_size
             assert held >= request.num_computed_tokens, f"{request} holds too few blocks"

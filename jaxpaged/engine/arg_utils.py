@@ -49,6 +49,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     preemption_mode: str = "auto"             # "auto" (swap or recompute, whichever costs less) | "recompute" | "swap"
+    scheduling_policy: str = "fcfs"           # "fcfs" | "priority" (requests' priority: the lower, the sooner)
     async_scheduling: bool = True             # plan and prepare step t+1 while the device runs step t
     served_model_name: str | None = None
     generation_config: str = "auto"          # auto: the model's generation_config.json; vllm: ignore it; or a folder
@@ -122,6 +123,9 @@ class EngineArgs:
         from jaxpaged.core.preemption import PREEMPTION_MODES
         require("preemption_mode", self.preemption_mode in PREEMPTION_MODES,
                 f"one of {', '.join(repr(m) for m in PREEMPTION_MODES)}")
+        from jaxpaged.core.request_queue import SCHEDULING_POLICIES
+        require("scheduling_policy", self.scheduling_policy in SCHEDULING_POLICIES,
+                f"one of {', '.join(repr(p) for p in SCHEDULING_POLICIES)}")
         require("seed", isinstance(self.seed, int), "an int")
         require("tensor_parallel_size", isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
                 "an int >= 1")

@@ -83,7 +83,7 @@ class AsyncLLM(AsyncResearchMixin, OutputThread):
     # ---- the caller's side ---------------------------------------------------------------
     async def generate(self, prompt: str | list[int] | dict, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, output_kind: str = "delta",
-                       lora_request=None) -> AsyncIterator[RequestOutput]:
+                       lora_request=None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield RequestOutputs of one request as tokens arrive, until it finishes.
 
         output_kind="delta" (default): each output's completions hold only the text, token ids
@@ -95,6 +95,7 @@ class AsyncLLM(AsyncResearchMixin, OutputThread):
         is held back from the text until the next output.
 
         `lora_request`: the LoRARequest the request runs with (the engine needs enable_lora).
+        `priority`: with scheduling_policy="priority", the lower, the sooner (else it must be 0).
         Bad input raises ValueError before any output; a full queue (max_num_waiting) raises
         EngineOverloadedError. An internal failure raises EngineRequestError in this request only.
         Closing or cancelling the consumer aborts the request; an abort from elsewhere ends the
@@ -111,7 +112,7 @@ class AsyncLLM(AsyncResearchMixin, OutputThread):
         params.output_kind = RequestOutputKind.DELTA
         total: RequestOutput | None = None   # "cumulative": the deltas joined so far
         stream = Stream(asyncio.get_running_loop())
-        if not self._send(("add", stream, request_id, prompt, params, lora_request)):
+        if not self._send(("add", stream, request_id, prompt, params, lora_request, priority)):
             raise RuntimeError("AsyncLLM is shut down")
         finished = False
         try:
@@ -255,7 +256,7 @@ class AsyncLLM(AsyncResearchMixin, OutputThread):
             self._publish_metrics()
             return
         if command[0] == "add":
-            _, stream, request_id, prompt, params, lora_request = command
+            _, stream, request_id, prompt, params, lora_request, priority = command
             if stopping:
                 stream.resolve_added(RuntimeError("AsyncLLM is shut down"))
                 return
@@ -267,7 +268,7 @@ class AsyncLLM(AsyncResearchMixin, OutputThread):
                 return
             try:
                 self.engine.add_request(request_id, prompt, params, arrival_time=stream.arrival_monotonic,
-                                        lora_request=lora_request)
+                                        lora_request=lora_request, priority=priority)
             except Exception as exc:   # ValueError: bad input; anything else: one request's failure
                 stream.resolve_added(exc)
                 return

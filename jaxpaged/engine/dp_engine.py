@@ -66,7 +66,7 @@ class DataParallelEngine:
         return min(candidates, key=lambda e: (e.get_num_unfinished_requests(), e.data_rank))
 
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, lora_request=None) -> str:
+                    arrival_time: float | None = None, lora_request=None, priority: int = 0) -> str:
         first = self.engines[0]
         processor = first.input_processor   # ValueError on a bad prompt, before anything is queued
         text, token_ids = processor.tokenize(prompt)
@@ -83,7 +83,7 @@ class DataParallelEngine:
             tokenized["prompt"] = text
         if salt is not None:
             tokenized["cache_salt"] = salt
-        engine.add_request(request_id, tokenized, params, arrival_time, lora_request)
+        engine.add_request(request_id, tokenized, params, arrival_time, lora_request, priority)
         self._owner[request_id] = engine
         return request_id
 

@@ -18,12 +18,23 @@ class ProcessedPrompt:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_logprobs: int, check_prompt_len):
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_logprobs: int, check_prompt_len,
+                 scheduling_policy: str = "fcfs"):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
         self.check_prompt_len = check_prompt_len   # the scheduler's: ValueError for a prompt that cannot run
+        self.scheduling_policy = scheduling_policy
+
+    def check_priority(self, priority) -> int:
+        """A request's priority: any int under scheduling_policy="priority", else 0 only (as vLLM)."""
+        if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
+            raise ValueError(f"priority must be an int, got {type(priority).__name__}")
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise ValueError(f"priority={priority} needs scheduling_policy='priority' (this engine's is "
+                             f"{self.scheduling_policy!r}); allowed here: 0")
+        return int(priority)
 
     def process(self, prompt, params: SamplingParams) -> ProcessedPrompt:
         text, token_ids = self.tokenize(prompt)

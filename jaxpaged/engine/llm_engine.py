@@ -85,7 +85,8 @@ class LLMEngine(ResearchMixin):
         self._ids = itertools.count()
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)   # structured outputs
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
-                                              args.max_logprobs, self.scheduler.check_prompt_len)
+                                              args.max_logprobs, self.scheduler.check_prompt_len,
+                                              args.scheduling_policy)
         self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
         if draft is not None:
             self.speculator.use_draft_model(build_draft_proposer(args, draft, num_blocks, self.max_model_len, use_tqdm))
@@ -109,9 +110,10 @@ class LLMEngine(ResearchMixin):
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int] | dict,
                     params: SamplingParams | None = None, arrival_time: float | None = None,
-                    lora_request=None) -> str:
+                    lora_request=None, priority: int = 0) -> str:
         """Validate and queue a request; raises ValueError (and queues nothing) on bad input.
-        `lora_request`: a LoRARequest (the engine needs enable_lora), read from its folder now."""
+        `lora_request`: a LoRARequest (the engine needs enable_lora), read from its folder now.
+        `priority` (scheduling_policy="priority"): the lower, the sooner it runs; else it must be 0."""
         if self.runner.is_sleeping:
             raise ValueError("the engine is sleeping: call wake_up() before adding requests")
         params = params or SamplingParams()
@@ -121,6 +123,7 @@ class LLMEngine(ResearchMixin):
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.output_processor.states:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        priority = self.input_processor.check_priority(priority)
         processed = self.input_processor.process(prompt, params)
         text, token_ids = processed.text, processed.token_ids
         cache_salt = self._add_lora(lora_request, processed.cache_salt)
@@ -136,7 +139,7 @@ class LLMEngine(ResearchMixin):
         for i, core_id in enumerate(core_ids):
             seed = self._seed_for(params, i)
             request = Request(core_id, token_ids, params, self.eos_token_ids, arrival_time, seed, max_tokens,
-                              cache_salt, lora_request)
+                              cache_salt, lora_request, priority)
             request.constrain(matchers[i], processed.bad_words_token_ids)
             sequences.append(SequenceState(request, i, self.tokenizer, request_id))
         state = RequestState(request_id, text, token_ids, sequences, lora_request)

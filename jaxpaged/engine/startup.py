@@ -241,7 +241,8 @@ def build_scheduler(args: EngineArgs, runner: ModelRunner, num_blocks: int, max_
     config = SchedulerConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.batched_tokens(max_model_len),
         max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
-        preemption_mode=args.preemption_mode, max_loras=args.max_loras if args.enable_lora else 0)
+        preemption_mode=args.preemption_mode, max_loras=args.max_loras if args.enable_lora else 0,
+        policy=args.scheduling_policy)
     host_cache = None
     if runner.host_cache_slots:   # batches as the runner moves blocks: at most max_moved_blocks, bucketed
         host_cache = HostPrefixCache(runner.host_cache_slots, padded=lambda n: next_bucket(n, 4),

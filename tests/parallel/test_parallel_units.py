@@ -185,3 +185,19 @@ def test_host_tier_moves_reach_followers_in_pieces_that_reassemble():
     assert [drop for _, drops, _ in read for drop in drops] == moves.drops
     (args, payload), = tier_load_pieces(HostMoves([(3, [4])], [], []), 6)
     assert read_tier_piece(args, payload) == ([], [], True)
+
+
+def test_the_chosen_replica_gets_the_requests_priority():
+    import itertools
+
+    from jaxpaged.engine.dp_engine import DataParallelEngine
+    from jaxpaged.engine.input_processor import InputProcessor
+
+    added = []
+    replica = _Replica(0, 0, 0)
+    replica.input_processor = InputProcessor(None, 1000, 64, 5, lambda n: None, "priority")
+    replica.add_request = lambda *args: added.append(args)
+    dp = object.__new__(DataParallelEngine)
+    dp.engines, dp._owner, dp._ids = [replica], {}, itertools.count()
+    dp.add_request("a", [5, 6, 7], SamplingParams(max_tokens=1), priority=-2)
+    assert added == [("a", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=1), None, None, -2)]

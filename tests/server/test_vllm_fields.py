@@ -108,3 +108,18 @@ def test_prompt_logprobs_whole_responses_and_bad_values(client, url):
     for body, message in bad:
         error = HTTP.post(url + "/v1/completions", json=body).json()["error"]
         assert error["param"] == "prompt_logprobs" and message in error["message"], error
+
+
+def test_priority_reaches_the_engine_which_schedules_fcfs(client, url):
+    """vLLM's `priority`: 0 runs; any other is a 400 naming it (this server was not started with
+    --scheduling-policy priority), as is a value that is not an int; the route answers on after."""
+    messages = [{"role": "user", "content": "Hello"}]
+    ok = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, extra_body={"priority": 0})
+    assert ok.choices[0].finish_reason in ("length", "stop")
+    for route, body in [("/v1/completions", {"prompt": "Hi"}), ("/v1/chat/completions", {"messages": messages})]:
+        for value, message in [(1, "needs scheduling_policy='priority'"), (-3, "allowed here: 0"),
+                               ("high", "priority")]:
+            reply = HTTP.post(url + route, json={**body, "model": MODEL, "max_tokens": 2, "priority": value})
+            error = reply.json()["error"]
+            assert reply.status_code == 400 and error["param"] == "priority" and message in error["message"], error
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text is not None
