@@ -28,7 +28,7 @@ from jaxpaged.sampling_params import truncate_prompt
 from jaxpaged.server import protocol as P
 from jaxpaged.server.json_body import default_max_request_body_bytes, read_json
 from jaxpaged.server.metrics import MetricsExporter
-from jaxpaged.server.openai_types import ModelList
+from jaxpaged.server.response_types import ModelList
 from jaxpaged.server.openapi import openapi_schema
 from jaxpaged.server.responses import Reply, internal_error, prepend
 from jaxpaged.server.tools import ToolSettings, plan_tools

@@ -1,7 +1,8 @@
-"""The OpenAI protocol's types as pydantic models: the one definition of the wire format.
+"""The OpenAI protocol's request bodies as pydantic models: the one definition of the wire format
+(the responses' are in response_types.py).
 
 Requests are validated by them (protocol.py turns their errors into OpenAI error objects),
-responses are passed through them, and /openapi.json is generated from them (server/openapi.py).
+responses are passed through theirs, and /openapi.json is generated from both (server/openapi.py).
 """
 
 from typing import Annotated, Any, Literal
@@ -113,6 +114,7 @@ _MessageList = Annotated[list[Message], Field(min_length=1, description='a non-e
 
 class StreamOptions(_Strict):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None   # vLLM's: with include_usage, every chunk carries its usage so far
 
 
 class _Request(_Strict):
@@ -238,163 +240,3 @@ class ChatCompletionRequest(_Request):
         if value == "required" and not names:
             raise ValueError('"required" needs tools to call')
         return value
-
-
-# ---- responses -----------------------------------------------------------------------------
-class _Out(BaseModel):
-    # a key the server sends must be declared here: the schema then documents every one
-    model_config = ConfigDict(extra="forbid")
-
-
-FinishReason = Literal["stop", "length", "tool_calls", "abort"]
-
-
-class PromptTokensDetails(_Out):
-    cached_tokens: int   # prompt tokens served from the prefix cache
-
-
-class Usage(_Out):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-
-class CompletionLogprobs(_Out):
-    tokens: list[str]
-    token_logprobs: list[float | None]   # None: the first prompt token (echo) has none
-    top_logprobs: list[dict[str, float] | None]
-    text_offset: list[int]
-
-
-class PromptLogprob(_Out):
-    logprob: float
-    rank: int | None = None           # 1: the likeliest token of the vocabulary
-    decoded_token: str | None = None
-
-
-PromptLogprobs = list[dict[str, PromptLogprob] | None]   # per prompt token (None: the first), by token id
-
-
-class CompletionChoice(_Out):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None   # vLLM's: the stop token id or stop string that ended it
-    token_ids: list[int] | None = None          # vLLM's return_token_ids: the tokens of `text` (generated)
-    prompt_token_ids: list[int] | None = None   # and the prompt's (a stream: in the choice's first chunk)
-    prompt_logprobs: PromptLogprobs | None = None   # vLLM's prompt_logprobs
-
-
-class CompletionResponse(_Out):
-    """A /v1/completions response, and (without usage until the last) each of its stream's chunks."""
-    id: str
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class TopLogprob(_Out):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(_Out):
-    content: list[TokenLogprob] | None = None
-
-
-class ChatMessage(_Out):
-    role: Literal["assistant"]
-    content: str | None = None   # None: only tool calls
-    tool_calls: list[ToolCall] | None = None
-
-
-class ChatChoice(_Out):
-    index: int
-    message: ChatMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None   # vLLM's return_token_ids: the generated tokens
-
-
-class ChatCompletionResponse(_Out):
-    id: str
-    object: Literal["chat.completion"]
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage | None = None
-    prompt_token_ids: list[int] | None = None   # vLLM's return_token_ids: the rendered conversation's tokens
-    prompt_logprobs: PromptLogprobs | None = None   # vLLM's prompt_logprobs
-
-
-class DeltaFunctionCall(_Out):
-    name: str | None = None
-    arguments: str | None = None   # a piece of the JSON; the pieces of one call concatenate to it
-
-
-class DeltaToolCall(_Out):
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: DeltaFunctionCall | None = None
-
-
-class Delta(_Out):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-
-class ChunkChoice(_Out):
-    index: int
-    delta: Delta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None   # vLLM's return_token_ids: this chunk's new tokens
-
-
-class ChatCompletionChunk(_Out):
-    id: str
-    object: Literal["chat.completion.chunk"]
-    created: int
-    model: str
-    choices: list[ChunkChoice]
-    usage: Usage | None = None   # only in the last chunk, with stream_options.include_usage
-    prompt_token_ids: list[int] | None = None   # vLLM's return_token_ids: in the first chunk only
-
-
-class ErrorInfo(_Out):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorResponse(_Out):
-    error: ErrorInfo
-
-
-class ModelCard(_Out):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str
-    root: str | None = None
-    parent: str | None = None        # a LoRA adapter's base model
-    max_model_len: int | None = None
-
-
-class ModelList(_Out):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]

@@ -3,8 +3,9 @@
 from pydantic.json_schema import models_json_schema
 
 import jaxpaged
-from jaxpaged.server.openai_types import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-                                          CompletionRequest, CompletionResponse, ErrorResponse, ModelList)
+from jaxpaged.server.openai_types import ChatCompletionRequest, CompletionRequest
+from jaxpaged.server.response_types import (ChatCompletionChunk, ChatCompletionResponse, CompletionResponse,
+                                            ErrorResponse, ModelList)
 
 _REF = "#/components/schemas/{model}"
 

@@ -17,9 +17,10 @@ from pydantic import BaseModel, ValidationError
 
 from jaxpaged.outputs import Logprob
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.server.openai_types import (_UNSUPPORTED, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-                                          CompletionRequest, CompletionResponse, ErrorInfo, ErrorResponse, Message,
+from jaxpaged.server.openai_types import (_UNSUPPORTED, ChatCompletionRequest, CompletionRequest, Message,
                                           NamedToolChoice, Tool, _Request)
+from jaxpaged.server.response_types import (ChatCompletionChunk, ChatCompletionResponse, CompletionResponse, ErrorInfo,
+                                            ErrorResponse)
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class ParsedRequest:
     messages: list = field(default_factory=list)    # chat: [{"role", "content": str, ...}] (message_dicts)
     tools: list[dict] | None = None                 # chat: validated, in OpenAI's shape
     tool_choice: str | dict | None = None           # None: OpenAI's default ("auto" when there are tools)
+    continuous_usage: bool = False                  # stream_options: usage in every chunk (vLLM's)
     parallel_tool_calls: bool = True
     # chat: structured_outputs forcing the form of tool calls (tool_choice "required" or a named function)
     tool_constraint: dict | None = None
@@ -155,8 +157,10 @@ def _common(kind: str, request: _Request, logprobs: int | None, max_tokens: int 
             max_tokens_param: str = "max_tokens") -> ParsedRequest:
     _log_unknown(request)
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
+    # as vLLM: continuous_usage_stats counts only with include_usage
+    continuous = include_usage and bool(request.stream_options.continuous_usage_stats)
     return ParsedRequest(kind, request, request.model, bool(request.stream), include_usage, logprobs, max_tokens,
-                         max_tokens_param)
+                         max_tokens_param, continuous_usage=continuous)
 
 
 def parse_completion_request(body: dict) -> ParsedRequest:

@@ -140,6 +140,12 @@ class Reply:
                        sum(len(c.token_ids) for f in finals for c in f.outputs),
                        sum(f.num_cached_tokens for f in finals))
 
+    def _usage_so_far(self, out, cursor) -> dict | None:
+        """continuous_usage_stats (vLLM's): a chunk's usage is its prompt's tokens and its choice's so far."""
+        if not self.req.continuous_usage:
+            return None
+        return P.usage(len(out.prompt_token_ids), cursor.tokens, out.num_cached_tokens)
+
     def whole(self, finals) -> dict:
         choices = []
         for i, out in enumerate(finals):
@@ -220,9 +226,10 @@ class Reply:
                     else:
                         choice = self._delta(i, out, c)
                         choices = [] if choice is None else [choice]
+                    usage = self._usage_so_far(out, self.cursors[i * self.n + c.index]) if choices else None
                     for choice in choices:
                         yield event(P.response(self.req.kind, self.request_id, self.created, self.model, [choice],
-                                                chunk=True, prompt_token_ids=self._chat_prompt_ids(out, True)))
+                                                usage, chunk=True, prompt_token_ids=self._chat_prompt_ids(out, True)))
             if self.req.include_usage:
                 yield event(P.response(self.req.kind, self.request_id, self.created, self.model, [],
                                         self._usage(finals), chunk=True))

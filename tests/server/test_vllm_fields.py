@@ -1,5 +1,8 @@
 """vLLM's request fields beyond OpenAI's, over HTTP with the official client: allowed_token_ids, bad_words,
-truncate_prompt_tokens, return_tokens_as_token_ids, return_token_ids, prompt_logprobs."""
+truncate_prompt_tokens, return_tokens_as_token_ids, return_token_ids, prompt_logprobs, priority,
+stream_options.continuous_usage_stats."""
+
+import itertools
 
 import numpy as np
 import openai
@@ -123,3 +126,27 @@ def test_priority_reaches_the_engine_which_schedules_fcfs(client, url):
             error = reply.json()["error"]
             assert reply.status_code == 400 and error["param"] == "priority" and message in error["message"], error
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text is not None
+
+
+def test_continuous_usage_stats_put_each_choices_usage_so_far_in_every_chunk(client):
+    """vLLM's stream_options.continuous_usage_stats: with include_usage, each chunk carries its prompt's
+    tokens and its choice's completion tokens so far (logprobs count them: one entry per token); without
+    include_usage it asks for nothing, as in vLLM."""
+    kw = dict(model=MODEL, prompt="Hello world", max_tokens=6, temperature=0.0, logprobs=0, stream=True,
+              extra_body={"ignore_eos": True})
+    chunks = list(client.completions.create(**kw, stream_options={"include_usage": True,
+                                                                  "continuous_usage_stats": True}))
+    *deltas, last = chunks
+    assert last.choices == [] and last.usage.completion_tokens == 6
+    counts = [c.usage.completion_tokens for c in deltas]
+    assert counts == list(itertools.accumulate(len(c.choices[0].logprobs.tokens) for c in deltas))
+    assert counts[-1] == 6 and all(c.usage.prompt_tokens == last.usage.prompt_tokens for c in deltas)
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in deltas)
+    chat = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=4, n=2, temperature=1.0,
+        stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True}))
+    finals = [c.usage.completion_tokens for c in chat[:-1] if c.choices[0].finish_reason is not None]
+    assert finals == [4, 4] and chat[-1].usage.completion_tokens == 8
+    plain = list(client.completions.create(**kw, stream_options={"continuous_usage_stats": True}))
+    assert all(c.usage is None for c in plain)
