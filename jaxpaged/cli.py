@@ -44,6 +44,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="auto: sampling defaults and EOS ids from the model's generation_config.json; "
                              "vllm: ignore it; or a folder holding one")
     parser.add_argument("--preemption-mode", default=d.preemption_mode, choices=["auto", "recompute", "swap"])
+    parser.add_argument("--runner", default=d.runner, choices=["auto", "generate", "pooling"],
+                        help="pooling: the model embeds prompts (/v1/embeddings, LLM.embed) instead of generating")
+    parser.add_argument("--pooler-config", default=None, metavar="JSON",
+                        help='with --runner pooling: {"pooling_type": "LAST", "normalize": true} (default: the '
+                             "checkpoint's sentence-transformers pooling, else this)")
     parser.add_argument("--scheduling-policy", default=d.scheduling_policy, choices=["fcfs", "priority"],
                         help="fcfs: requests in arrival order; priority: by each request's priority (the lower, "
                              "the sooner), then arrival; the running request of the lowest is preempted first")

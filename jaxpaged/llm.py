@@ -6,7 +6,8 @@ from typing import Any, Sequence
 from jaxpaged.chat_utils import render_chat
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.dp_engine import make_engine
-from jaxpaged.outputs import RequestOutput
+from jaxpaged.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from jaxpaged.pooling_params import PoolingParams
 from jaxpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 PromptType = str | list[int] | dict
@@ -153,6 +154,40 @@ class LLM:
             raise ValueError(f"priority must be a list of one int per prompt ({len(prompts)}), got {priority!r}")
         return self._run(prompts, params_list, use_tqdm, _per_prompt(lora_request, len(prompts)), priority)
 
+    def encode(self, prompts: PromptType | Sequence[PromptType],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *, use_tqdm: bool = True,
+               lora_request=None, pooling_task: str = "embed") -> list[PoolingRequestOutput]:
+        """Pool every prompt (an engine made with runner="pooling"); outputs in input order, each's
+        `outputs.data` an f32 numpy vector. `pooling_params`: one PoolingParams or one per prompt."""
+        if pooling_task != "embed":
+            raise ValueError(f"pooling_task must be 'embed' (the one pooling task built), got {pooling_task!r}")
+        if getattr(self.llm_engine, "pooling", None) is None:
+            raise ValueError("LLM.embed() and LLM.encode() need a pooling model: make the LLM with "
+                             "runner='pooling' (vLLM's --runner pooling)")
+        prompts = _as_prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pooling_list = [pooling_params or PoolingParams()] * len(prompts)
+        else:
+            pooling_list = list(pooling_params)
+            if len(pooling_list) != len(prompts):
+                raise ValueError(f"pooling_params has {len(pooling_list)} entries for {len(prompts)} prompts; "
+                                 "pass one PoolingParams or one per prompt")
+        return self._run(prompts, [None] * len(prompts), use_tqdm, _per_prompt(lora_request, len(prompts)),
+                         pooling=pooling_list)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              lora_request=None) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (vLLM's LLM.embed): `outputs.embedding`, a list of floats."""
+        if truncate_prompt_tokens is not None:
+            if pooling_params is None:
+                pooling_params = PoolingParams()
+            items = [pooling_params] if isinstance(pooling_params, PoolingParams) else list(pooling_params)
+            items = [PoolingParams(truncate_prompt_tokens, p.dimensions, p.normalize) for p in items]
+            pooling_params = items[0] if isinstance(pooling_params, PoolingParams) else items
+        outs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        return [EmbeddingRequestOutput.from_base(out) for out in outs]
+
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None,
              tools: list[dict] | None = None, lora_request=None) -> list[RequestOutput]:
@@ -207,16 +242,19 @@ class LLM:
                                "requests go to rank 0")
 
     def _run(self, prompts: list, params_list: list[SamplingParams], use_tqdm: bool,
-             loras: list | None = None, priorities: Sequence[int] | None = None) -> list[RequestOutput]:
+             loras: list | None = None, priorities: Sequence[int] | None = None,
+             pooling: list | None = None) -> list:
         self._check_leader()
         engine = self.llm_engine
         ids = []
         try:
-            for prompt, params, lora, priority in zip(prompts, params_list, loras or [None] * len(prompts),
-                                                      priorities or [0] * len(prompts)):
+            for prompt, params, lora, priority, pooling_params in zip(
+                    prompts, params_list, loras or [None] * len(prompts), priorities or [0] * len(prompts),
+                    pooling or [None] * len(prompts)):
                 request_id = f"gen-{self._counter}"
                 self._counter += 1
-                ids.append(engine.add_request(request_id, prompt, params, lora_request=lora, priority=priority))
+                ids.append(engine.add_request(request_id, prompt, params, lora_request=lora, priority=priority,
+                                              pooling_params=pooling_params))
         except Exception:
             for request_id in ids:
                 engine.abort_request(request_id)
@@ -232,7 +270,8 @@ class LLM:
                     for out in engine.step():
                         if out.finished and out.request_id in wanted:
                             finished[out.request_id] = out
-                            num_tokens += sum(len(c.token_ids) for c in out.outputs)
+                            if isinstance(out, RequestOutput):   # (a pooled prompt generates none)
+                                num_tokens += sum(len(c.token_ids) for c in out.outputs)
                             bar.update(1)
                             elapsed = max(time.perf_counter() - start, 1e-9)
                             bar.set_postfix_str(f"output {num_tokens / elapsed:.1f} tok/s")

@@ -63,3 +63,46 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: Any = None
     lora_request: Any = None   # the LoRARequest it ran with (None: the base model)
+
+
+@dataclass
+class PoolingOutput:
+    """A pooled request's result (runner="pooling"): `data`, its embedding as f32[dims]."""
+
+    data: Any
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What `LLM.encode` and `AsyncLLM.encode` hand back for one prompt (vLLM's type)."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: Any = None   # AsyncLLM: the request's times (RequestTimes)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What `LLM.embed` hands back for one prompt (vLLM's type): `outputs.embedding`, a list of floats."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+        return cls(output.request_id, EmbeddingOutput([float(x) for x in output.outputs.data]),
+                   output.prompt_token_ids, output.finished)

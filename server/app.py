@@ -26,10 +26,11 @@ from jaxpaged.chat_utils import render_chat
 from jaxpaged.engine.async_llm import EngineOverloadedError
 from jaxpaged.sampling_params import truncate_prompt
 from jaxpaged.server import protocol as P
+from jaxpaged.server.embeddings import create_embeddings
 from jaxpaged.server.json_body import default_max_request_body_bytes, read_json
 from jaxpaged.server.metrics import MetricsExporter
-from jaxpaged.server.response_types import ModelList
 from jaxpaged.server.openapi import openapi_schema
+from jaxpaged.server.response_types import ModelList
 from jaxpaged.server.responses import Reply, internal_error, prepend
 from jaxpaged.server.tools import ToolSettings, plan_tools
 from jaxpaged.server.vllm_types import (DetokenizeRequest, LoadLoRAAdapterRequest, TokenizeRequest,
@@ -227,6 +228,9 @@ class _Server:
             return Response(status_code=499)
         return _json(reply.whole(finals))
 
+    async def embeddings(self, request: Request) -> Response:
+        return _json(await create_embeddings(self, await self.read_json(request)))
+
     # ---- the other routes ----------------------------------------------------------------
     async def models(self, request: Request) -> Response:
         data = [{"id": name, "object": "model", "created": self.created, "owned_by": "jaxpaged",
@@ -364,7 +368,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, api
     server = _Server(engine, served_model_names, api_key, tool_settings, chat_template, vllm_metric_names,
                      lora_modules, max_request_body_bytes)
     table = [("/v1/completions", server.completions, "POST"), ("/v1/chat/completions", server.chat, "POST"),
-             ("/v1/models", server.models, "GET"), ("/health", server.health, "GET"),
+             ("/v1/embeddings", server.embeddings, "POST"), ("/v1/models", server.models, "GET"), ("/health", server.health, "GET"),
              ("/metrics", server.metrics_text, "GET"), ("/tokenize", server.tokenize, "POST"),
              ("/detokenize", server.detokenize, "POST"), ("/version", server.version, "GET"),
              ("/openapi.json", server.openapi, "GET"),

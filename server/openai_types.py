@@ -240,3 +240,17 @@ class ChatCompletionRequest(_Request):
         if value == "required" and not names:
             raise ValueError('"required" needs tools to call')
         return value
+
+
+class EmbeddingRequest(_Strict):
+    """/v1/embeddings (a server with --runner pooling); keys beyond these are ignored, as vLLM has more."""
+    model: str | None = None
+    input: str | Annotated[list[str], Field(min_length=1)] | Annotated[list[int], Field(min_length=1)] | \
+        Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)] = Field(
+            description="a string, a non-empty list of strings, a list of token ids or a list of token-id lists")
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: Annotated[int, Field(ge=1)] | None = None   # Matryoshka models only
+    user: str | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None   # vLLM's
+    add_special_tokens: bool | None = None   # vLLM's: the tokenizer's BOS for a text input (default true)
+    priority: int | None = None   # vLLM's: --scheduling-policy priority

@@ -3,9 +3,9 @@
 from pydantic.json_schema import models_json_schema
 
 import jaxpaged
-from jaxpaged.server.openai_types import ChatCompletionRequest, CompletionRequest
+from jaxpaged.server.openai_types import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from jaxpaged.server.response_types import (ChatCompletionChunk, ChatCompletionResponse, CompletionResponse,
-                                            ErrorResponse, ModelList)
+                                            EmbeddingResponse, ErrorResponse, ModelList)
 
 _REF = "#/components/schemas/{model}"
 
@@ -14,21 +14,24 @@ def openapi_schema() -> dict:
     """The OpenAPI 3.1 document of the /v1 routes, generated from the models above."""
     models = [(CompletionRequest, "validation"), (ChatCompletionRequest, "validation"),
               (CompletionResponse, "serialization"), (ChatCompletionResponse, "serialization"),
-              (ChatCompletionChunk, "serialization"), (ModelList, "serialization"), (ErrorResponse, "serialization")]
+              (ChatCompletionChunk, "serialization"), (ModelList, "serialization"), (ErrorResponse, "serialization"),
+              (EmbeddingRequest, "validation"), (EmbeddingResponse, "serialization")]
     refs, defs = models_json_schema(models, ref_template=_REF)
 
     def ref(model) -> dict:
         return refs[(model, "validation" if model.__name__.endswith("Request") else "serialization")]
 
     def post(request, ok, chunk, summary: str) -> dict:
+        content = {"application/json": {"schema": ref(ok)}}
+        if chunk is not None:
+            content["text/event-stream"] = {"schema": ref(chunk)}
         return {"post": {
             "summary": summary,
             "requestBody": {"required": True, "content": {"application/json": {"schema": ref(request)}}},
             "responses": {
                 "200": {"description": "the response; with stream true, Server-Sent Events of chunks, then "
                                        "`data: [DONE]`",
-                        "content": {"application/json": {"schema": ref(ok)},
-                                    "text/event-stream": {"schema": ref(chunk)}}},
+                        "content": content},
                 "400": {"description": "a bad request; `param` names the field",
                         "content": {"application/json": {"schema": ref(ErrorResponse)}}},
                 "413": {"description": "a body above the server's --max-request-body-bytes, refused unread",
@@ -39,6 +42,8 @@ def openapi_schema() -> dict:
     paths = {"/v1/completions": post(CompletionRequest, CompletionResponse, CompletionResponse, "Complete prompts"),
              "/v1/chat/completions": post(ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk,
                                           "Answer a conversation"),
+             "/v1/embeddings": post(EmbeddingRequest, EmbeddingResponse, None,
+                                    "Embed inputs (a server with --runner pooling)"),
              "/v1/models": {"get": {"summary": "List the served models", "responses": models}}}
     return {"openapi": "3.1.0", "info": {"title": "jaxpaged", "version": getattr(jaxpaged, "__version__", "0.1.0")},
             "paths": paths, "components": {"schemas": defs.get("$defs", {})}}

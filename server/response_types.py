@@ -165,3 +165,23 @@ class ModelCard(_Out):
 class ModelList(_Out):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class EmbeddingData(_Out):
+    index: int
+    object: Literal["embedding"]
+    embedding: list[float] | str   # str: base64 of the little-endian float32 values (encoding_format)
+
+
+class EmbeddingUsage(_Out):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(_Out):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage

@@ -50,6 +50,8 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     preemption_mode: str = "auto"             # "auto" (swap or recompute, whichever costs less) | "recompute" | "swap"
     scheduling_policy: str = "fcfs"           # "fcfs" | "priority" (requests' priority: the lower, the sooner)
+    runner: str = "auto"                      # "generate" | "pooling" (embeddings: LLM.embed) | "auto" (generate)
+    pooler_config: object = None              # runner="pooling": a PoolerConfig, dict or JSON (None: the model's)
     async_scheduling: bool = True             # plan and prepare step t+1 while the device runs step t
     served_model_name: str | None = None
     generation_config: str = "auto"          # auto: the model's generation_config.json; vllm: ignore it; or a folder
@@ -123,6 +125,10 @@ class EngineArgs:
         from jaxpaged.core.preemption import PREEMPTION_MODES
         require("preemption_mode", self.preemption_mode in PREEMPTION_MODES,
                 f"one of {', '.join(repr(m) for m in PREEMPTION_MODES)}")
+        from jaxpaged.pooling_params import RUNNERS
+        require("runner", self.runner in RUNNERS, f"one of {', '.join(repr(r) for r in RUNNERS)}")
+        require("pooler_config", self.pooler_config is None or self.runner == "pooling",
+                'None unless runner="pooling"')
         from jaxpaged.core.request_queue import SCHEDULING_POLICIES
         require("scheduling_policy", self.scheduling_policy in SCHEDULING_POLICIES,
                 f"one of {', '.join(repr(p) for p in SCHEDULING_POLICIES)}")
@@ -145,6 +151,7 @@ class EngineArgs:
         spec = SpeculativeConfig.parse(self.speculative_config)   # ValueErrors name the key and what it allows
         require("speculative_config", spec is None or spec.method != "draft_model" or self.num_nodes == 1,
                 "prompt lookup (method 'ngram') when num_nodes > 1 (a draft model runs on one host only)")
+        require("speculative_config", spec is None or self.runner != "pooling", 'None with runner="pooling"')
         require("enable_lora", isinstance(self.enable_lora, bool), "True or False")
         require("enable_sleep_mode", isinstance(self.enable_sleep_mode, bool), "True or False")
         require("max_loras", isinstance(self.max_loras, int) and self.max_loras >= 1, "an int >= 1")

@@ -27,7 +27,8 @@ from jaxpaged.engine.async_outputs import EngineRequestError, OutputThread
 from jaxpaged.engine.llm_engine import LLMEngine, StepFailedError
 from jaxpaged.engine.research import AsyncResearchMixin
 from jaxpaged.engine.streams import CLOSED, RequestMetrics, Stream, merge_deltas, resolve, resolve_value
-from jaxpaged.outputs import RequestOutput
+from jaxpaged.outputs import PoolingRequestOutput, RequestOutput
+from jaxpaged.pooling_params import PoolingParams
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["AsyncLLM", "EngineOverloadedError", "EngineRequestError", "RequestMetrics"]
@@ -107,12 +108,35 @@ class AsyncLLM(AsyncResearchMixin, OutputThread):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         if output_kind not in ("delta", "cumulative"):
             raise ValueError(f"output_kind must be 'delta' or 'cumulative', got {output_kind!r}")
-        request_id = uuid.uuid4().hex if request_id is None else str(request_id)
         params = (sampling_params or SamplingParams()).clone()   # the engine thread owns this copy
         params.output_kind = RequestOutputKind.DELTA
+        # (aclosing: a consumer that stops closes the request's generator at once, which aborts it)
+        async with contextlib.aclosing(self._request(request_id, (prompt, params, lora_request, priority, None),
+                                                     output_kind)) as outputs:
+            async for item in outputs:
+                yield item
+
+    async def encode(self, prompt: str | list[int] | dict, pooling_params: PoolingParams | None = None,
+                     request_id: str | None = None, lora_request=None,
+                     priority: int = 0) -> AsyncIterator[PoolingRequestOutput]:
+        """Pool one prompt (an engine with runner="pooling"): yields its one PoolingRequestOutput.
+        Errors as generate's."""
+        if not self.is_running:
+            raise RuntimeError("AsyncLLM is shut down")
+        if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
+            raise ValueError(f"pooling_params must be a PoolingParams, got {type(pooling_params).__name__}")
+        async with contextlib.aclosing(self._request(request_id, (prompt, None, lora_request, priority,
+                                                                  pooling_params or PoolingParams()),
+                                                     "delta")) as outputs:
+            async for item in outputs:
+                yield item
+
+    async def _request(self, request_id: str | None, inputs: tuple, output_kind: str):
+        """One request's outputs (inputs: prompt, SamplingParams, LoRA, priority, PoolingParams)."""
+        request_id = uuid.uuid4().hex if request_id is None else str(request_id)
         total: RequestOutput | None = None   # "cumulative": the deltas joined so far
         stream = Stream(asyncio.get_running_loop())
-        if not self._send(("add", stream, request_id, prompt, params, lora_request, priority)):
+        if not self._send(("add", stream, request_id, *inputs)):
             raise RuntimeError("AsyncLLM is shut down")
         finished = False
         try:
@@ -256,7 +280,7 @@ class AsyncLLM(AsyncResearchMixin, OutputThread):
             self._publish_metrics()
             return
         if command[0] == "add":
-            _, stream, request_id, prompt, params, lora_request, priority = command
+            _, stream, request_id, prompt, params, lora_request, priority, pooling_params = command
             if stopping:
                 stream.resolve_added(RuntimeError("AsyncLLM is shut down"))
                 return
@@ -268,7 +292,8 @@ class AsyncLLM(AsyncResearchMixin, OutputThread):
                 return
             try:
                 self.engine.add_request(request_id, prompt, params, arrival_time=stream.arrival_monotonic,
-                                        lora_request=lora_request, priority=priority)
+                                        lora_request=lora_request, priority=priority,
+                                        pooling_params=pooling_params)
             except Exception as exc:   # ValueError: bad input; anything else: one request's failure
                 stream.resolve_added(exc)
                 return
@@ -365,3 +390,4 @@ def _copy_tokenizer(tokenizer):
     except Exception:   # an uncopyable tokenizer: share it (fine for the usual fast tokenizers)
         logger.warning("could not copy the tokenizer; callers share the engine's")
         return tokenizer
+

@@ -47,7 +47,9 @@ class OutputThread:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            if stream.metrics.first_token_time is None and any(c.token_ids for c in out.outputs):
+            # (a pooled prompt's one output: its result is its first "token")
+            if stream.metrics.first_token_time is None and (not isinstance(out, RequestOutput)
+                                                            or any(c.token_ids for c in out.outputs)):
                 stream.metrics.first_token_time = now
             if out.finished:
                 stream.metrics.finished_time = now

@@ -49,6 +49,7 @@ class DataParallelEngine:
         self.model_name = first.model_name
         self.generation_defaults = first.generation_defaults
         self.eos_token_ids = first.eos_token_ids
+        self.pooling = first.pooling                # runner="pooling": every replica pools
         self._owner: dict[str, LLMEngine] = {}      # request id -> its replica
         self._ids = itertools.count()
         self._held: list[RequestOutput] = []        # outputs of a step round in which a replica failed
@@ -66,12 +67,14 @@ class DataParallelEngine:
         return min(candidates, key=lambda e: (e.get_num_unfinished_requests(), e.data_rank))
 
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, lora_request=None, priority: int = 0) -> str:
+                    arrival_time: float | None = None, lora_request=None, priority: int = 0,
+                    pooling_params=None) -> str:
         first = self.engines[0]
         processor = first.input_processor   # ValueError on a bad prompt, before anything is queued
         text, token_ids = processor.tokenize(prompt)
         salt = processor.cache_salt(prompt)
-        token_ids = processor.truncate(token_ids, getattr(params, "truncate_prompt_tokens", None))
+        asks = pooling_params if pooling_params is not None else params   # either carries truncate_prompt_tokens
+        token_ids = processor.truncate(token_ids, getattr(asks, "truncate_prompt_tokens", None))
         if request_id is None:   # a fresh id the caller has not taken
             request_id = next(i for i in (f"dp-{n}" for n in self._ids) if i not in self._owner)
         request_id = str(request_id)
@@ -83,7 +86,7 @@ class DataParallelEngine:
             tokenized["prompt"] = text
         if salt is not None:
             tokenized["cache_salt"] = salt
-        engine.add_request(request_id, tokenized, params, arrival_time, lora_request, priority)
+        engine.add_request(request_id, tokenized, params, arrival_time, lora_request, priority, pooling_params)
         self._owner[request_id] = engine
         return request_id
 

@@ -37,6 +37,7 @@ from jaxpaged.engine.metrics import PREFIX, EngineMetrics
 from jaxpaged.engine.spec_decode import SpeculativeConfig, Speculator
 from jaxpaged.engine.research import ResearchMixin
 from jaxpaged.engine.output_processor import OutputProcessor, RequestState, SequenceState
+from jaxpaged.engine.pooling import Pooling, no_pooling_params
 from jaxpaged.engine.startup import (build_draft_proposer, build_runner, build_scheduler, load_draft_model,
                                      load_model_and_tokenizer)
 from jaxpaged.runner.structured_outputs import GrammarCompiler
@@ -76,7 +77,10 @@ class LLMEngine(ResearchMixin):
                                                                                self.max_model_len, self.model_config)
         self.metrics = EngineMetrics()
         self._rng = np.random.default_rng(args.seed)
-        self.output_processor = OutputProcessor(self.tokenizer)   # what users see: text, stops, RequestOutputs
+        # runner="pooling": prompts pooled into embeddings instead of generated from (engine/pooling.py)
+        self.pooling = Pooling(args.pooler_config, source if os.path.isdir(source) else None, self.loaded.hf_config,
+                               self.model_config.hidden_size) if args.runner == "pooling" else None
+        self.output_processor = OutputProcessor(self.tokenizer, self.pooling)   # what users see: text, stops
         # step(defer_outputs=True), AsyncLLM's: completed steps wait in take_completed() for its output
         # thread, which builds their outputs off the loop that schedules and launches steps
         self._defer_outputs = False
@@ -110,16 +114,21 @@ class LLMEngine(ResearchMixin):
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int] | dict,
                     params: SamplingParams | None = None, arrival_time: float | None = None,
-                    lora_request=None, priority: int = 0) -> str:
+                    lora_request=None, priority: int = 0, pooling_params=None) -> str:
         """Validate and queue a request; raises ValueError (and queues nothing) on bad input.
         `lora_request`: a LoRARequest (the engine needs enable_lora), read from its folder now.
-        `priority` (scheduling_policy="priority"): the lower, the sooner it runs; else it must be 0."""
+        `priority` (scheduling_policy="priority"): the lower, the sooner it runs; else it must be 0.
+        `pooling_params` (runner="pooling", which takes no `params`): the prompt is pooled, not generated from."""
         if self.runner.is_sleeping:
             raise ValueError("the engine is sleeping: call wake_up() before adding requests")
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        params = self.generation_defaults.apply(params)
+        if self.pooling is not None:
+            params, pooling_params = self.pooling.request_params(params, pooling_params)
+        else:
+            no_pooling_params(pooling_params)
+            params = params or SamplingParams()
+            if not isinstance(params, SamplingParams):
+                raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+            params = self.generation_defaults.apply(params)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.output_processor.states:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -143,6 +152,7 @@ class LLMEngine(ResearchMixin):
             request.constrain(matchers[i], processed.bad_words_token_ids)
             sequences.append(SequenceState(request, i, self.tokenizer, request_id))
         state = RequestState(request_id, text, token_ids, sequences, lora_request)
+        state.pooling_params = pooling_params
         # n > 1: one sequence prefills; the others fork off it (sharing its blocks) when it samples
         parent = sequences[0].request
         parent.pending_forks = [seq.request for seq in sequences[1:]]

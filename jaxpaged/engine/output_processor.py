@@ -41,6 +41,7 @@ class SequenceState:
         self.num_dropped = 0                   # of the last step's tokens, those after a stop string
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.pooled = None                     # runner="pooling": its prompt's pooled hidden state, once computed
         # DELTA: how much earlier outputs carried. The text's last `text_hold_back` characters
         # wait until the request ends: they may be the start of a stop string, which the final
         # text drops, and a sent delta can't be taken back.
@@ -93,6 +94,7 @@ class RequestState:
         self.wants_prompt_logprobs = params.prompt_logprobs is not None
         self.output_kind = params.output_kind
         self.num_sent_prompt_logprobs: int | None = None   # DELTA: None until an output carried them
+        self.pooling_params = None   # runner="pooling": its PoolingParams (its output: a PoolingRequestOutput)
 
     @property
     def finished(self) -> bool:
@@ -218,8 +220,9 @@ class OutputProcessor:
     asks for. It reads a step's results (StepResult, and the scheduler's StepUpdate) and never
     changes a core request: a stop string it finds is handed back, for the engine to finish."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, pooling=None):
         self.tokenizer = tokenizer
+        self.pooling = pooling   # runner="pooling": engine/pooling.py's Pooling, which builds pooled outputs
         self.states: dict[str, RequestState] = {}
         self.seqs: dict[str, SequenceState] = {}   # core request id -> its sequence
         self.num_dropped_tokens = 0   # sampled after a stop string (speculative decoding), taken back
@@ -278,6 +281,8 @@ class OutputProcessor:
                     token = result.token(row)
                     seq.token_ids.append(token.token_id)
                     record_logprobs(seq, token, self.tokenizer)
+            if result.pooled:
+                seq.pooled = result.pooled.get(request.request_id, seq.pooled)
             if seq.text_each_step:
                 text_now.append(seq)
         for request, status, stop_reason in update.finished:
@@ -311,7 +316,10 @@ class OutputProcessor:
             state = self.states.get(request_id)
             if state is None:
                 continue
-            output = state.output(seqs)
+            if state.pooling_params is not None:
+                output = self.pooling.output(state, state.sequences[0].pooled) if state.finished else None
+            else:
+                output = state.output(seqs)
             if output is not None:
                 outputs.append(output)
             if state.finished:

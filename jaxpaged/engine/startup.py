@@ -136,7 +136,8 @@ def _new_runner(args: EngineArgs, loaded: LoadedModel, num_blocks: int, max_mode
                        max_logprobs=args.max_logprobs,
                        calculate_kv_scales=args.calculate_kv_scales,
                        num_speculative_tokens=_num_speculative_tokens(args),
-                       compiler_options=xla_compiler_options(args.optimization_level))
+                       compiler_options=xla_compiler_options(args.optimization_level),
+                       pooling=args.runner == "pooling")
 
 
 def _num_speculative_tokens(args: EngineArgs) -> int:

@@ -69,6 +69,7 @@ class _Pending:
     num_logprobs: int
     packed: jax.Array | None = None                   # f32[S * (4 + 2K)], a row per sample row (step_results.py)
     tokens: jax.Array | None = None                   # i32[MAX_ROWS]: sampled tokens, for the next step
+    pooled_rows: jax.Array | None = None              # [S, hidden]: a pooling runner's sample rows' hidden states
     _row_of: dict | None = None
 
     @property
@@ -92,8 +93,11 @@ class ModelRunner(CompiledStep, DeviceMemory):
                  max_num_batched_tokens: int, kv_dtype=None, num_host_blocks: int = 0, host_cache_slots: int = 0,
                  max_logprobs: int = MAX_LOGPROBS, calculate_kv_scales: bool = False,
                  num_speculative_tokens: int = 0, compiler_options: dict | None = None,
-                 greedy_only: bool = False):
+                 greedy_only: bool = False, pooling: bool = False):
         self.model_config = model.config
+        # runner="pooling": each step also brings back its sample rows' hidden states (a prompt's last
+        # token's: its embedding, once final-normed); their sampled tokens are not used
+        self.pooling = pooling
         # every request it runs samples plain greedy, without prompt logprobs (a draft model's runner):
         # no prompt-logprobs programs to compile, and with host_branches one sampler kind
         self.greedy_only = greedy_only
@@ -288,7 +292,8 @@ class ModelRunner(CompiledStep, DeviceMemory):
                               inputs.buffer)
         prev_tokens = prev.tokens if prev is not None else self._no_prev_tokens
         sample_rows, prompt_packed = self.run_forward(shape, inputs.buffer, prev_tokens, bool(inputs.lp_rows))
-        return _Pending(inputs, sample_rows, prompt_packed if inputs.lp_rows else None, self.max_logprobs)
+        return _Pending(inputs, sample_rows, prompt_packed if inputs.lp_rows else None, self.max_logprobs,
+                        pooled_rows=sample_rows.hidden if self.pooling else None)
 
     def run_forward(self, shape: BatchShape, buffer: np.ndarray, prev_tokens: jax.Array,
                     prompt_logprobs: bool = False):
@@ -322,7 +327,7 @@ class ModelRunner(CompiledStep, DeviceMemory):
         # on an accelerator the device->host copy starts as soon as the step ends, not when fetch asks
         # (a CPU's arrays are in host memory already: there the call only waits for the step)
         if self.copy_results_early:
-            for out in (pending.packed, pending.prompt_packed):
+            for out in (pending.packed, pending.prompt_packed, pending.pooled_rows):
                 if out is not None and out.is_fully_addressable:
                     out.copy_to_host_async()
 
@@ -355,7 +360,20 @@ class ModelRunner(CompiledStep, DeviceMemory):
         inputs = pending.inputs
         K = pending.num_logprobs
         prompt = unpack_prompt_logprobs(_to_host(pending.prompt_packed), inputs.lp_rows, K) if inputs.lp_rows else {}
-        return StepResult(inputs.requests, inputs.rows, _to_host(pending.packed), K, prompt, inputs.spec_rows)
+        result = StepResult(inputs.requests, inputs.rows, _to_host(pending.packed), K, prompt, inputs.spec_rows)
+        if pending.pooled_rows is not None and inputs.rows:
+            pooled = self._final_norm(_to_host(pending.pooled_rows)[inputs.rows])
+            result.pooled = {request.request_id: vector for request, vector in zip(inputs.requests, pooled)}
+        return result
+
+    def _final_norm(self, hidden: np.ndarray) -> np.ndarray:
+        """f32 rows of the hidden states the LM head would read: the model's final RMSNorm (compute_logits'
+        first step, models/llama.rms_norm), on the host: a few rows per step, no program per row count."""
+        cfg = self.model_config
+        weight = _to_host(self.state["final_norm"].get_value()).astype(np.float32)
+        x = hidden.astype(np.float32)
+        x = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(cfg.rms_norm_eps))
+        return x * (weight + np.float32(cfg.norm_offset))
 
 
 def _to_host(x: jax.Array) -> np.ndarray:

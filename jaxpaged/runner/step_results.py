@@ -49,6 +49,7 @@ class StepResult:
         self.token_ids: list[int] = _as_int(picked[:, 0]).tolist()
         self.logprobs: list[float] = picked[:, 1].tolist()
         self.prompt_logprobs = prompt_logprobs or {}
+        self.pooled: dict[str, np.ndarray] = {}   # runner="pooling": request id -> its final-normed last hidden state
         self.kept: dict[str, list[int]] = {}
         self.kept_rows: dict[str, list[int]] = {}
         self.num_drafts: dict[str, int] = {}

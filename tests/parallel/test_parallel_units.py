@@ -200,4 +200,4 @@ def test_the_chosen_replica_gets_the_requests_priority():
     dp = object.__new__(DataParallelEngine)
     dp.engines, dp._owner, dp._ids = [replica], {}, itertools.count()
     dp.add_request("a", [5, 6, 7], SamplingParams(max_tokens=1), priority=-2)
-    assert added == [("a", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=1), None, None, -2)]
+    assert added == [("a", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=1), None, None, -2, None)]

@@ -150,3 +150,8 @@ def test_continuous_usage_stats_put_each_choices_usage_so_far_in_every_chunk(cli
     assert finals == [4, 4] and chat[-1].usage.completion_tokens == 8
     plain = list(client.completions.create(**kw, stream_options={"continuous_usage_stats": True}))
     assert all(c.usage is None for c in plain)
+
+
+def test_embeddings_on_a_generating_server_say_so(url):
+    reply = HTTP.post(url + "/v1/embeddings", json={"model": MODEL, "input": "Hello"})
+    assert reply.status_code == 400 and "does not support Embeddings API" in reply.json()["error"]["message"]

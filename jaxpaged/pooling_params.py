@@ -1,0 +1,115 @@
+"""Embeddings (vLLM's pooling runner): what a request asks (PoolingParams), how the model pools
+(PoolerConfig), and the host's last touch on a pooled vector (dimensions, normalization).
+
+An engine made with `runner="pooling"` runs each prompt once and hands back its embedding: the
+final-normed hidden state of the prompt's last token (pooling_type "LAST", vLLM's default for a
+causal LM used as an embedding model), L2-normalized unless asked not to. A sentence-transformers
+checkpoint's own pooling (modules.json, 1_Pooling/config.json) decides instead where it has one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+
+RUNNERS = ("auto", "generate", "pooling")
+POOLING_TYPES = ("LAST",)   # MEAN and CLS (the hidden states of every prompt token) are not built yet
+
+
+@dataclasses.dataclass
+class PoolerConfig:
+    """vLLM's PoolerConfig: how every request's embedding is pooled (`pooler_config=` / --pooler-config)."""
+
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pooling_type, str) or self.pooling_type.upper() not in POOLING_TYPES:
+            raise ValueError(f"pooler_config.pooling_type must be one of {', '.join(POOLING_TYPES)}, got "
+                             f"{self.pooling_type!r} (MEAN and CLS pooling are not supported yet)")
+        self.pooling_type = self.pooling_type.upper()
+        if not isinstance(self.normalize, bool):
+            raise ValueError(f"pooler_config.normalize must be True or False, got {self.normalize!r}")
+
+    @classmethod
+    def of(cls, value: PoolerConfig | dict | str | None, model_path: str | None) -> PoolerConfig:
+        """The engine's pooler: `value` as given (a PoolerConfig, a dict or its JSON), else the
+        checkpoint's sentence-transformers pooling, else LAST with normalization."""
+        if isinstance(value, PoolerConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"pooler_config must be a JSON object, got {value!r}: {exc}") from None
+        if value is None:
+            return sentence_transformers_pooler(model_path) or cls()
+        if not isinstance(value, dict) or set(value) - {"pooling_type", "normalize"}:
+            raise ValueError(f"pooler_config takes pooling_type and normalize, got {value!r}")
+        return cls(**value)
+
+
+def sentence_transformers_pooler(model_path: str | None) -> PoolerConfig | None:
+    """The pooling a sentence-transformers checkpoint declares (modules.json: a Pooling module's
+    config, a Normalize module), or None when the folder has none. A pooling this engine has not
+    built is an error, never replaced by another."""
+    modules_file = os.path.join(model_path, "modules.json") if model_path and os.path.isdir(model_path) else None
+    if modules_file is None or not os.path.exists(modules_file):
+        return None
+    with open(modules_file) as f:
+        modules = json.load(f)
+    kinds = {m.get("type", "").rsplit(".", 1)[-1]: m.get("path", "") for m in modules}
+    if "Pooling" not in kinds:
+        return None
+    with open(os.path.join(model_path, kinds["Pooling"], "config.json")) as f:
+        modes = [k[len("pooling_mode_"):] for k, on in json.load(f).items() if k.startswith("pooling_mode_") and on]
+    if modes != ["lasttoken"]:
+        raise ValueError(f"the checkpoint's sentence-transformers pooling is {modes}; only last-token pooling "
+                         "is supported: pass pooler_config={'pooling_type': 'LAST'} to use it anyway")
+    return PoolerConfig("LAST", normalize="Normalize" in kinds)
+
+
+@dataclasses.dataclass
+class PoolingParams:
+    """What one embedding request asks (vLLM's PoolingParams): `dimensions`, the first k of the
+    embedding (Matryoshka models only), `normalize` (None: the pooler's), `truncate_prompt_tokens`
+    (the prompt's last k tokens; -1: as many as fit)."""
+
+    truncate_prompt_tokens: int | None = None
+    dimensions: int | None = None
+    normalize: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.dimensions is not None and (isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)
+                                            or self.dimensions < 1):
+            raise ValueError(f"dimensions must be None or an int >= 1, got {self.dimensions!r}")
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise ValueError(f"normalize must be None, True or False, got {self.normalize!r}")
+        t = self.truncate_prompt_tokens
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < -1 or t == 0):
+            raise ValueError(f"truncate_prompt_tokens must be None, -1 or an int >= 1, got {t!r}")
+
+    def verify(self, hidden_size: int, matryoshka: bool) -> None:
+        """ValueError for `dimensions` the model cannot give (as vLLM: Matryoshka models only)."""
+        if self.dimensions is None:
+            return
+        if not matryoshka:
+            raise ValueError(f"dimensions={self.dimensions}: the model does not support Matryoshka "
+                             "representation (its config sets no is_matryoshka or matryoshka_dimensions); "
+                             "allowed: None")
+        if self.dimensions > hidden_size:
+            raise ValueError(f"dimensions={self.dimensions} is more than the model's {hidden_size}; "
+                             f"allowed: None or [1, {hidden_size}]")
+
+
+def finish_embedding(vector: np.ndarray, params: PoolingParams, pooler: PoolerConfig) -> np.ndarray:
+    """A pooled vector as the request asks: its first `dimensions`, then L2-normalized (by default)."""
+    vector = np.asarray(vector, np.float32)
+    if params.dimensions is not None:
+        vector = vector[:params.dimensions]
+    if pooler.normalize if params.normalize is None else params.normalize:
+        vector = vector / max(float(np.linalg.norm(vector)), 1e-12)
+    return vector
