@@ -38,18 +38,12 @@ class PoolerConfig:
     def of(cls, value: PoolerConfig | dict | str | None, model_path: str | None) -> PoolerConfig:
         """The engine's pooler: `value` as given (a PoolerConfig, a dict or its JSON), else the
         checkpoint's sentence-transformers pooling, else LAST with normalization."""
+        from jaxpaged.engine.arg_utils import json_config
         if isinstance(value, PoolerConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"pooler_config must be a JSON object, got {value!r}: {exc}") from None
         if value is None:
             return sentence_transformers_pooler(model_path) or cls()
-        if not isinstance(value, dict) or set(value) - {"pooling_type", "normalize"}:
-            raise ValueError(f"pooler_config takes pooling_type and normalize, got {value!r}")
-        return cls(**value)
+        return cls(**json_config("pooler_config", value, [f.name for f in dataclasses.fields(cls)]))
 
 
 def sentence_transformers_pooler(model_path: str | None) -> PoolerConfig | None:

@@ -177,7 +177,7 @@ class Scheduler(StepUpdates):
         seats = sum(map(self._num_seats, self.running))
         # multi-LoRA: a request whose adapter would be one too many waits (others pass it)
         loras = {r.lora_int_id for r in self.running if r.lora_int_id}
-        # swapped requests come back before any new request is admitted
+        # swapped requests come back before any new request is admitted ("priority": one that outranks them)
         while self.swapped and budget > 0 and not preempted:
             request = self.swapped.peek()
             if self.waiting and self._outranks_swapped(self.waiting.peek()):

@@ -1,6 +1,7 @@
 """Engine arguments, with vLLM's names and meanings."""
 
 import dataclasses
+import json
 import os
 
 from jaxpaged.models.quantization import ALLOWED as QUANTIZATIONS
@@ -21,6 +22,22 @@ def xla_compiler_options(optimization_level: int) -> dict:
     level holds whatever a process's XLA_FLAGS say for its other programs (a test suite compiles its
     own at 0)."""
     return {"xla_backend_optimization_level": optimization_level if optimization_level < 2 else 3}
+
+
+def json_config(name: str, value, keys) -> dict:
+    """A dict-valued engine argument (speculative_config, pooler_config) as a dict: given as one, or as
+    a JSON string of one (the CLI's); ValueError naming the argument for anything else or a key not in `keys`."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name} must be a JSON object, got {value!r} ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a dict, got {type(value).__name__}")
+    unknown = set(value) - set(keys)
+    if unknown:
+        raise ValueError(f"{name} has unknown key(s) {sorted(unknown)}; allowed: {list(keys)}")
+    return dict(value)
 
 
 @dataclasses.dataclass

@@ -25,7 +25,6 @@ proposed for: they decode as without speculation. Beam search and speculation to
 """
 
 import dataclasses
-import json
 
 import numpy as np
 
@@ -48,18 +47,8 @@ class SpeculativeConfig:
         """None, a dict with vLLM's keys, a JSON string of one (the CLI's), or a SpeculativeConfig."""
         if value is None or isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"speculative_config must be a JSON object, got {value!r} ({exc})") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a dict, got {type(value).__name__}")
-        value = dict(value)
-        unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"speculative_config has unknown key(s) {sorted(unknown)}; allowed: "
-                             f"{[f.name for f in dataclasses.fields(cls)]}")
+        from jaxpaged.engine.arg_utils import json_config
+        value = json_config("speculative_config", value, [f.name for f in dataclasses.fields(cls)])
         if "method" not in value:
             value["method"] = "draft_model" if value.get("model") else "ngram"
         return cls(**value)

@@ -62,3 +62,24 @@ def wait_idle(url: str, timeout: float = 15.0) -> dict:
             return values
         assert time.monotonic() < deadline, f"still busy: {values}"
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def serving_tiny_engine(**overrides):
+    """A tiny AsyncLLM (test_async_llm.tiny_engine_args(**overrides)) served under MODEL; yields its URL."""
+    from jaxpaged import AsyncLLM
+    from jaxpaged.server import build_app
+    from tests.server.test_async_llm import tiny_engine_args
+
+    engine = AsyncLLM.from_engine_args(tiny_engine_args(**overrides), use_tqdm=False)
+    try:
+        with serving(build_app(engine, [MODEL])) as urls:
+            yield urls[0]
+    finally:
+        engine.shutdown()
+
+
+def openai_client(url: str):
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)

@@ -3,27 +3,21 @@ input's embedding is transformers' last hidden state, normalized; bad bodies are
 and the generation routes say this model does not generate."""
 
 import numpy as np
-import openai
 import pytest
 
-from jaxpaged import AsyncLLM
-from jaxpaged.server import build_app
 from tests.engine.test_embed import hf_last_hidden, unit
-from tests.server.helpers import HTTP, MODEL, serving
-from tests.server.test_async_llm import tiny_engine_args
+from tests.server.helpers import HTTP, MODEL, openai_client, serving_tiny_engine
 
 
 @pytest.fixture(scope="module")
 def url():
-    engine = AsyncLLM.from_engine_args(tiny_engine_args(runner="pooling", max_num_batched_tokens=16), use_tqdm=False)
-    with serving(build_app(engine, [MODEL])) as urls:
-        yield urls[0]
-    engine.shutdown()
+    with serving_tiny_engine(runner="pooling", max_num_batched_tokens=16) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
 def client(url):
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    return openai_client(url)
 
 
 def test_embeddings_of_token_ids_and_texts_match_transformers(client, url):

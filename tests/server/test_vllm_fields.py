@@ -5,26 +5,20 @@ stream_options.continuous_usage_stats."""
 import itertools
 
 import numpy as np
-import openai
 import pytest
 
-from jaxpaged import AsyncLLM
-from jaxpaged.server import build_app
-from tests.server.helpers import HTTP, MODEL, serving
-from tests.server.test_async_llm import tiny_engine_args
+from tests.server.helpers import HTTP, MODEL, openai_client, serving_tiny_engine
 
 
 @pytest.fixture(scope="module")
 def url():
-    engine = AsyncLLM.from_engine_args(tiny_engine_args(), use_tqdm=False)
-    with serving(build_app(engine, [MODEL])) as urls:
-        yield urls[0]
-    engine.shutdown()
+    with serving_tiny_engine() as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
 def client(url):
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    return openai_client(url)
 
 
 def test_allowed_token_ids_bad_words_and_truncate_prompt_tokens(client, url):
