@@ -106,3 +106,19 @@ class EmbeddingRequestOutput:
     def from_base(cls, output: PoolingRequestOutput) -> "EmbeddingRequestOutput":
         return cls(output.request_id, EmbeddingOutput([float(x) for x in output.outputs.data]),
                    output.prompt_token_ids, output.finished)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """What `LLM.score` hands back for one pair (vLLM's type): `outputs.score`, the cosine similarity of
+    the two texts' embeddings (an embedding model's score)."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]   # the first text's, then the second's
+    finished: bool = True

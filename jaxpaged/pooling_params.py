@@ -19,6 +19,25 @@ RUNNERS = ("auto", "generate", "pooling")
 POOLING_TYPES = ("LAST",)   # MEAN and CLS (the hidden states of every prompt token) are not built yet
 
 
+def resolve_runner(runner: str, hf_config, pooler_config=None) -> str:
+    """The runner an engine runs: "auto" is "pooling" for a bare transformer (a *Model architecture, which
+    has no LM head to generate with), else "generate"; a bare one cannot generate, nor has a generating
+    engine a pooler_config."""
+    from jaxpaged.models.config import BASE_MODEL_ARCHITECTURES
+
+    architectures = getattr(hf_config, "architectures", None) or []
+    bare = bool(architectures) and architectures[0] in BASE_MODEL_ARCHITECTURES
+    if runner == "auto":
+        runner = "pooling" if bare else "generate"
+    if runner == "generate" and pooler_config is not None:
+        raise ValueError("pooler_config must be None with runner='generate' (the model generates): set "
+                         "runner='pooling' to embed")
+    if runner == "generate" and bare:
+        raise ValueError(f"runner='generate' needs a model with an LM head; {architectures[0]} has none (an "
+                         "embedding checkpoint): use runner='pooling' or 'auto'")
+    return runner
+
+
 @dataclasses.dataclass
 class PoolerConfig:
     """vLLM's PoolerConfig: how every request's embedding is pooled (`pooler_config=` / --pooler-config)."""
@@ -97,6 +116,12 @@ class PoolingParams:
         if self.dimensions > hidden_size:
             raise ValueError(f"dimensions={self.dimensions} is more than the model's {hidden_size}; "
                              f"allowed: None or [1, {hidden_size}]")
+
+
+def cosine_similarity(a, b) -> float:
+    """The cosine of the angle between two embeddings (as torch's, with its eps of 1e-8)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(a @ b / max(float(np.linalg.norm(a) * np.linalg.norm(b)), 1e-8))
 
 
 def finish_embedding(vector: np.ndarray, params: PoolingParams, pooler: PoolerConfig) -> np.ndarray:

@@ -26,7 +26,7 @@ from jaxpaged.chat_utils import render_chat
 from jaxpaged.engine.async_llm import EngineOverloadedError
 from jaxpaged.sampling_params import truncate_prompt
 from jaxpaged.server import protocol as P
-from jaxpaged.server.embeddings import create_embeddings
+from jaxpaged.server.embeddings import create_embeddings, create_rerank, create_score
 from jaxpaged.server.json_body import default_max_request_body_bytes, read_json
 from jaxpaged.server.metrics import MetricsExporter
 from jaxpaged.server.openapi import openapi_schema
@@ -231,6 +231,12 @@ class _Server:
     async def embeddings(self, request: Request) -> Response:
         return _json(await create_embeddings(self, await self.read_json(request)))
 
+    async def score(self, request: Request) -> Response:
+        return _json(await create_score(self, await self.read_json(request)))
+
+    async def rerank(self, request: Request) -> Response:
+        return _json(await create_rerank(self, await self.read_json(request)))
+
     # ---- the other routes ----------------------------------------------------------------
     async def models(self, request: Request) -> Response:
         data = [{"id": name, "object": "model", "created": self.created, "owned_by": "jaxpaged",
@@ -368,13 +374,16 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, api
     server = _Server(engine, served_model_names, api_key, tool_settings, chat_template, vllm_metric_names,
                      lora_modules, max_request_body_bytes)
     table = [("/v1/completions", server.completions, "POST"), ("/v1/chat/completions", server.chat, "POST"),
-             ("/v1/embeddings", server.embeddings, "POST"), ("/v1/models", server.models, "GET"), ("/health", server.health, "GET"),
+             ("/v1/embeddings", server.embeddings, "POST"), ("/v1/models", server.models, "GET"),
+             *[(path, server.score, "POST") for path in ("/score", "/v1/score")],
+             *[(path, server.rerank, "POST") for path in ("/rerank", "/v1/rerank", "/v2/rerank")], ("/health", server.health, "GET"),
              ("/metrics", server.metrics_text, "GET"), ("/tokenize", server.tokenize, "POST"),
              ("/detokenize", server.detokenize, "POST"), ("/version", server.version, "GET"),
              ("/openapi.json", server.openapi, "GET"),
              ("/v1/load_lora_adapter", server.load_lora_adapter, "POST"),
              ("/v1/unload_lora_adapter", server.unload_lora_adapter, "POST")]
-    guarded = {"/sleep", "/wake_up", "/is_sleeping"}
+    # besides /v1/*: the routes that run the model or put it to sleep (an API key guards them too)
+    guarded = {"/sleep", "/wake_up", "/is_sleeping", "/score", "/rerank", "/v2/rerank"}
     if enable_sleep_mode:
         table += [("/sleep", server.sleep, "POST"), ("/wake_up", server.wake_up, "POST"),
                   ("/is_sleeping", server.is_sleeping, "GET")]

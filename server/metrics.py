@@ -147,7 +147,8 @@ class MetricsExporter:
     def observe_finished(self, out: RequestOutput) -> None:
         """Record one finished request (its `metrics` holds the AsyncLLM's timestamps)."""
         times = out.metrics
-        num_generated = sum(len(c.token_ids) for c in out.outputs)
+        completions = out.outputs if isinstance(out.outputs, list) else []   # a pooled prompt's: none
+        num_generated = sum(len(c.token_ids) for c in completions)
         self.prompt_tokens.observe(len(out.prompt_token_ids or ()))
         self.generation_tokens.observe(num_generated)
         if times is None or times.first_token_time is None or times.finished_time is None:
@@ -155,7 +156,7 @@ class MetricsExporter:
         self.ttft.observe(times.first_token_time - times.arrival_time)
         self.e2e.observe(times.finished_time - times.arrival_time)
         # the sequences of n > 1 decode side by side, so the longest one sets the pace
-        longest = max((len(c.token_ids) for c in out.outputs), default=0)
+        longest = max((len(c.token_ids) for c in completions), default=0)
         if longest > 1:
             self.tpot.observe((times.finished_time - times.first_token_time) / (longest - 1))
 

@@ -5,7 +5,9 @@ from pydantic.json_schema import models_json_schema
 import jaxpaged
 from jaxpaged.server.openai_types import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from jaxpaged.server.response_types import (ChatCompletionChunk, ChatCompletionResponse, CompletionResponse,
-                                            EmbeddingResponse, ErrorResponse, ModelList)
+                                            EmbeddingResponse, ErrorResponse, ModelList, RerankResponse,
+                                            ScoreResponse)
+from jaxpaged.server.vllm_types import RerankRequest, ScoreRequest
 
 _REF = "#/components/schemas/{model}"
 
@@ -15,7 +17,8 @@ def openapi_schema() -> dict:
     models = [(CompletionRequest, "validation"), (ChatCompletionRequest, "validation"),
               (CompletionResponse, "serialization"), (ChatCompletionResponse, "serialization"),
               (ChatCompletionChunk, "serialization"), (ModelList, "serialization"), (ErrorResponse, "serialization"),
-              (EmbeddingRequest, "validation"), (EmbeddingResponse, "serialization")]
+              (EmbeddingRequest, "validation"), (EmbeddingResponse, "serialization"), (ScoreRequest, "validation"),
+              (ScoreResponse, "serialization"), (RerankRequest, "validation"), (RerankResponse, "serialization")]
     refs, defs = models_json_schema(models, ref_template=_REF)
 
     def ref(model) -> dict:
@@ -44,6 +47,10 @@ def openapi_schema() -> dict:
                                           "Answer a conversation"),
              "/v1/embeddings": post(EmbeddingRequest, EmbeddingResponse, None,
                                     "Embed inputs (a server with --runner pooling)"),
+             "/v1/score": post(ScoreRequest, ScoreResponse, None, "Score text pairs by the cosine similarity of "
+                                                                  "their embeddings (--runner pooling)"),
+             "/v1/rerank": post(RerankRequest, RerankResponse, None, "Rank documents by similarity to a query "
+                                                                     "(--runner pooling)"),
              "/v1/models": {"get": {"summary": "List the served models", "responses": models}}}
     return {"openapi": "3.1.0", "info": {"title": "jaxpaged", "version": getattr(jaxpaged, "__version__", "0.1.0")},
             "paths": paths, "components": {"schemas": defs.get("$defs", {})}}

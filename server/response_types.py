@@ -185,3 +185,39 @@ class EmbeddingResponse(_Out):
     model: str
     data: list[EmbeddingData]
     usage: EmbeddingUsage
+
+
+class ScoreData(_Out):
+    index: int
+    object: Literal["score"]
+    score: float
+
+
+class ScoreResponse(_Out):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[ScoreData]
+    usage: EmbeddingUsage
+
+
+class RerankDocument(_Out):
+    text: str
+
+
+class RerankResult(_Out):
+    index: int
+    document: RerankDocument
+    relevance_score: float
+
+
+class RerankUsage(_Out):
+    total_tokens: int
+
+
+class RerankResponse(_Out):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]

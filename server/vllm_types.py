@@ -33,3 +33,25 @@ class LoadLoRAAdapterRequest(_Strict):
 
 class UnloadLoRAAdapterRequest(_Strict):
     lora_name: _AdapterField
+
+
+_Texts = str | Annotated[list[str], Field(min_length=1)]
+
+
+class ScoreRequest(_Strict):
+    """/score (and /v1/score): with an embedding model, the cosine similarity of text_1 and each text_2."""
+    model: str | None = None
+    text_1: _Texts = Field(description="a string or a non-empty list of strings")
+    text_2: _Texts = Field(description="a string or a non-empty list of strings")
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    priority: int | None = None
+
+
+class RerankRequest(_Strict):
+    """/rerank (and /v1/rerank, /v2/rerank; Jina's and Cohere's shape): the documents by similarity to the query."""
+    model: str | None = None
+    query: str
+    documents: Annotated[list[str], Field(min_length=1)] = Field(description="a non-empty list of strings")
+    top_n: Annotated[int, Field(ge=0)] | None = None   # 0 or none: all
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    priority: int | None = None

@@ -144,8 +144,8 @@ class EngineArgs:
                 f"one of {', '.join(repr(m) for m in PREEMPTION_MODES)}")
         from jaxpaged.pooling_params import RUNNERS
         require("runner", self.runner in RUNNERS, f"one of {', '.join(repr(r) for r in RUNNERS)}")
-        require("pooler_config", self.pooler_config is None or self.runner == "pooling",
-                'None unless runner="pooling"')
+        require("pooler_config", self.pooler_config is None or self.runner != "generate",
+                'None with runner="generate"')
         from jaxpaged.core.request_queue import SCHEDULING_POLICIES
         require("scheduling_policy", self.scheduling_policy in SCHEDULING_POLICIES,
                 f"one of {', '.join(repr(p) for p in SCHEDULING_POLICIES)}")

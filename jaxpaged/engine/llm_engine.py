@@ -21,6 +21,7 @@ only then is step t+1's bitmask filled and its sampler queued:
 
 import atexit
 import collections
+import dataclasses
 import itertools
 import logging
 import os
@@ -42,6 +43,7 @@ from jaxpaged.engine.startup import (build_draft_proposer, build_runner, build_s
                                      load_model_and_tokenizer)
 from jaxpaged.runner.structured_outputs import GrammarCompiler
 from jaxpaged.outputs import RequestOutput
+from jaxpaged.pooling_params import resolve_runner
 from jaxpaged.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -62,6 +64,9 @@ class LLMEngine(ResearchMixin):
         self.args = args
         self.data_rank = data_rank   # which data-parallel replica (its devices: startup.engine_devices)
         self.loaded, self.tokenizer, self.model_name = load_model_and_tokenizer(args, data_rank)
+        runner = resolve_runner(args.runner, self.loaded.hf_config, args.pooler_config)   # "auto": bare *Model: pooling
+        if runner != args.runner:
+            args = self.args = dataclasses.replace(args, runner=runner)
         self.model_config = self.loaded.config
         self.paused = False            # pause_generation(): step() runs nothing
         self._weight_targets = None    # update_weights: Hugging Face name -> where it lives
@@ -270,7 +275,8 @@ class LLMEngine(ResearchMixin):
         self.scheduler.cost.observe_step(plan.num_batched_tokens - plan.num_plain_decodes,
                                          time.perf_counter() - plan.dispatched_at)
         update = self.scheduler.update_from_output(plan, result)
-        self.metrics.generation_tokens_total += update.num_tokens
+        if self.pooling is None:   # (a pooled prompt's sampled token is dropped)
+            self.metrics.generation_tokens_total += update.num_tokens
         for rid, num_drafts in result.num_drafts.items():
             self.speculator.observe(rid, num_drafts, len(result.kept[rid]))
         if self._defer_outputs:

@@ -33,6 +33,11 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
 )
+# A bare transformer without its LM head (an embedding checkpoint: e5-mistral's MistralModel, weights
+# without the "model." prefix) runs as its *ForCausalLM family, the input embedding standing in for
+# the head, under the pooling runner only (pooling_params.resolve_runner).
+BASE_MODEL_ARCHITECTURES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
+                            "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM"}
 _ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope")
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 _MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
@@ -258,9 +263,11 @@ def model_config_from_hf(hf_config: Any) -> ModelConfig:
     """Read a transformers config; raises ValueError for an architecture or feature we don't run."""
     architectures = getattr(hf_config, "architectures", None) or []
     architecture = architectures[0] if architectures else None
+    base_model = architecture in BASE_MODEL_ARCHITECTURES
+    architecture = BASE_MODEL_ARCHITECTURES.get(architecture, architecture)
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"architecture {architecture!r} is not supported; supported architectures: "
-                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+                         f"{', '.join(SUPPORTED_ARCHITECTURES + tuple(BASE_MODEL_ARCHITECTURES))}")
     act_field = "hidden_activation" if architecture in _GEMMA else "hidden_act"
     act = _get(hf_config, act_field, "silu")
     if act not in _ACTIVATIONS:
@@ -302,7 +309,7 @@ def model_config_from_hf(hf_config: Any) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=float(_get(hf_config, "rms_norm_eps", 1e-6)),
         max_position_embeddings=max_pos,
-        tie_word_embeddings=bool(_get(hf_config, "tie_word_embeddings", False)),
+        tie_word_embeddings=base_model or bool(_get(hf_config, "tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         mlp_bias=bool(_get(hf_config, "mlp_bias", False)),

@@ -72,6 +72,8 @@ def hf_reader(cfg: ModelConfig, get: Callable[[str], np.ndarray],
 
     def source(name: str):
         """name -> (real tensor name, slice of its rows or None), or None where it has no other source."""
+        if name.startswith("model.") and not has(name) and has(name[len("model."):]):   # a bare *Model's
+            return name[len("model."):], None
         if arch == "Phi3ForCausalLM":
             q, kv = cfg.q_size, cfg.kv_size
             for part, rows in (("q_proj", (0, q)), ("k_proj", (q, q + kv)), ("v_proj", (q + kv, q + 2 * kv))):

@@ -119,7 +119,40 @@ def test_a_generating_engine_refuses_pooling_and_bad_arguments_are_named():
         tiny_llm().llm_engine.add_request("p", [5, 6, 7], pooling_params=PoolingParams())
     with pytest.raises(ValueError, match="runner must be one of 'auto', 'generate', 'pooling'"):
         EngineArgs(runner="embed")
-    with pytest.raises(ValueError, match='pooler_config must be None unless runner="pooling"'):
-        EngineArgs(pooler_config={"pooling_type": "LAST"})
+    with pytest.raises(ValueError, match='pooler_config must be None with runner="generate"'):
+        EngineArgs(runner="generate", pooler_config={"pooling_type": "LAST"})
     with pytest.raises(ValueError, match="normalize must be None, True or False"):
         PoolingParams(normalize=1)
+
+
+def test_a_bare_transformer_checkpoint_embeds_by_default_and_cannot_generate(tmp_path):
+    """A checkpoint of the model without its LM head (architectures ["LlamaModel"], tensors without the
+    "model." prefix, as e5-mistral's MistralModel): runner "auto" pools it, "generate" is refused."""
+    folder = tmp_path / "bare"
+    hf_base().save_pretrained(folder)
+    for name in os.listdir(tiny_checkpoint("llama")):   # its tokenizer and generation config
+        if not name.endswith((".safetensors", ".json")) or name.startswith(("tokenizer", "special")):
+            shutil.copy(os.path.join(tiny_checkpoint("llama"), name), folder / name)
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["LlamaModel"]
+    llm = LLM(str(folder), dtype="float32", block_size=8, num_gpu_blocks_override=32, max_model_len=64,
+              compile_on_startup=False)
+    assert llm.llm_engine.args.runner == "pooling"
+    out = llm.embed({"prompt_token_ids": PROMPTS[0]}, use_tqdm=False)[0]
+    np.testing.assert_allclose(out.outputs.embedding, unit(hf_last_hidden(PROMPTS[0])), atol=2e-6)
+    with pytest.raises(ValueError, match="runner='generate' needs a model with an LM head; LlamaModel has none"):
+        LLM(str(folder), dtype="float32", block_size=8, num_gpu_blocks_override=32, max_model_len=64,
+            compile_on_startup=False, runner="generate")
+
+
+def test_score_is_the_cosine_of_the_embeddings_one_to_many_and_pairwise():
+    llm = embedder()
+    a, b, c = ({"prompt_token_ids": p} for p in PROMPTS[:3])
+    want = [float(unit(hf_last_hidden(PROMPTS[0])) @ unit(hf_last_hidden(p))) for p in PROMPTS[1:3]]
+    one_to_many = llm.score(a, [b, c], use_tqdm=False)
+    assert [round(o.outputs.score, 5) for o in one_to_many] == [round(w, 5) for w in want]
+    assert one_to_many[0].prompt_token_ids == PROMPTS[0] + PROMPTS[1]
+    pairwise = llm.score([a, b], [b, c], use_tqdm=False)
+    assert abs(pairwise[0].outputs.score - want[0]) < 1e-5
+    assert abs(llm.score(a, a, use_tqdm=False)[0].outputs.score - 1.0) < 1e-6
+    with pytest.raises(ValueError, match=r"data_1 \(2 prompts\) must be one prompt or as many as data_2 \(3\)"):
+        llm.score([a, b], [a, b, c], use_tqdm=False)

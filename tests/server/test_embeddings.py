@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tests.engine.test_embed import hf_last_hidden, unit
-from tests.server.helpers import HTTP, MODEL, openai_client, serving_tiny_engine
+from tests.server.helpers import HTTP, MODEL, gauge, openai_client, serving_tiny_engine, wait_idle
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +59,36 @@ def test_the_generation_routes_say_the_model_pools(url):
         reply = HTTP.post(url + route, json={**body, "max_tokens": 2})
         assert reply.status_code == 400 and "runner='pooling'" in reply.json()["error"]["message"]
     assert HTTP.post(url + "/v1/embeddings", json={"input": [5, 6]}).status_code == 200   # and it serves on
+
+
+def test_embedding_requests_are_counted_in_metrics_with_no_generated_tokens(url):
+    before = wait_idle(url)
+    HTTP.post(url + "/v1/embeddings", json={"input": [[5, 6, 7], [8, 9]]}).raise_for_status()
+    after = wait_idle(url)
+    key = 'jaxpaged:request_prompt_tokens_{}{{model_name="' + MODEL + '"}}'
+    assert after[key.format("count")] - before[key.format("count")] == 2
+    assert after[key.format("sum")] - before[key.format("sum")] == 5
+    assert gauge(after, "generation_tokens_total") == gauge(before, "generation_tokens_total") == 0
+    assert after[key.replace("request_prompt_tokens", "e2e_request_latency_seconds").format("count")] > 0
+
+
+def test_score_and_rerank_rank_by_cosine_similarity(url):
+    texts = ["Hello world", "Hello there world", "completely different words"]
+    ids = [HTTP.post(url + "/tokenize", json={"prompt": t}).json()["tokens"] for t in texts]
+    vectors = [unit(hf_last_hidden(i)) for i in ids]
+    want = [float(vectors[0] @ v) for v in vectors[1:]]
+    score = HTTP.post(url + "/v1/score", json={"text_1": texts[0], "text_2": texts[1:]}).json()
+    assert [d["index"] for d in score["data"]] == [0, 1] and score["object"] == "list"
+    np.testing.assert_allclose([d["score"] for d in score["data"]], want, atol=1e-5)
+    assert score["usage"]["prompt_tokens"] == sum(map(len, ids))
+    pairwise = HTTP.post(url + "/score", json={"text_1": texts[:2], "text_2": texts[1:]}).json()
+    np.testing.assert_allclose(pairwise["data"][0]["score"], want[0], atol=1e-5)
+    rerank = HTTP.post(url + "/v1/rerank", json={"query": texts[0], "documents": texts[1:], "top_n": 1}).json()
+    best = int(np.argmax(want))
+    assert [r["index"] for r in rerank["results"]] == [best] and rerank["results"][0]["document"]["text"] == texts[1 + best]
+    np.testing.assert_allclose(rerank["results"][0]["relevance_score"], max(want), atol=1e-5)
+    everything = HTTP.post(url + "/rerank", json={"query": texts[0], "documents": texts[1:]}).json()["results"]
+    assert sorted(r["index"] for r in everything) == [0, 1]
+    bad = HTTP.post(url + "/score", json={"text_1": texts, "text_2": texts[1:]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "text_1"
+    assert HTTP.post(url + "/v2/rerank", json={"query": "q", "documents": []}).json()["error"]["param"] == "documents"

@@ -256,12 +256,14 @@ def test_cache_salt_keeps_prefix_cache_blocks_apart(client):
     assert cached("completion", cache_salt="tenant-a") > 0
 
 
-def test_api_key_guards_v1_only_and_the_server_still_serves(urls):
+def test_api_key_guards_v1_and_model_routes_and_the_server_still_serves(urls):
     guarded = urls[1]
     assert httpx.get(guarded + "/v1/models").status_code == 401
     wrong = httpx.get(guarded + "/v1/models", headers={"Authorization": "Bearer nope"})
     assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(guarded + "/health").status_code == 200
+    for route in ("/score", "/rerank", "/v2/rerank"):   # vLLM's routes that run the model, outside /v1 too
+        assert httpx.post(guarded + route, json={}).status_code == 401
     keyed = openai.OpenAI(base_url=guarded + "/v1", api_key=KEY, max_retries=0)
     out = keyed.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
     assert out.usage.completion_tokens >= 1
