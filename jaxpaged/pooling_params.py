@@ -75,9 +75,10 @@ def sentence_transformers_pooler(model_path: str | None) -> PoolerConfig | None:
     with open(modules_file) as f:
         modules = json.load(f)
     kinds = {m.get("type", "").rsplit(".", 1)[-1]: m.get("path", "") for m in modules}
-    if "Pooling" not in kinds:
+    pooling_file = os.path.join(model_path, kinds.get("Pooling", "-"), "config.json")
+    if "Pooling" not in kinds or not os.path.exists(pooling_file):   # (no declaration: the default)
         return None
-    with open(os.path.join(model_path, kinds["Pooling"], "config.json")) as f:
+    with open(pooling_file) as f:
         modes = [k[len("pooling_mode_"):] for k, on in json.load(f).items() if k.startswith("pooling_mode_") and on]
     if modes != ["lasttoken"]:
         raise ValueError(f"the checkpoint's sentence-transformers pooling is {modes}; only last-token pooling "
