@@ -19,10 +19,10 @@ RUNNERS = ("auto", "generate", "pooling")
 POOLING_TYPES = ("LAST",)   # MEAN and CLS (the hidden states of every prompt token) are not built yet
 
 
-def resolve_runner(runner: str, hf_config, pooler_config=None) -> str:
+def resolve_runner(runner: str, hf_config, pooler_config=None, speculative_config=None) -> str:
     """The runner an engine runs: "auto" is "pooling" for a bare transformer (a *Model architecture, which
-    has no LM head to generate with), else "generate"; a bare one cannot generate, nor has a generating
-    engine a pooler_config."""
+    has no LM head to generate with), else "generate"; a bare one cannot generate, a generating engine has
+    no pooler_config and a pooling one no speculative_config."""
     from jaxpaged.models.config import BASE_MODEL_ARCHITECTURES
 
     architectures = getattr(hf_config, "architectures", None) or []
@@ -32,6 +32,9 @@ def resolve_runner(runner: str, hf_config, pooler_config=None) -> str:
     if runner == "generate" and pooler_config is not None:
         raise ValueError("pooler_config must be None with runner='generate' (the model generates): set "
                          "runner='pooling' to embed")
+    if runner == "pooling" and speculative_config is not None:
+        raise ValueError(f"speculative_config must be None with runner='pooling' ({architectures[0]} embeds: "
+                         "nothing to draft)")
     if runner == "generate" and bare:
         raise ValueError(f"runner='generate' needs a model with an LM head; {architectures[0]} has none (an "
                          "embedding checkpoint): use runner='pooling' or 'auto'")

@@ -64,7 +64,8 @@ class LLMEngine(ResearchMixin):
         self.args = args
         self.data_rank = data_rank   # which data-parallel replica (its devices: startup.engine_devices)
         self.loaded, self.tokenizer, self.model_name = load_model_and_tokenizer(args, data_rank)
-        runner = resolve_runner(args.runner, self.loaded.hf_config, args.pooler_config)   # "auto": bare *Model: pooling
+        # "auto": pooling for a bare *Model checkpoint, else generate
+        runner = resolve_runner(args.runner, self.loaded.hf_config, args.pooler_config, args.speculative_config)
         if runner != args.runner:
             args = self.args = dataclasses.replace(args, runner=runner)
         self.model_config = self.loaded.config

@@ -142,6 +142,9 @@ def test_a_bare_transformer_checkpoint_embeds_by_default_and_cannot_generate(tmp
     with pytest.raises(ValueError, match="runner='generate' needs a model with an LM head; LlamaModel has none"):
         LLM(str(folder), dtype="float32", block_size=8, num_gpu_blocks_override=32, max_model_len=64,
             compile_on_startup=False, runner="generate")
+    with pytest.raises(ValueError, match="speculative_config must be None with runner='pooling'"):
+        LLM(str(folder), dtype="float32", block_size=8, num_gpu_blocks_override=32, max_model_len=64,
+            compile_on_startup=False, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
 
 
 def test_score_is_the_cosine_of_the_embeddings_one_to_many_and_pairwise():
