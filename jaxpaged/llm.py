@@ -1,5 +1,6 @@
 """The offline API, shaped like vLLM's `LLM`."""
 
+import dataclasses
 import time
 from typing import Any, Sequence
 
@@ -8,7 +9,7 @@ from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.dp_engine import make_engine
 from jaxpaged.outputs import (EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput, ScoringOutput,
                               ScoringRequestOutput)
-from jaxpaged.pooling_params import PoolingParams, cosine_similarity
+from jaxpaged.pooling_params import PoolingParams, cosine_similarity, score_pairs
 from jaxpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 PromptType = str | list[int] | dict
@@ -184,7 +185,7 @@ class LLM:
             if pooling_params is None:
                 pooling_params = PoolingParams()
             items = [pooling_params] if isinstance(pooling_params, PoolingParams) else list(pooling_params)
-            items = [PoolingParams(truncate_prompt_tokens, p.dimensions, p.normalize) for p in items]
+            items = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in items]
             pooling_params = items[0] if isinstance(pooling_params, PoolingParams) else items
         outs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request)
         return [EmbeddingRequestOutput.from_base(out) for out in outs]
@@ -195,15 +196,14 @@ class LLM:
         """vLLM's LLM.score for an embedding model: the cosine similarity of each pair's embeddings, one
         text against several (1 to N) or pair by pair (N to N); outputs in data_2's order."""
         first, second = _as_prompt_list(data_1), _as_prompt_list(data_2)
-        if not second or len(first) not in (1, len(second)):
-            raise ValueError(f"data_1 ({len(first)} prompts) must be one prompt or as many as data_2 "
-                             f"({len(second)}), and data_2 at least one")
+        pairs = score_pairs(len(first), len(second))
         outs = self.embed(first + second, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
                           pooling_params=pooling_params, lora_request=lora_request)
-        firsts, seconds = outs[:len(first)] * (len(second) // len(first)), outs[len(first):]
+        firsts, seconds = outs[:len(first)], outs[len(first):]
         return [ScoringRequestOutput(f"{a.request_id}_{b.request_id}",
                                      ScoringOutput(cosine_similarity(a.outputs.embedding, b.outputs.embedding)),
-                                     a.prompt_token_ids + b.prompt_token_ids) for a, b in zip(firsts, seconds)]
+                                     a.prompt_token_ids + b.prompt_token_ids)
+                for a, b in ((firsts[i], seconds[j]) for i, j in pairs)]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None,

@@ -122,6 +122,15 @@ class PoolingParams:
                              f"allowed: None or [1, {hidden_size}]")
 
 
+def score_pairs(num_first: int, num_second: int, names: tuple[str, str] = ("data_1", "data_2")) -> list[tuple]:
+    """The (first, second) index pairs vLLM's score compares: the one first text against each second (1 to
+    N), or pair by pair (N to N); ValueError naming `names[0]` otherwise."""
+    if num_second < 1 or num_first not in (1, num_second):
+        raise ValueError(f"{names[0]} ({num_first} prompts) must be one prompt or as many as {names[1]} "
+                         f"({num_second}), and {names[1]} at least one")
+    return [(0 if num_first == 1 else i, i) for i in range(num_second)]
+
+
 def cosine_similarity(a, b) -> float:
     """The cosine of the angle between two embeddings (as torch's, with its eps of 1e-8)."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)

@@ -11,7 +11,7 @@ import uuid
 import numpy as np
 
 from jaxpaged.engine.async_llm import EngineOverloadedError
-from jaxpaged.pooling_params import PoolingParams, cosine_similarity
+from jaxpaged.pooling_params import PoolingParams, cosine_similarity, score_pairs
 from jaxpaged.server import protocol as P
 from jaxpaged.server.openai_types import EmbeddingRequest
 from jaxpaged.server.response_types import EmbeddingResponse, RerankResponse, ScoreResponse
@@ -34,13 +34,14 @@ async def create_score(server, body: dict) -> dict:
     req = P.validate(ScoreRequest, body)
     first = [req.text_1] if isinstance(req.text_1, str) else req.text_1
     second = [req.text_2] if isinstance(req.text_2, str) else req.text_2
-    if len(first) not in (1, len(second)):
-        raise P.APIError(400, f"text_1 ({len(first)} texts) must be one text or as many as text_2 "
-                              f"({len(second)})", "text_1", "invalid_value")
+    try:
+        pairs = score_pairs(len(first), len(second), ("text_1", "text_2"))
+    except ValueError as exc:
+        raise _bad_request(exc, req, "text_1") from None
     model, outs = await _encode(server, req, "Score", first + second, None, True, "text_1")
-    firsts, seconds = outs[:len(first)] * (len(second) // len(first)), outs[len(first):]
-    data = [{"index": i, "object": "score", "score": cosine_similarity(a.outputs.data, b.outputs.data)}
-            for i, (a, b) in enumerate(zip(firsts, seconds))]
+    data = [{"index": k, "object": "score",
+             "score": cosine_similarity(outs[i].outputs.data, outs[len(first) + j].outputs.data)}
+            for k, (i, j) in enumerate(pairs)]
     body = {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": model,
             "data": data, "usage": _usage(outs)}
     return ScoreResponse.model_validate(body).model_dump(mode="json")
@@ -105,7 +106,7 @@ def _usage(outs) -> dict:
 
 def _bad_request(exc: ValueError, req, param: str) -> P.APIError:
     """A ValueError of the engine as a 400, `param` the request field its message names (a prompt's: `param`)."""
-    match = re.match(r"[a-z_]+", str(exc))
+    match = re.match(r"[a-z_][a-z_0-9]*", str(exc))   # (a field such as text_1)
     name = match.group(0) if match else None
     name = param if name == "prompt" else name
     return P.APIError(400, str(exc), name if name in type(req).model_fields else None, "invalid_value")

@@ -98,6 +98,7 @@ class ModelRunner(CompiledStep, DeviceMemory):
         # runner="pooling": each step also brings back its sample rows' hidden states (a prompt's last
         # token's: its embedding, once final-normed); their sampled tokens are not used
         self.pooling = pooling
+        self._final_norm_host = (None, None)   # (the device's final-norm weight, its f32 host copy)
         # every request it runs samples plain greedy, without prompt logprobs (a draft model's runner):
         # no prompt-logprobs programs to compile, and with host_branches one sampler kind
         self.greedy_only = greedy_only
@@ -370,7 +371,10 @@ class ModelRunner(CompiledStep, DeviceMemory):
         """f32 rows of the hidden states the LM head would read: the model's final RMSNorm (compute_logits'
         first step, models/llama.rms_norm), on the host: a few rows per step, no program per row count."""
         cfg = self.model_config
-        weight = _to_host(self.state["final_norm"].get_value()).astype(np.float32)
+        norm = self.state["final_norm"].get_value()
+        if self._final_norm_host[0] is not norm:   # fetched once per weights (new ones: update_weights, wake_up)
+            self._final_norm_host = (norm, _to_host(norm).astype(np.float32))
+        weight = self._final_norm_host[1]
         x = hidden.astype(np.float32)
         x = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(cfg.rms_norm_eps))
         return x * (weight + np.float32(cfg.norm_offset))

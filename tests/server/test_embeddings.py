@@ -100,29 +100,11 @@ def test_score_and_rerank_rank_by_cosine_similarity(url):
 def test_fuzzed_pooling_requests_get_answers_or_openai_errors(url, path, mode):
     """Bodies drawn from the OpenAPI document (as test_fuzz.py does for generation): no 5xx, each 4xx an
     OpenAI error object; afterwards the engine embeds and holds no KV block."""
-    import schemathesis
-    from hypothesis import HealthCheck, given, settings
     from schemathesis import GenerationMode
 
-    from jaxpaged.server.openapi import openapi_schema
-    from tests.server.test_fuzz import assert_error, send
+    from tests.server.test_fuzz import fuzz
 
-    seen = []
-    strategy = schemathesis.openapi.from_dict(openapi_schema())[path]["POST"].as_strategy(
-        generation_mode=GenerationMode(mode))
-
-    @settings(max_examples=25, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
-    @given(case=strategy)
-    def check(case):
-        response = send(url, case)
-        seen.append(response.status_code)
-        assert response.status_code < 500, (case.body, response.text)
-        if response.status_code >= 400:
-            assert_error(response)
-
-    check()
-    print(path, mode, {status: seen.count(status) for status in sorted(set(seen))})
+    seen = fuzz(url, path, GenerationMode(mode), 25)
     assert len(seen) >= 12
     assert gauge(wait_idle(url), "kv_cache_usage_perc") == 0.0
     assert HTTP.post(url + "/v1/embeddings", json={"input": "Hello"}).status_code == 200

@@ -67,9 +67,17 @@ def assert_still_serving(url: str) -> None:
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=lambda m: m.value)
 @pytest.mark.parametrize("path", list(ROUTES))
 def test_fuzzed_requests_get_answers_or_openai_errors(url, path, mode):
+    seen = fuzz(url, path, mode, EXAMPLES)
+    assert len(seen) >= EXAMPLES // 2
+    assert_still_serving(url)
+
+
+def fuzz(url: str, path: str, mode: GenerationMode, examples: int) -> list[int]:
+    """POST `examples` bodies drawn for `path` from the OpenAPI document in `mode` (valid or breaking its
+    schema); each answer is no 5xx, a 4xx an OpenAI error object. Returns the statuses seen."""
     seen = []
 
-    @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     @given(case=SCHEMA[path]["POST"].as_strategy(generation_mode=mode))
     def check(case):
@@ -81,8 +89,7 @@ def test_fuzzed_requests_get_answers_or_openai_errors(url, path, mode):
 
     check()
     print(path, mode.value, {status: seen.count(status) for status in sorted(set(seen))})
-    assert len(seen) >= EXAMPLES // 2
-    assert_still_serving(url)
+    return seen
 
 
 DEEP = 3000   # brackets: past Python's recursion limit, so a parser that recurses would fail
