@@ -7,9 +7,9 @@ from typing import Any, Sequence
 from jaxpaged.chat_utils import render_chat
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.dp_engine import make_engine
-from jaxpaged.outputs import (EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput, ScoringOutput,
-                              ScoringRequestOutput)
-from jaxpaged.pooling_params import PoolingParams, cosine_similarity, score_pairs
+from jaxpaged.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput,
+                              ScoringOutput, ScoringRequestOutput)
+from jaxpaged.pooling_params import POOLING_TASKS, PoolingParams, cosine_similarity, cross_encoder_ids, score_pairs
 from jaxpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 PromptType = str | list[int] | dict
@@ -30,6 +30,15 @@ def _per_prompt(lora_request, num_prompts: int) -> list:
                              "LoRARequest (or None) or one per prompt")
         return list(lora_request)
     return [lora_request] * num_prompts
+
+
+def _truncated(pooling_params, truncate_prompt_tokens: int | None):
+    """pooling_params (None, one or a list) with truncate_prompt_tokens set, when it is given."""
+    if truncate_prompt_tokens is None:
+        return pooling_params
+    items = [pooling_params or PoolingParams()] if not isinstance(pooling_params, (list, tuple)) else pooling_params
+    items = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in items]
+    return items if isinstance(pooling_params, (list, tuple)) else items[0]
 
 
 def _final_only(params: SamplingParams | None):
@@ -158,13 +167,15 @@ class LLM:
 
     def encode(self, prompts: PromptType | Sequence[PromptType],
                pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *, use_tqdm: bool = True,
-               lora_request=None, pooling_task: str = "embed") -> list[PoolingRequestOutput]:
+               lora_request=None, pooling_task: str | None = None) -> list[PoolingRequestOutput]:
         """Pool every prompt (an engine made with runner="pooling"); outputs in input order, each's
-        `outputs.data` an f32 numpy vector. `pooling_params`: one PoolingParams or one per prompt."""
-        if pooling_task != "embed":
-            raise ValueError(f"pooling_task must be 'embed' (the one pooling task built), got {pooling_task!r}")
+        `outputs.data` an f32 numpy array. `pooling_params`: one PoolingParams or one per prompt;
+        `pooling_task`: "embed", "classify" or "score" for all of them (None: each PoolingParams' task,
+        else the model's own: "embed" for an embedding model, "classify" for a classifier)."""
+        if pooling_task is not None and pooling_task not in POOLING_TASKS:
+            raise ValueError(f"pooling_task must be None or one of {', '.join(POOLING_TASKS)}, got {pooling_task!r}")
         if getattr(self.llm_engine, "pooling", None) is None:
-            raise ValueError("LLM.embed() and LLM.encode() need a pooling model: make the LLM with "
+            raise ValueError("LLM.embed(), LLM.classify() and LLM.encode() need a pooling model: make the LLM with "
                              "runner='pooling' (vLLM's --runner pooling)")
         prompts = _as_prompt_list(prompts)
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
@@ -174,6 +185,8 @@ class LLM:
             if len(pooling_list) != len(prompts):
                 raise ValueError(f"pooling_params has {len(pooling_list)} entries for {len(prompts)} prompts; "
                                  "pass one PoolingParams or one per prompt")
+        if pooling_task is not None:
+            pooling_list = [dataclasses.replace(p, task=pooling_task) for p in pooling_list]
         return self._run(prompts, [None] * len(prompts), use_tqdm, _per_prompt(lora_request, len(prompts)),
                          pooling=pooling_list)
 
@@ -181,24 +194,38 @@ class LLM:
               use_tqdm: bool = True, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
               lora_request=None) -> list[EmbeddingRequestOutput]:
         """Each prompt's embedding (vLLM's LLM.embed): `outputs.embedding`, a list of floats."""
-        if truncate_prompt_tokens is not None:
-            if pooling_params is None:
-                pooling_params = PoolingParams()
-            items = [pooling_params] if isinstance(pooling_params, PoolingParams) else list(pooling_params)
-            items = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in items]
-            pooling_params = items[0] if isinstance(pooling_params, PoolingParams) else items
-        outs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        pooling_params = _truncated(pooling_params, truncate_prompt_tokens)
+        outs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request, pooling_task="embed")
         return [EmbeddingRequestOutput.from_base(out) for out in outs]
+
+    def classify(self, prompts: PromptType | Sequence[PromptType], *, use_tqdm: bool = True,
+                 pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+                 lora_request=None) -> list[ClassificationRequestOutput]:
+        """Each prompt's class probabilities (vLLM's LLM.classify, a *ForSequenceClassification model: a
+        classifier, a reward model): `outputs.probs`, a list of floats; PoolingParams(use_activation=False)
+        gives the raw logits (a reward model's reward)."""
+        outs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request,
+                           pooling_task="classify")
+        return [ClassificationRequestOutput.from_base(out) for out in outs]
 
     def score(self, data_1: PromptType | Sequence[PromptType], data_2: PromptType | Sequence[PromptType], /, *,
               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
               pooling_params: PoolingParams | None = None, lora_request=None) -> list[ScoringRequestOutput]:
-        """vLLM's LLM.score for an embedding model: the cosine similarity of each pair's embeddings, one
-        text against several (1 to N) or pair by pair (N to N); outputs in data_2's order."""
+        """vLLM's LLM.score, one text against several (1 to N) or pair by pair (N to N); outputs in data_2's
+        order. An embedding model: the cosine similarity of each pair's embeddings. A cross-encoder (a
+        classifier with one label): the model's score of the pair read as one sequence (the tokenizer's pair
+        encoding; `truncate_prompt_tokens` keeps its last tokens)."""
         first, second = _as_prompt_list(data_1), _as_prompt_list(data_2)
         pairs = score_pairs(len(first), len(second))
-        outs = self.embed(first + second, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
-                          pooling_params=pooling_params, lora_request=lora_request)
+        pooling_params = _truncated(pooling_params, truncate_prompt_tokens)
+        if getattr(getattr(self.llm_engine, "pooling", None), "num_labels", 0):
+            tokenizer = self.get_tokenizer()
+            joined = [{"prompt_token_ids": cross_encoder_ids(tokenizer, first[i], second[j])} for i, j in pairs]
+            outs = self.encode(joined, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request,
+                               pooling_task="score")
+            return [ScoringRequestOutput(out.request_id, ScoringOutput(float(out.outputs.data[0])),
+                                         out.prompt_token_ids) for out in outs]
+        outs = self.embed(first + second, use_tqdm=use_tqdm, pooling_params=pooling_params, lora_request=lora_request)
         firsts, seconds = outs[:len(first)], outs[len(first):]
         return [ScoringRequestOutput(f"{a.request_id}_{b.request_id}",
                                      ScoringOutput(cosine_similarity(a.outputs.embedding, b.outputs.embedding)),

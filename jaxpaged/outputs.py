@@ -109,6 +109,30 @@ class EmbeddingRequestOutput:
 
 
 @dataclass
+class ClassificationOutput:
+    probs: list[float]   # one per class: the classifier's activation of its logits (use_activation=False: logits)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """What `LLM.classify` hands back for one prompt (vLLM's type): `outputs.probs`, a list of floats."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> "ClassificationRequestOutput":
+        return cls(output.request_id, ClassificationOutput([float(x) for x in output.outputs.data]),
+                   output.prompt_token_ids, output.finished)
+
+
+@dataclass
 class ScoringOutput:
     score: float
 
@@ -116,7 +140,8 @@ class ScoringOutput:
 @dataclass
 class ScoringRequestOutput:
     """What `LLM.score` hands back for one pair (vLLM's type): `outputs.score`, the cosine similarity of
-    the two texts' embeddings (an embedding model's score)."""
+    the two texts' embeddings (an embedding model), or a cross-encoder's score of the pair read as one
+    sequence (a classifier with one label)."""
 
     request_id: str
     outputs: ScoringOutput

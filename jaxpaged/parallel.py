@@ -51,7 +51,7 @@ LAYER_SPECS = {
     # experts: each device holds num_experts / tp of them whole (expert parallelism, jaxpaged.models.moe)
     "w_experts_gate_up": P(MODEL_AXIS, None, None), "w_experts_down": P(MODEL_AXIS, None, None),
 }
-TOP_SPECS = {"embed": P(MODEL_AXIS, None), "lm_head": P(None, MODEL_AXIS), "final_norm": P()}
+TOP_SPECS = {"embed": P(MODEL_AXIS, None), "lm_head": P(None, MODEL_AXIS), "final_norm": P(), "classifier": P()}
 POOL_SPEC = P(None, None, None, MODEL_AXIS)      # [layers, 2, blocks, kv_heads, block_size, head_dim]
 
 

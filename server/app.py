@@ -26,7 +26,7 @@ from jaxpaged.chat_utils import render_chat
 from jaxpaged.engine.async_llm import EngineOverloadedError
 from jaxpaged.sampling_params import truncate_prompt
 from jaxpaged.server import protocol as P
-from jaxpaged.server.embeddings import create_embeddings, create_rerank, create_score
+from jaxpaged.server.embeddings import create_classify, create_embeddings, create_rerank, create_score
 from jaxpaged.server.json_body import default_max_request_body_bytes, read_json
 from jaxpaged.server.metrics import MetricsExporter
 from jaxpaged.server.openapi import openapi_schema
@@ -228,14 +228,11 @@ class _Server:
             return Response(status_code=499)
         return _json(reply.whole(finals))
 
-    async def embeddings(self, request: Request) -> Response:
-        return _json(await create_embeddings(self, await self.read_json(request)))
-
-    async def score(self, request: Request) -> Response:
-        return _json(await create_score(self, await self.read_json(request)))
-
-    async def rerank(self, request: Request) -> Response:
-        return _json(await create_rerank(self, await self.read_json(request)))
+    def pooled(self, create):
+        """A pooling route's handler: `create(server, body)` makes its response body (server/embeddings.py)."""
+        async def handler(request: Request) -> Response:
+            return _json(await create(self, await self.read_json(request)))
+        return handler
 
     # ---- the other routes ----------------------------------------------------------------
     async def models(self, request: Request) -> Response:
@@ -374,9 +371,10 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, api
     server = _Server(engine, served_model_names, api_key, tool_settings, chat_template, vllm_metric_names,
                      lora_modules, max_request_body_bytes)
     table = [("/v1/completions", server.completions, "POST"), ("/v1/chat/completions", server.chat, "POST"),
-             ("/v1/embeddings", server.embeddings, "POST"), ("/v1/models", server.models, "GET"),
-             *[(path, server.score, "POST") for path in ("/score", "/v1/score")],
-             *[(path, server.rerank, "POST") for path in ("/rerank", "/v1/rerank", "/v2/rerank")],
+             ("/v1/embeddings", server.pooled(create_embeddings), "POST"), ("/v1/models", server.models, "GET"),
+             *[(path, server.pooled(create_classify), "POST") for path in ("/classify", "/v1/classify")],
+             *[(path, server.pooled(create_score), "POST") for path in ("/score", "/v1/score")],
+             *[(path, server.pooled(create_rerank), "POST") for path in ("/rerank", "/v1/rerank", "/v2/rerank")],
              ("/health", server.health, "GET"),
              ("/metrics", server.metrics_text, "GET"), ("/tokenize", server.tokenize, "POST"),
              ("/detokenize", server.detokenize, "POST"), ("/version", server.version, "GET"),
@@ -384,7 +382,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, api
              ("/v1/load_lora_adapter", server.load_lora_adapter, "POST"),
              ("/v1/unload_lora_adapter", server.unload_lora_adapter, "POST")]
     # besides /v1/*: the routes that run the model or put it to sleep (an API key guards them too)
-    guarded = {"/sleep", "/wake_up", "/is_sleeping", "/score", "/rerank", "/v2/rerank"}
+    guarded = {"/sleep", "/wake_up", "/is_sleeping", "/classify", "/score", "/rerank", "/v2/rerank"}
     if enable_sleep_mode:
         table += [("/sleep", server.sleep, "POST"), ("/wake_up", server.wake_up, "POST"),
                   ("/is_sleeping", server.is_sleeping, "GET")]

@@ -242,12 +242,16 @@ class ChatCompletionRequest(_Request):
         return value
 
 
+EmbeddingInput = Annotated[
+    str | Annotated[list[str], Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
+    | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)],
+    Field(description="a string, a non-empty list of strings, a list of token ids or a list of token-id lists")]
+
+
 class EmbeddingRequest(_Strict):
     """/v1/embeddings (a server with --runner pooling); keys beyond these are ignored, as vLLM has more."""
     model: str | None = None
-    input: str | Annotated[list[str], Field(min_length=1)] | Annotated[list[int], Field(min_length=1)] | \
-        Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)] = Field(
-            description="a string, a non-empty list of strings, a list of token ids or a list of token-id lists")
+    input: EmbeddingInput
     encoding_format: Literal["float", "base64"] | None = None
     dimensions: Annotated[int, Field(ge=1)] | None = None   # Matryoshka models only
     user: str | None = None

@@ -4,10 +4,10 @@ from pydantic.json_schema import models_json_schema
 
 import jaxpaged
 from jaxpaged.server.openai_types import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
-from jaxpaged.server.response_types import (ChatCompletionChunk, ChatCompletionResponse, CompletionResponse,
-                                            EmbeddingResponse, ErrorResponse, ModelList, RerankResponse,
-                                            ScoreResponse)
-from jaxpaged.server.vllm_types import RerankRequest, ScoreRequest
+from jaxpaged.server.response_types import (ChatCompletionChunk, ChatCompletionResponse, ClassificationResponse,
+                                            CompletionResponse, EmbeddingResponse, ErrorResponse, ModelList,
+                                            RerankResponse, ScoreResponse)
+from jaxpaged.server.vllm_types import ClassifyChatRequest, ClassifyRequest, RerankRequest, ScoreRequest
 
 _REF = "#/components/schemas/{model}"
 
@@ -18,19 +18,23 @@ def openapi_schema() -> dict:
               (CompletionResponse, "serialization"), (ChatCompletionResponse, "serialization"),
               (ChatCompletionChunk, "serialization"), (ModelList, "serialization"), (ErrorResponse, "serialization"),
               (EmbeddingRequest, "validation"), (EmbeddingResponse, "serialization"), (ScoreRequest, "validation"),
-              (ScoreResponse, "serialization"), (RerankRequest, "validation"), (RerankResponse, "serialization")]
+              (ScoreResponse, "serialization"), (RerankRequest, "validation"), (RerankResponse, "serialization"),
+              (ClassifyRequest, "validation"), (ClassifyChatRequest, "validation"),
+              (ClassificationResponse, "serialization")]
     refs, defs = models_json_schema(models, ref_template=_REF)
 
     def ref(model) -> dict:
         return refs[(model, "validation" if model.__name__.endswith("Request") else "serialization")]
 
     def post(request, ok, chunk, summary: str) -> dict:
+        """A POST route; `request`: its body's model, or a tuple of the models a body may be."""
+        body = {"anyOf": [ref(r) for r in request]} if isinstance(request, tuple) else ref(request)
         content = {"application/json": {"schema": ref(ok)}}
         if chunk is not None:
             content["text/event-stream"] = {"schema": ref(chunk)}
         return {"post": {
             "summary": summary,
-            "requestBody": {"required": True, "content": {"application/json": {"schema": ref(request)}}},
+            "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
             "responses": {
                 "200": {"description": "the response; with stream true, Server-Sent Events of chunks, then "
                                        "`data: [DONE]`",
@@ -47,9 +51,13 @@ def openapi_schema() -> dict:
                                           "Answer a conversation"),
              "/v1/embeddings": post(EmbeddingRequest, EmbeddingResponse, None,
                                     "Embed inputs (a server with --runner pooling)"),
-             "/v1/score": post(ScoreRequest, ScoreResponse, None, "Score text pairs by the cosine similarity of "
-                                                                  "their embeddings (--runner pooling)"),
-             "/v1/rerank": post(RerankRequest, RerankResponse, None, "Rank documents by similarity to a query "
+             "/v1/classify": post((ClassifyRequest, ClassifyChatRequest), ClassificationResponse, None,
+                                  "Classify inputs or a conversation (a *ForSequenceClassification model; also "
+                                  "/classify)"),
+             "/v1/score": post(ScoreRequest, ScoreResponse, None, "Score text pairs: the cosine similarity of their "
+                                                                  "embeddings, or a cross-encoder's score (--runner "
+                                                                  "pooling)"),
+             "/v1/rerank": post(RerankRequest, RerankResponse, None, "Rank documents by their score against a query "
                                                                      "(--runner pooling)"),
              "/v1/models": {"get": {"summary": "List the served models", "responses": models}}}
     return {"openapi": "3.1.0", "info": {"title": "jaxpaged", "version": getattr(jaxpaged, "__version__", "0.1.0")},

@@ -187,6 +187,22 @@ class EmbeddingResponse(_Out):
     usage: EmbeddingUsage
 
 
+class ClassificationData(_Out):
+    index: int
+    label: str   # the most probable class's name (the config's id2label)
+    probs: list[float]
+    num_classes: int
+
+
+class ClassificationResponse(_Out):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[ClassificationData]
+    usage: EmbeddingUsage
+
+
 class ScoreData(_Out):
     index: int
     object: Literal["score"]

@@ -89,13 +89,17 @@ def _config(arch: str, **overrides):
 
 
 @functools.cache
-def tiny_checkpoint(arch: str, **overrides) -> str:
-    """Path of a saved fp32 random checkpoint (weights scaled up so logits are far from uniform)."""
+def tiny_checkpoint(arch: str, head: str = "ForCausalLM", **overrides) -> str:
+    """Path of a saved fp32 random checkpoint (weights scaled up so logits are far from uniform); `head`:
+    the transformers class's suffix ("ForSequenceClassification": a classifier, with labels=(names...))."""
     import torch
     import transformers
 
-    cfg = _config(arch, **overrides)
-    cls = getattr(transformers, f"{_CLASSES[arch]}ForCausalLM")
+    labels = overrides.pop("labels", None)   # a classifier's class names (a tuple, hashable for the cache)
+    cfg = _config(arch, **overrides, **({"id2label": dict(enumerate(labels))} if labels else {}))
+    cls = getattr(transformers, f"{_CLASSES[arch]}{head}")
+    if head != "ForCausalLM":
+        cfg.architectures = None   # (gemma3's is set for its causal LM above) save_pretrained names the class
     torch.manual_seed(sum(map(ord, arch)))
     model = cls(cfg).to(torch.float32).eval()
     with torch.no_grad():
@@ -106,8 +110,8 @@ def tiny_checkpoint(arch: str, **overrides) -> str:
                 p.normal_(0.0, 0.1)
             else:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
-    suffix = "-".join(f"{k}={v}" for k, v in sorted(overrides.items()))
-    path = os.path.join(_ROOT, f"{arch}{suffix}")
+    suffix = "-".join(f"{k}={v}" for k, v in sorted(overrides.items())) + ("-".join(labels) if labels else "")
+    path = os.path.join(_ROOT, f"{arch}{'' if head == 'ForCausalLM' else head}{suffix}")
     model.save_pretrained(path, safe_serialization=True)
     tiny_tokenizer().save_pretrained(path)
     return path

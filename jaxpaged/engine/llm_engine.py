@@ -85,7 +85,7 @@ class LLMEngine(ResearchMixin):
         self._rng = np.random.default_rng(args.seed)
         # runner="pooling": prompts pooled into embeddings instead of generated from (engine/pooling.py)
         self.pooling = Pooling(args.pooler_config, source if os.path.isdir(source) else None, self.loaded.hf_config,
-                               self.model_config.hidden_size) if args.runner == "pooling" else None
+                               self.model_config) if args.runner == "pooling" else None
         self.output_processor = OutputProcessor(self.tokenizer, self.pooling)   # what users see: text, stops
         # step(defer_outputs=True), AsyncLLM's: completed steps wait in take_completed() for its output
         # thread, which builds their outputs off the loop that schedules and launches steps

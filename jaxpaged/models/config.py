@@ -38,6 +38,24 @@ SUPPORTED_ARCHITECTURES = (
 # the head, under the pooling runner only (pooling_params.resolve_runner).
 BASE_MODEL_ARCHITECTURES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
                             "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM"}
+# A sequence classifier (a reward model, a cross-encoder reranker: transformers' *ForSequenceClassification)
+# runs as its *ForCausalLM family, pooling runner only; its `score` head [num_labels, hidden] reads the
+# last token's final-normed hidden state (ModelConfig.num_labels > 0).
+CLASSIFIER_SUFFIX = "ForSequenceClassification"
+
+
+def causal_architecture(architecture: str | None) -> str | None:
+    """The *ForCausalLM family that runs `architecture` (itself, or a bare model's or a classifier's)."""
+    if architecture in BASE_MODEL_ARCHITECTURES:
+        return BASE_MODEL_ARCHITECTURES[architecture]
+    if architecture and architecture.endswith(CLASSIFIER_SUFFIX):
+        return architecture[:-len(CLASSIFIER_SUFFIX)] + "ForCausalLM"
+    return architecture
+
+
+def is_classifier(hf_config) -> bool:
+    architectures = getattr(hf_config, "architectures", None) or []
+    return bool(architectures) and architectures[0].endswith(CLASSIFIER_SUFFIX)
 _ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope")
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 _MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
@@ -96,6 +114,7 @@ class ModelConfig:
     norm_topk_prob: bool = False      # renormalize the top-k probabilities to sum to 1
     shared_expert_size: int = 0       # Qwen2-MoE: a dense expert every token takes, sigmoid-gated; 0 = none
     dense_layers: tuple[int, ...] = ()   # layers of an MoE model with a dense MLP (intermediate_size) instead
+    num_labels: int = 0               # a sequence classifier's classes (its `score` head's rows); 0 = none
 
     @property
     def q_size(self) -> int:
@@ -263,11 +282,17 @@ def model_config_from_hf(hf_config: Any) -> ModelConfig:
     """Read a transformers config; raises ValueError for an architecture or feature we don't run."""
     architectures = getattr(hf_config, "architectures", None) or []
     architecture = architectures[0] if architectures else None
-    base_model = architecture in BASE_MODEL_ARCHITECTURES
-    architecture = BASE_MODEL_ARCHITECTURES.get(architecture, architecture)
+    classifier = is_classifier(hf_config)
+    # no LM head in a bare model or a classifier: the input embedding stands in (its logits are not used)
+    headless = classifier or architecture in BASE_MODEL_ARCHITECTURES
+    given, architecture = architecture, causal_architecture(architecture)
     if architecture not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"architecture {architecture!r} is not supported; supported architectures: "
-                         f"{', '.join(SUPPORTED_ARCHITECTURES + tuple(BASE_MODEL_ARCHITECTURES))}")
+        raise ValueError(f"architecture {given!r} is not supported; supported architectures: "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES + tuple(BASE_MODEL_ARCHITECTURES))}, and the "
+                         f"{CLASSIFIER_SUFFIX} of each *ForCausalLM")
+    num_labels = int(getattr(hf_config, "num_labels", 0) or 0) if classifier else 0
+    if classifier and num_labels < 1:
+        raise ValueError(f"{given} needs num_labels >= 1 in its config (id2label), got {num_labels}")
     act_field = "hidden_activation" if architecture in _GEMMA else "hidden_act"
     act = _get(hf_config, act_field, "silu")
     if act not in _ACTIVATIONS:
@@ -309,7 +334,7 @@ def model_config_from_hf(hf_config: Any) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=float(_get(hf_config, "rms_norm_eps", 1e-6)),
         max_position_embeddings=max_pos,
-        tie_word_embeddings=base_model or bool(_get(hf_config, "tie_word_embeddings", False)),
+        tie_word_embeddings=headless or bool(_get(hf_config, "tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         mlp_bias=bool(_get(hf_config, "mlp_bias", False)),
@@ -326,6 +351,7 @@ def model_config_from_hf(hf_config: Any) -> ModelConfig:
         eos_token_ids=tuple(int(e) for e in eos_ids if e is not None),
         hidden_act=_ACTIVATIONS[act],
         rotary_dim=rotary_dim if rotary_dim != head_dim else 0,
+        num_labels=num_labels,
     )
     fields.update(longrope)
     fields.update(_moe_fields(hf_config, architecture, num_layers))

@@ -114,6 +114,8 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = {"embed": (cfg.vocab_size, cfg.hidden_size), "final_norm": (cfg.hidden_size,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (cfg.hidden_size, cfg.vocab_size)
+    if cfg.num_labels:   # a classifier's head, as transformers lays it out (read on the host, ModelRunner.fetch)
+        shapes["classifier"] = (cfg.num_labels, cfg.hidden_size)
     return shapes
 
 
@@ -180,6 +182,8 @@ class LlamaFamilyForCausalLM(nnx.Module):
         self.embed = nnx.Param(weights["embed"])   # [vocab, hidden], or a QuantizedWeight [hidden, vocab]
         self.final_norm = nnx.Param(weights["final_norm"])
         self.lm_head = nnx.Param(weights["lm_head"]) if "lm_head" in weights else None
+        # a sequence classifier's `score` head [num_labels, hidden]; the step never reads it (pooling.py)
+        self.classifier = nnx.Param(weights["classifier"]) if "classifier" in weights else None
         # f32[num_layers, 2]: each layer's K and V scale in an fp8 KV pool (stored = value / scale); unused
         # by a pool in the model dtype. 1.0 unless calculate_kv_scales measures them on the first step
         self.kv_scales = nnx.Param(shard_plan.put(np.ones((cfg.num_layers, 2), np.float32)))

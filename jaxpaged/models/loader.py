@@ -158,6 +158,8 @@ def convert_hf_weights(get: Callable[[str], np.ndarray], has: Callable[[str], bo
         head = fetch("lm_head.weight", shapes["lm_head"][::-1]).T
         weights["lm_head"] = put("lm_head", head.packed() if isinstance(head, HostQuantized)
                                  else np.ascontiguousarray(head).astype(np_dtype))
+    if cfg.num_labels:
+        weights["classifier"] = put("classifier", fetch("score.weight", shapes["classifier"]).astype(np_dtype))
 
     stacks: dict = {}
     layers = []

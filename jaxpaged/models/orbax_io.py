@@ -95,7 +95,8 @@ def load_converted(path: str, cfg: ModelConfig, dtype: str, scan_layers: bool, p
             target[key] = jax.ShapeDtypeStruct(tuple(info.shape), info.dtype, sharding=sharding)
         stored = ckpt.restore(weights_dir, target)
     jdtype = jnp.dtype(dtype)
-    weights = {name: stored[name].astype(jdtype) for name in ("embed", "final_norm", "lm_head") if name in stored}
+    weights = {name: stored[name].astype(jdtype) for name in ("embed", "final_norm", "lm_head", "classifier")
+               if name in stored}
     stacks = {}
     names = sorted({key.partition(".")[0] for key in stored if key not in weights})
     for name in names:
@@ -151,6 +152,8 @@ def canonical_arrays(get, has, cfg: ModelConfig, np_dtype) -> dict[str, np.ndarr
     if not cfg.tie_word_embeddings:
         head = hf_tensor(get, has, "lm_head.weight", shapes["lm_head"][::-1])
         arrays["lm_head"] = np.ascontiguousarray(head.T).astype(np_dtype)
+    if cfg.num_labels:
+        arrays["classifier"] = hf_tensor(get, has, "score.weight", shapes["classifier"]).astype(np_dtype)
     layer_shapes = layer_weight_shapes(cfg)
     stacked: dict[str, list[np.ndarray]] = {}
     for i in range(cfg.num_layers):

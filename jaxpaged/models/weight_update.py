@@ -63,6 +63,8 @@ def update_targets(cfg: ModelConfig, scan_layers: bool, tp: int) -> dict[str, Ta
                "model.norm.weight": Target(("final_norm",), None, None, None, False, shapes["final_norm"])}
     if not cfg.tie_word_embeddings:
         targets["lm_head.weight"] = Target(("lm_head",), None, None, None, True, shapes["lm_head"][::-1])
+    if cfg.num_labels:
+        targets["score.weight"] = Target(("classifier",), None, None, None, False, shapes["classifier"])
     layer_shapes = layer_weight_shapes(cfg)
     for i in range(cfg.num_layers):
         for name, hf_names in _hf_layer_sources(cfg, i).items():

@@ -98,7 +98,7 @@ class ModelRunner(CompiledStep, DeviceMemory):
         # runner="pooling": each step also brings back its sample rows' hidden states (a prompt's last
         # token's: its embedding, once final-normed); their sampled tokens are not used
         self.pooling = pooling
-        self._final_norm_host = (None, None)   # (the device's final-norm weight, its f32 host copy)
+        self._host_weights = {}   # name -> (the device's weight, its f32 host copy): the pooled rows' norm and head
         # every request it runs samples plain greedy, without prompt logprobs (a draft model's runner):
         # no prompt-logprobs programs to compile, and with host_branches one sampler kind
         self.greedy_only = greedy_only
@@ -363,21 +363,26 @@ class ModelRunner(CompiledStep, DeviceMemory):
         prompt = unpack_prompt_logprobs(_to_host(pending.prompt_packed), inputs.lp_rows, K) if inputs.lp_rows else {}
         result = StepResult(inputs.requests, inputs.rows, _to_host(pending.packed), K, prompt, inputs.spec_rows)
         if pending.pooled_rows is not None and inputs.rows:
-            pooled = self._final_norm(_to_host(pending.pooled_rows)[inputs.rows])
+            pooled = self._pooled(_to_host(pending.pooled_rows)[inputs.rows])
             result.pooled = {request.request_id: vector for request, vector in zip(inputs.requests, pooled)}
         return result
 
-    def _final_norm(self, hidden: np.ndarray) -> np.ndarray:
-        """f32 rows of the hidden states the LM head would read: the model's final RMSNorm (compute_logits'
-        first step, models/llama.rms_norm), on the host: a few rows per step, no program per row count."""
+    def _pooled(self, hidden: np.ndarray) -> np.ndarray:
+        """f32 rows of what a pooling request gets: the hidden states the LM head would read, through the
+        model's final RMSNorm (compute_logits' first step, models/llama.rms_norm), and a classifier's logits
+        (its `score` head), on the host: a few rows per step, no program per row count."""
         cfg = self.model_config
-        norm = self.state["final_norm"].get_value()
-        if self._final_norm_host[0] is not norm:   # fetched once per weights (new ones: update_weights, wake_up)
-            self._final_norm_host = (norm, _to_host(norm).astype(np.float32))
-        weight = self._final_norm_host[1]
         x = hidden.astype(np.float32)
         x = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(cfg.rms_norm_eps))
-        return x * (weight + np.float32(cfg.norm_offset))
+        x = x * (self._host_weight("final_norm") + np.float32(cfg.norm_offset))
+        return x @ self._host_weight("classifier").T if cfg.num_labels else x
+
+    def _host_weight(self, name: str) -> np.ndarray:
+        """A top-level weight's f32 host copy, fetched once per weights (new ones: update_weights, wake_up)."""
+        weight = self.state[name].get_value()
+        if self._host_weights.get(name, (None,))[0] is not weight:
+            self._host_weights[name] = (weight, _to_host(weight).astype(np.float32))
+        return self._host_weights[name][1]
 
 
 def _to_host(x: jax.Array) -> np.ndarray:
