@@ -45,7 +45,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "vllm: ignore it; or a folder holding one")
     parser.add_argument("--preemption-mode", default=d.preemption_mode, choices=["auto", "recompute", "swap"])
     parser.add_argument("--runner", default=d.runner, choices=["auto", "generate", "pooling"],
-                        help="pooling: the model embeds prompts (/v1/embeddings, LLM.embed) instead of generating")
+                        help="pooling: the model embeds or classifies prompts (/v1/embeddings, /classify, "
+                             "LLM.embed, LLM.classify) instead of generating; auto: pooling for a checkpoint "
+                             "without an LM head")
     parser.add_argument("--pooler-config", default=None, metavar="JSON",
                         help='with --runner pooling: {"pooling_type": "LAST", "normalize": true} (default: the '
                              "checkpoint's sentence-transformers pooling, else this)")
@@ -72,6 +74,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-loras", type=int, default=d.max_loras, help="adapters in one batch (default 1)")
     parser.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank, help="the largest adapter rank")
     parser.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in host memory")
+    parser.add_argument("--profiler-config", default=None, metavar="JSON",
+                        help='{"profiler": "jax", "profiler_dir": DIR}: the server gets POST /start_profile and '
+                             "/stop_profile, which trace the engine with JAX's profiler into DIR")
 
 
 def engine_kwargs(ns: argparse.Namespace) -> dict:

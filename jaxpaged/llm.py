@@ -90,6 +90,15 @@ class LLM:
         """engine.method(*args) on every data-parallel replica; their results."""
         return [getattr(engine, method)(*args) for engine in self.llm_engine.replicas()]
 
+    def start_profile(self) -> None:
+        """Start a JAX profiler trace (vLLM's; the engine made with profiler_config={"profiler": "jax",
+        "profiler_dir": DIR}): what runs until stop_profile() is traced (engine/profiler.py)."""
+        self.llm_engine.profiler.start()
+
+    def stop_profile(self) -> None:
+        """Stop the trace and write it under profiler_dir (TensorBoard / XProf, and Perfetto)."""
+        self.llm_engine.profiler.stop()
+
     def update_weights(self, weights) -> None:
         """Write weights in place: a mapping or an iterable of (name, array) with Hugging Face names
         (`model.layers.0.self_attn.q_proj.weight`, ...), arrays from JAX, NumPy or anything with

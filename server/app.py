@@ -315,9 +315,12 @@ class _Server:
         await self.engine.sleep(int(raw))
         return Response(status_code=200)
 
-    async def wake_up(self, request: Request) -> Response:
-        await self.engine.wake_up()
-        return Response(status_code=200)
+    def engine_call(self, method: str):
+        """A route that awaits AsyncLLM.method() (wake_up, start_profile, stop_profile); 200, empty."""
+        async def handler(request: Request) -> Response:
+            await getattr(self.engine, method)()
+            return Response(status_code=200)
+        return handler
 
     async def is_sleeping(self, request: Request) -> Response:
         return _json({"is_sleeping": await self.engine.is_sleeping()})
@@ -382,10 +385,13 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, api
              ("/v1/load_lora_adapter", server.load_lora_adapter, "POST"),
              ("/v1/unload_lora_adapter", server.unload_lora_adapter, "POST")]
     # besides /v1/*: the routes that run the model or put it to sleep (an API key guards them too)
-    guarded = {"/sleep", "/wake_up", "/is_sleeping", "/classify", "/score", "/rerank", "/v2/rerank"}
+    guarded = {"/sleep", "/wake_up", "/is_sleeping", "/classify", "/score", "/rerank", "/v2/rerank", "/start_profile",
+               "/stop_profile"}
     if enable_sleep_mode:
-        table += [("/sleep", server.sleep, "POST"), ("/wake_up", server.wake_up, "POST"),
+        table += [("/sleep", server.sleep, "POST"), ("/wake_up", server.engine_call("wake_up"), "POST"),
                   ("/is_sleeping", server.is_sleeping, "GET")]
+    if engine.args.profiler_config is not None:   # vLLM's routes, where a profiler is configured
+        table += [(f"/{name}", server.engine_call(name), "POST") for name in ("start_profile", "stop_profile")]
     routes = [Route(path, _endpoint(server, handler, path.startswith("/v1/") or path in guarded), methods=[method])
               for path, handler, method in table]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})

@@ -87,6 +87,7 @@ class EngineArgs:
     max_lora_rank: int = 16                   # the largest adapter rank (smaller ones are zero-padded)
     max_cpu_loras: int | None = None          # adapters kept on the host (default: max_loras)
     enable_sleep_mode: bool = False           # vLLM's flag, accepted: sleep()/wake_up() work on every engine
+    profiler_config: dict | str | None = None  # {"profiler": "jax", "profiler_dir": DIR}: start_profile() works
 
     def batched_tokens(self, max_model_len: int) -> int:
         """The per-step token budget: given, or 2048 (at least max_model_len without chunked prefill)."""
@@ -180,5 +181,7 @@ class EngineArgs:
         require("enable_lora", not self.enable_lora or self.num_nodes == 1, "False when num_nodes > 1")
         require("enable_lora", not self.enable_lora or spec is None or spec.method == "ngram",
                 "False with a draft model (speculative_config method 'draft_model'); prompt lookup works")
+        from jaxpaged.engine.profiler import ProfilerConfig
+        ProfilerConfig.parse(self.profiler_config)   # ValueErrors name the key and what it allows
         require("generation_config", isinstance(self.generation_config, str) and self.generation_config != "",
                 "'auto', 'vllm' or a folder holding generation_config.json")

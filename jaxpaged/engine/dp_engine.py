@@ -50,6 +50,7 @@ class DataParallelEngine:
         self.generation_defaults = first.generation_defaults
         self.eos_token_ids = first.eos_token_ids
         self.pooling = first.pooling                # runner="pooling": every replica pools
+        self.profiler = first.profiler              # one trace per process (jax.profiler), of every replica
         self._owner: dict[str, LLMEngine] = {}      # request id -> its replica
         self._ids = itertools.count()
         self._held: list[RequestOutput] = []        # outputs of a step round in which a replica failed

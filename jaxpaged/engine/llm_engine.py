@@ -39,6 +39,7 @@ from jaxpaged.engine.spec_decode import SpeculativeConfig, Speculator
 from jaxpaged.engine.research import ResearchMixin
 from jaxpaged.engine.output_processor import OutputProcessor, RequestState, SequenceState
 from jaxpaged.engine.pooling import Pooling, no_pooling_params
+from jaxpaged.engine.profiler import Profiler, ProfilerConfig
 from jaxpaged.engine.startup import (build_draft_proposer, build_runner, build_scheduler, load_draft_model,
                                      load_model_and_tokenizer)
 from jaxpaged.runner.structured_outputs import GrammarCompiler
@@ -87,6 +88,7 @@ class LLMEngine(ResearchMixin):
         self.pooling = Pooling(args.pooler_config, source if os.path.isdir(source) else None, self.loaded.hf_config,
                                self.model_config) if args.runner == "pooling" else None
         self.output_processor = OutputProcessor(self.tokenizer, self.pooling)   # what users see: text, stops
+        self.profiler = Profiler(ProfilerConfig.parse(args.profiler_config))   # start_profile / stop_profile
         # step(defer_outputs=True), AsyncLLM's: completed steps wait in take_completed() for its output
         # thread, which builds their outputs off the loop that schedules and launches steps
         self._defer_outputs = False

@@ -154,3 +154,11 @@ class AsyncResearchMixin:
 
     async def list_loras(self) -> set[int]:
         return set().union(*await self._on_replicas("list_loras"))
+
+    async def start_profile(self) -> None:
+        """Start a JAX profiler trace between two steps (profiler_config; engine/profiler.py)."""
+        await self.call(lambda engine: engine.profiler.start())
+
+    async def stop_profile(self) -> None:
+        """Stop it between two steps; the trace is written to profiler_config's profiler_dir."""
+        await self.call(lambda engine: engine.profiler.stop())
