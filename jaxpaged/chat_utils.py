@@ -1,14 +1,23 @@
 """Chat messages through a chat template, the same way for `LLM.chat` and the server."""
 
+import inspect
 import json
 
 
 def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None, chat_template: str | None = None,
-                add_generation_prompt: bool = True) -> str:
+                add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> str:
     """The prompt text of a conversation; `tools` (OpenAI function tools) go to the template as vLLM
-    passes them. Raises what the template raises (no template, its own checks of roles and order)."""
+    passes them, `chat_template_kwargs` as more template variables (Qwen3's enable_thinking). Raises
+    ValueError for a variable that is one of apply_chat_template's own arguments, and what the template
+    raises (no template, its own checks of roles and order)."""
+    extra = dict(chat_template_kwargs or {})
+    taken = sorted(set(extra) & (set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"}))
+    if taken:
+        raise ValueError(f"chat_template_kwargs must not set {', '.join(taken)}: it is an argument of the "
+                         "chat template call itself (use the request's own field)")
     return tokenizer.apply_chat_template(template_messages(messages), tools=tools or None, tokenize=False,
-                                         chat_template=chat_template, add_generation_prompt=add_generation_prompt)
+                                         chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                                         **extra)
 
 
 def template_messages(messages: list[dict]) -> list[dict]:

@@ -140,12 +140,13 @@ class _Server:
         return self.tokenizer.decode(out.prompt_token_ids) if self.tokenizer is not None else ""
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> tuple[str, list[int]]:
+                    tools: list[dict] | None = None, template_kwargs: dict | None = None) -> tuple[str, list[int]]:
         tokenizer = self.need_tokenizer("messages")
         try:
-            text = render_chat(tokenizer, messages, tools, self.chat_template, add_generation_prompt)
-        except Exception as exc:   # no template, or the template's own checks (roles, order)
-            raise P.APIError(400, f"messages could not be rendered with the chat template: {exc}", "messages",
+            text = render_chat(tokenizer, messages, tools, self.chat_template, add_generation_prompt, template_kwargs)
+        except Exception as exc:   # no template, the template's own checks (roles, order), a clashing variable
+            param = "chat_template_kwargs" if str(exc).startswith("chat_template_kwargs") else "messages"
+            raise P.APIError(400, f"messages could not be rendered with the chat template: {exc}", param,
                              "invalid_value") from None
         return text, list(tokenizer.encode(text, add_special_tokens=False))
 
@@ -171,7 +172,8 @@ class _Server:
         forced = tools is not None and tools.constraint is not None   # "required" or a named function
         if forced:
             req.tool_constraint = tools.constraint
-        text, ids = self.render_chat(req.messages, req.request.add_generation_prompt is not False, req.tools)
+        text, ids = self.render_chat(req.messages, req.request.add_generation_prompt is not False, req.tools,
+                                     req.request.chat_template_kwargs)
         try:
             return await self._generate(request, req, [({"prompt": text, "prompt_token_ids": ids}, ids)], "chatcmpl",
                                         tools)
@@ -280,7 +282,7 @@ class _Server:
         self.model(req.model)
         if req.messages is not None:
             _, ids = self.render_chat(P.message_dicts(req.messages), req.add_generation_prompt is not False,
-                                      P.tool_dicts(req.tools))
+                                      P.tool_dicts(req.tools), req.chat_template_kwargs)
         elif req.prompt is not None:
             special = req.add_special_tokens is not False
             ids = list(self.need_tokenizer("prompt").encode(req.prompt, add_special_tokens=special))

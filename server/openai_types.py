@@ -59,6 +59,8 @@ class Message(_Strict):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None      # an assistant's earlier calls
     tool_call_id: str | None = None               # a tool message: the call it answers
+    reasoning: str | None = None                  # an assistant's earlier reasoning (to the template, as
+    reasoning_content: str | None = None          # reasoning_content: Qwen3's template reads it)
 
     @model_validator(mode="after")
     def _tool_answers_a_call(self):
@@ -197,6 +199,8 @@ class ChatCompletionRequest(_Request):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     add_generation_prompt: bool | None = None   # vLLM's
+    chat_template_kwargs: dict[str, Any] | None = None   # vLLM's: more variables for the template (enable_thinking)
+    include_reasoning: bool | None = None   # vLLM's: false drops the reasoning (--reasoning-parser) from the answer
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description='"none", "auto", "required" or {"type": "function", "function": {"name": ...}}')

@@ -206,6 +206,9 @@ def _message_dict(message: Message) -> dict:
         out["tool_calls"] = [call.model_dump() for call in message.tool_calls]
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
+    reasoning = message.reasoning_content if message.reasoning_content is not None else message.reasoning
+    if reasoning is not None:
+        out["reasoning_content"] = reasoning
     return out
 
 

@@ -80,7 +80,9 @@ class ChatLogprobs(_Out):
 
 class ChatMessage(_Out):
     role: Literal["assistant"]
-    content: str | None = None   # None: only tool calls
+    content: str | None = None   # None: only tool calls (or only reasoning)
+    reasoning: str | None = None   # vLLM's, with --reasoning-parser: the thinking before the answer
+    reasoning_content: str | None = None   # the same, under vLLM's earlier name
     tool_calls: list[ToolCall] | None = None
 
 
@@ -119,6 +121,8 @@ class DeltaToolCall(_Out):
 class Delta(_Out):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -11,6 +11,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from jaxpaged.reasoning import ReasoningParser
 from jaxpaged.server import protocol as P
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class _Cursor:
     started: bool = False
     done: bool = False
     reader: object = None   # ToolCallReader of a request with tools (it holds back partial calls)
+    thought: object = None  # ReasoningStream with --reasoning-parser (it holds back a partial </think>)
 
 
 class Reply:
@@ -90,13 +92,32 @@ class Reply:
         self.calls_finish_reason = tools.finish_reason if tools is not None else None
         # parallel_tool_calls false: only a first call counts ("required" is held to one by its grammar)
         self.max_calls = None if req.parallel_tool_calls else 1
+        # --reasoning-parser: a chat answer's reasoning, split from its content before tool calls are read
+        # (per request: chat_template_kwargs may turn thinking off); include_reasoning false drops it
+        name = server.tool_settings.reasoning_parser
+        chat = req.kind == "chat"
+        self.reasoning = ReasoningParser(name, req.request.chat_template_kwargs) if chat and name else None
+        self.include_reasoning = chat and req.request.include_reasoning is not False
+
+    def _thought(self, cursor: _Cursor, text: str, done: bool) -> tuple[str | None, str]:
+        """A streamed choice's new text as (new reasoning, new content); without a parser, (None, text)."""
+        if self.reasoning is None:
+            return None, text
+        if cursor.thought is None:
+            cursor.thought = self.reasoning.stream()
+        return cursor.thought.feed(text, done)
+
+    def _reasoning_fields(self, reasoning: str | None) -> dict:
+        """A message's or delta's reasoning, under vLLM's name and its earlier one."""
+        return {"reasoning": reasoning, "reasoning_content": reasoning} if reasoning and self.include_reasoning \
+            else {}
 
     def _finish_reason(self, c, reader) -> str | None:
         return self.calls_finish_reason if reader is not None and reader.called_tools and c.finish_reason == "stop" \
             else c.finish_reason
 
     def _choice(self, i: int, out, c, text: str, token_ids: list, entries: list, offset: int, echo: bool,
-                done: bool, started: bool = True) -> dict:
+                done: bool, started: bool = True, reasoning: str | None = None) -> dict:
         index = i * self.n + c.index   # prompt i's choices come after those of prompts 0..i-1
         finish = {"finish_reason": c.finish_reason if done else None,
                   "stop_reason": c.stop_reason if done else None}
@@ -115,13 +136,16 @@ class Reply:
                 delta = {} if started else {"role": "assistant"}
                 if text or not started:
                     delta["content"] = text
-                return {"index": index, "delta": delta, "logprobs": lps, **finish, **ids}
-            message = {"role": "assistant", "content": text}
+                return {"index": index, "delta": {**delta, **self._reasoning_fields(reasoning)}, "logprobs": lps,
+                        **finish, **ids}
+            if self.reasoning is not None:
+                reasoning, text = self.reasoning.extract(text)
+            message = {"role": "assistant", "content": text, **self._reasoning_fields(reasoning)}
             if self.tool_reader is not None:
                 reader = self.tool_reader()
-                extracted = reader.extract(text)
+                extracted = reader.extract(text or "")
                 calls = extracted.tool_calls[:self.max_calls]
-                message = {"role": "assistant", "content": extracted.content if calls else text}
+                message["content"] = extracted.content if calls else text
                 if calls:
                     message["tool_calls"] = [call.to_openai() for call in calls]
                 finish["finish_reason"] = self._finish_reason(c, reader) if done else None
@@ -175,8 +199,12 @@ class Reply:
         done = c.finish_reason is not None
         token_ids = c.token_ids[cursor.tokens:]
         entries = (c.logprobs or [])[cursor.tokens:len(c.token_ids)]
-        fragments = [f for f in cursor.reader.feed(c.text, done)
+        reasoning, _ = self._thought(cursor, c.text[cursor.chars:], done)
+        content = c.text if cursor.thought is None else cursor.thought.answer   # the calls are read in the content
+        fragments = [f for f in cursor.reader.feed(content, done)
                      if self.max_calls is None or all(t["index"] < self.max_calls for t in f.get("tool_calls", []))]
+        if self._reasoning_fields(reasoning):
+            fragments.insert(0, self._reasoning_fields(reasoning))
         if not fragments and (done or not cursor.started or (self.req.logprobs is not None and token_ids)):
             fragments = [{}]
         choices = []
@@ -201,15 +229,17 @@ class Reply:
         if cursor.done:
             return None
         # the engine's outputs never hold the possible start of a stop string (stop_hold_back)
-        text = c.text[cursor.chars:]
+        offset = cursor.chars
+        reasoning, text = self._thought(cursor, c.text[offset:], done)
+        cursor.chars = len(c.text)   # (all of it fed: what a parser holds back is its own now)
         token_ids = c.token_ids[cursor.tokens:]
         entries = (c.logprobs or [])[cursor.tokens:len(c.token_ids)]
         wants_tokens = (self.req.logprobs is not None or self.token_ids) and token_ids
-        if not (text or done or wants_tokens or not cursor.started):
+        if not (text or self._reasoning_fields(reasoning) or done or wants_tokens or not cursor.started):
             return None
         echo = self.req.echo and not cursor.started
-        choice = self._choice(i, out, c, text, token_ids, entries, cursor.chars, echo, done, cursor.started)
-        cursor.chars, cursor.tokens = len(c.text), len(c.token_ids)
+        choice = self._choice(i, out, c, text, token_ids, entries, offset, echo, done, cursor.started, reasoning)
+        cursor.tokens = len(c.token_ids)
         cursor.started, cursor.done = True, done
         return choice
 

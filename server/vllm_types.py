@@ -1,7 +1,7 @@
 """Request models of vLLM's routes beyond OpenAI's (/tokenize, /detokenize, LoRA adapters): keys beyond
 these are ignored, as vLLM has more of its own."""
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import Field
 
@@ -16,6 +16,7 @@ class TokenizeRequest(_Strict):
     messages: _MessageList | None = None
     tools: list[Tool] | None = None
     add_generation_prompt: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Strict):

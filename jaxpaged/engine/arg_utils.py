@@ -67,7 +67,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     preemption_mode: str = "auto"             # "auto" (swap or recompute, whichever costs less) | "recompute" | "swap"
     scheduling_policy: str = "fcfs"           # "fcfs" | "priority" (requests' priority: the lower, the sooner)
-    runner: str = "auto"                      # "generate" | "pooling" (embeddings, classifiers) | "auto" (see pooling_params)
+    runner: str = "auto"                      # "generate" | "pooling" (embeddings, classifiers) | "auto"
     pooler_config: object = None              # runner="pooling": a PoolerConfig, dict or JSON (None: the model's)
     async_scheduling: bool = True             # plan and prepare step t+1 while the device runs step t
     served_model_name: str | None = None

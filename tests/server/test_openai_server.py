@@ -363,7 +363,8 @@ def test_serve_command_line_builds_the_engine_args(monkeypatch):
     monkeypatch.delenv("JAXPAGED_API_KEY", raising=False)
     monkeypatch.setattr(server, "run_server", lambda args, **kw: calls.append((args, kw)) or 0)
     assert cli.main(["serve", "some/model", "--port", "8123", "--api-key", "k", "--served-model-name", "a", "b",
-                     "--max-model-len", "512", "--block-size", "32", "--swap-space", "1"]) == 0
+                     "--max-model-len", "512", "--block-size", "32", "--swap-space", "1",
+                     "--reasoning-parser", "qwen3"]) == 0
     args, kw = calls[0]
     assert (args.model, args.max_model_len, args.block_size, args.swap_space) == ("some/model", 512, 32, 1.0)
     assert args.served_model_name == "a" and args.compile_on_startup
@@ -371,7 +372,7 @@ def test_serve_command_line_builds_the_engine_args(monkeypatch):
                   "log_level": "info", "enable_auto_tool_choice": False, "tool_call_parser": None,
                   "chat_template": None, "vllm_metric_names": False, "max_num_waiting": None,
                   "shutdown_timeout": 10.0, "enable_sleep_mode": False,
-                  "lora_modules": None, "max_request_body_bytes": None}
+                  "lora_modules": None, "max_request_body_bytes": None, "reasoning_parser": "qwen3"}
     assert cli.main(["serve", "--model", "other/model"]) == 0 and calls[1][0].model == "other/model"
     assert cli.main(["serve"]) == 0 and calls[2][0].model is None          # the built-in model
     assert cli.main(["serve", "x", "--model", "y"]) == 2                  # two different models

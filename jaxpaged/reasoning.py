@@ -1,0 +1,76 @@
+"""Reasoning parsers (vLLM's --reasoning-parser): a thinking model's output split into its reasoning,
+written between <think> and </think>, and its answer, whole (`extract`) or as it streams (`stream`).
+
+    parser        the model writes                            no </think> in the output
+    deepseek_r1   [<think>] reasoning </think> answer         reasoning (R1 always thinks; cut short)
+    qwen3         [<think>] reasoning </think> answer         reasoning, or the answer when thinking is off
+                                                              (chat_template_kwargs enable_thinking=False)
+
+The opening <think> may be the model's or the chat template's (in the prompt): a leading one is dropped.
+Both work on text, so the tags must survive decoding (they are not special tokens in these models'
+tokenizers). A streamed output always reassembles to the whole one: `extract` is the stream fed at once.
+"""
+
+from __future__ import annotations
+
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+START, END = "<think>", "</think>"
+
+
+class ReasoningParser:
+    def __init__(self, name: str, chat_template_kwargs: dict | None = None):
+        if name not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {name!r}")
+        self.name = name
+        # Qwen3's template writes an empty <think></think> into the prompt when thinking is off: all is answer
+        self.thinking = name != "qwen3" or (chat_template_kwargs or {}).get("enable_thinking", True) is not False
+
+    def extract(self, text: str) -> tuple[str | None, str | None]:
+        """(reasoning, answer) of a whole output; None where a part is empty."""
+        stream = self.stream()
+        reasoning, answer = stream.feed(text, done=True)
+        return reasoning or None, answer or None
+
+    def stream(self) -> ReasoningStream:
+        return ReasoningStream(self.thinking)
+
+
+class ReasoningStream:
+    """One streamed output: `feed(new_text, done)` -> (new reasoning, new answer); text that may still
+    become a tag is held back until the next feed (or `done`). `answer` is the answer so far."""
+
+    def __init__(self, thinking: bool):
+        self.in_reasoning = thinking
+        self.began = not thinking   # past the point where a leading <think> is dropped
+        self.held = ""
+        self.answer = ""
+
+    def feed(self, text: str, done: bool) -> tuple[str, str]:
+        text, self.held = self.held + text, ""
+        reasoning = ""
+        if self.in_reasoning and not self.began:
+            body = text.lstrip()
+            if body.startswith(START):
+                text, self.began = body[len(START):], True
+            elif START.startswith(body) and not done:   # whitespace, or "<thi": wait for more
+                self.held = text
+                return "", ""
+            else:
+                self.began = True
+        if self.in_reasoning:
+            end = text.find(END)
+            if end >= 0:
+                reasoning, text, self.in_reasoning = text[:end], text[end + len(END):], False
+            else:
+                keep = 0 if done else _partial_suffix(text, END)
+                reasoning, self.held, text = text[:len(text) - keep], text[len(text) - keep:], ""
+        self.answer += text
+        return reasoning, text
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag` (what may still become the tag)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0

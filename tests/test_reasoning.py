@@ -1,0 +1,71 @@
+"""Reasoning parsers (--reasoning-parser): a thinking model's text split into reasoning and answer, whole
+and streamed in any pieces (the stream reassembles to the whole), with thinking on and off."""
+
+import random
+
+import pytest
+
+from jaxpaged.reasoning import ReasoningParser
+
+
+@pytest.mark.parametrize("name, kwargs, text, want", [
+    ("qwen3", None, "<think>\nPlan it.\n</think>\n\nThe answer.", ("\nPlan it.\n", "\n\nThe answer.")),
+    ("qwen3", None, "Plan it.</think>The answer.", ("Plan it.", "The answer.")),   # <think> in the prompt
+    ("qwen3", None, "  <think>Plan</think>", ("Plan", None)),
+    ("qwen3", None, "<think>cut short by max_tokens", ("cut short by max_tokens", None)),
+    ("qwen3", {"enable_thinking": False}, "The answer, no tags.", (None, "The answer, no tags.")),
+    ("qwen3", {"enable_thinking": False}, "a <think>x</think> y", (None, "a <think>x</think> y")),
+    ("deepseek_r1", None, "Hmm.</think>42", ("Hmm.", "42")),
+    ("deepseek_r1", {"enable_thinking": False}, "Hmm, no end", ("Hmm, no end", None)),   # R1 always thinks
+    ("deepseek_r1", None, "a < b </thin k> </think>", ("a < b </thin k> ", None)),
+    ("qwen3", None, "<thi", ("<thi", None)),   # not the tag after all: reasoning
+])
+def test_whole_outputs_split_at_the_tags(name, kwargs, text, want):
+    assert ReasoningParser(name, kwargs).extract(text) == want
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_a_stream_in_random_pieces_reassembles_to_the_whole(seed):
+    rng = random.Random(seed)
+    name = rng.choice(["qwen3", "deepseek_r1"])
+    parts = [rng.choice(["", " ", "\n", "<think>"]), "reason < ing </", "thin", "k> " * rng.randint(0, 1),
+             rng.choice(["</think>", "</th", ""]), "ans<wer", rng.choice(["</think>", "<", ""])]
+    text = "".join(parts)
+    cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, min(8, len(text) - 1))))
+    pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+    parser = ReasoningParser(name)
+    stream = parser.stream()
+    reasoning = answer = ""
+    for k, piece in enumerate(pieces):
+        r, a = stream.feed(piece, done=k == len(pieces) - 1)
+        reasoning, answer = reasoning + r, answer + a
+    assert (reasoning or None, answer or None) == parser.extract(text), pieces
+    assert stream.answer == answer
+
+
+def test_a_partial_tag_is_held_back_until_it_is_known():
+    stream = ReasoningParser("qwen3").stream()
+    assert stream.feed("<thi", False) == ("", "")       # may be <think>
+    assert stream.feed("nk>Plan </th", False) == ("Plan ", "")   # "</th" may end the reasoning
+    assert stream.feed("ink>Go", False) == ("", "Go")
+    assert stream.feed("</think>", True) == ("", "</think>")   # after the end, tags are answer text
+
+
+def test_an_unknown_parser_is_named():
+    with pytest.raises(ValueError, match="reasoning_parser must be one of deepseek_r1, qwen3, got 'r2'"):
+        ReasoningParser("r2")
+
+
+def test_llm_chat_passes_chat_template_kwargs_to_the_template():
+    from jaxpaged import SamplingParams
+    from tests.engine.test_llm_generate import tiny_llm
+
+    template = ("{{ messages[0]['content'] }}"
+                "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}")
+    ask = [{"role": "user", "content": "Hi"}]
+    off = tiny_llm().chat(ask, SamplingParams(max_tokens=1), use_tqdm=False, chat_template=template,
+                          chat_template_kwargs={"enable_thinking": False})[0]
+    on = tiny_llm().chat(ask, SamplingParams(max_tokens=1), use_tqdm=False, chat_template=template)[0]
+    assert off.prompt == "Hi<think></think>" and on.prompt == "Hi"
+    with pytest.raises(ValueError, match="chat_template_kwargs must not set tokenize"):
+        tiny_llm().chat(ask, chat_template_kwargs={"tokenize": True}, use_tqdm=False)
