@@ -74,6 +74,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-loras", type=int, default=d.max_loras, help="adapters in one batch (default 1)")
     parser.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank, help="the largest adapter rank")
     parser.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in host memory")
+    from jaxpaged.reasoning import REASONING_PARSERS
+    parser.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                        help="a thinking model's <think> ... </think>: the server's chat answers carry it as "
+                             "`reasoning` (and `reasoning_content`), and structured outputs constrain what "
+                             "follows it: deepseek_r1 (R1 and its distills, QwQ), qwen3")
     parser.add_argument("--profiler-config", default=None, metavar="JSON",
                         help='{"profiler": "jax", "profiler_dir": DIR}: the server gets POST /start_profile and '
                              "/stop_profile, which trace the engine with JAX's profiler into DIR")
@@ -114,8 +119,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                              tool_call_parser=ns.tool_call_parser, chat_template=ns.chat_template,
                              vllm_metric_names=ns.vllm_metric_names, max_num_waiting=ns.max_num_waiting,
                              shutdown_timeout=ns.shutdown_timeout, enable_sleep_mode=ns.enable_sleep_mode,
-                             lora_modules=ns.lora_modules, max_request_body_bytes=ns.max_request_body_bytes,
-                             reasoning_parser=ns.reasoning_parser)
+                             lora_modules=ns.lora_modules, max_request_body_bytes=ns.max_request_body_bytes)
 
 
 def add_serve_parser(sub) -> None:
@@ -136,11 +140,6 @@ def add_serve_parser(sub) -> None:
                        help='let the model call tools on its own (tool_choice "auto"); needs --tool-call-parser')
     serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                        help="how the model writes tool calls: hermes (Qwen2.5, Qwen3, Hermes), llama3_json")
-    from jaxpaged.reasoning import REASONING_PARSERS
-    serve.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
-                       help="split a thinking model's chat answers: the text between <think> and </think> goes "
-                            "to `reasoning` (and `reasoning_content`), the rest to `content`: deepseek_r1 (R1 "
-                            "and its distills, QwQ), qwen3")
     serve.add_argument("--chat-template", default=None,
                        help="a Jinja chat template, or a file holding one, to use instead of the tokenizer's")
     serve.add_argument("--vllm-metric-names", action="store_true",

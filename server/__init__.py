@@ -28,14 +28,13 @@ def run_server(args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, api_
                chat_template: str | None = None, vllm_metric_names: bool = False,
                max_num_waiting: int | None = None, shutdown_timeout: float = 10.0,
                enable_sleep_mode: bool = False, lora_modules: list[str] | None = None,
-               max_request_body_bytes: int | None = None, reasoning_parser: str | None = None) -> int:
+               max_request_body_bytes: int | None = None) -> int:
     """Serve `args`' model until interrupted; returns the exit status. `chat_template`: a Jinja
     template, or the path of a file holding one, instead of the tokenizer's; `max_num_waiting`:
     new requests get a 503 (Retry-After) while this many wait for a seat in the batch;
     `lora_modules`: adapters served by name ("name=path" or JSON, see parse_lora_modules);
     `max_request_body_bytes`: larger request bodies get a 413 unread (None: max(1 MiB, 32 bytes
-    a token of max_model_len), see server/json_body.py); `reasoning_parser`: a chat answer's reasoning
-    split into its own field (jaxpaged/reasoning.py)."""
+    a token of max_model_len), see server/json_body.py)."""
     import os
 
     import uvicorn
@@ -48,8 +47,7 @@ def run_server(args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, api_
         raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {shutdown_timeout!r}")
     if max_request_body_bytes is not None and max_request_body_bytes < 1:
         raise ValueError(f"max_request_body_bytes must be >= 1, got {max_request_body_bytes}")
-    # checked before the model loads
-    tool_settings = ToolSettings(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
+    tool_settings = ToolSettings(enable_auto_tool_choice, tool_call_parser)   # checked before the model loads
     adapters = parse_lora_modules(lora_modules)
     if adapters and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")

@@ -94,7 +94,7 @@ class Reply:
         self.max_calls = None if req.parallel_tool_calls else 1
         # --reasoning-parser: a chat answer's reasoning, split from its content before tool calls are read
         # (per request: chat_template_kwargs may turn thinking off); include_reasoning false drops it
-        name = server.tool_settings.reasoning_parser
+        name = server.engine.args.reasoning_parser
         chat = req.kind == "chat"
         self.reasoning = ReasoningParser(name, req.request.chat_template_kwargs) if chat and name else None
         self.include_reasoning = chat and req.request.include_reasoning is not False

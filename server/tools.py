@@ -17,24 +17,19 @@ import json
 from dataclasses import dataclass
 from typing import Callable
 
-from jaxpaged.reasoning import ReasoningParser
 from jaxpaged.tool_parsers import NamedFunctionReader, RequiredReader, ToolCallReader, get_tool_parser
 from jaxpaged.server import protocol as P
 
 
 @dataclass
 class ToolSettings:
-    """The server's output parsers: `--enable-auto-tool-choice`, `--tool-call-parser` and `--reasoning-parser`
-    (a chat answer's reasoning, split from its content before tool calls are read: jaxpaged/reasoning.py)."""
+    """The server's: `--enable-auto-tool-choice` and `--tool-call-parser`."""
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
-    reasoning_parser: str | None = None
 
     def __post_init__(self):
         if self.tool_call_parser is not None:
             get_tool_parser(self.tool_call_parser)   # ValueError listing the parsers
-        if self.reasoning_parser is not None:
-            ReasoningParser(self.reasoning_parser)   # likewise
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser (--tool-call-parser NAME)")
 

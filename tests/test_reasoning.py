@@ -69,3 +69,29 @@ def test_llm_chat_passes_chat_template_kwargs_to_the_template():
     assert off.prompt == "Hi<think></think>" and on.prompt == "Hi"
     with pytest.raises(ValueError, match="chat_template_kwargs must not set tokenize"):
         tiny_llm().chat(ask, chat_template_kwargs={"tokenize": True}, use_tqdm=False)
+
+
+def test_a_constraint_waits_for_the_end_of_the_reasoning_unless_the_prompt_ended_it():
+    from jaxpaged.runner.structured_outputs import AfterReasoning, reasoning_ended
+
+    start, end = (7, 8), (3, 4)
+    assert reasoning_ended([1, 7, 8, 9, 3, 4], start, end)       # the template wrote <think></think>
+    assert not reasoning_ended([3, 4, 1, 7, 8], start, end)      # it opened one: the model thinks
+    assert not reasoning_ended([1, 2, 4], start, end)            # no tags: the model may think
+
+    class Grammar:   # accepts only 5s, stops after two
+        def __init__(self):
+            self.seen = []
+
+        def consume_token(self, token):
+            self.seen.append(token)
+            return token == 5
+
+        def is_stopped(self):
+            return len(self.seen) == 2
+
+    matcher = AfterReasoning(Grammar(), end)
+    assert all(matcher.consume_token(t) for t in (9, 3, 9, 3)) and not matcher.active   # thinking: anything
+    assert matcher.consume_token(4) and matcher.active and not matcher.is_stopped()     # 3 4: </think>
+    assert matcher.consume_token(5) and not matcher.consume_token(6) and matcher.is_stopped()
+    assert matcher.matcher.seen == [5, 6]

@@ -88,6 +88,7 @@ class EngineArgs:
     max_cpu_loras: int | None = None          # adapters kept on the host (default: max_loras)
     enable_sleep_mode: bool = False           # vLLM's flag, accepted: sleep()/wake_up() work on every engine
     profiler_config: dict | str | None = None  # {"profiler": "jax", "profiler_dir": DIR}: start_profile() works
+    reasoning_parser: str | None = None       # "qwen3" | "deepseek_r1": structured outputs apply after </think>
 
     def batched_tokens(self, max_model_len: int) -> int:
         """The per-step token budget: given, or 2048 (at least max_model_len without chunked prefill)."""
@@ -181,6 +182,9 @@ class EngineArgs:
         require("enable_lora", not self.enable_lora or self.num_nodes == 1, "False when num_nodes > 1")
         require("enable_lora", not self.enable_lora or spec is None or spec.method == "ngram",
                 "False with a draft model (speculative_config method 'draft_model'); prompt lookup works")
+        from jaxpaged.reasoning import REASONING_PARSERS
+        require("reasoning_parser", self.reasoning_parser in (None, *REASONING_PARSERS),
+                f"None or one of {', '.join(map(repr, REASONING_PARSERS))}")
         from jaxpaged.engine.profiler import ProfilerConfig
         ProfilerConfig.parse(self.profiler_config)   # ValueErrors name the key and what it allows
         require("generation_config", isinstance(self.generation_config, str) and self.generation_config != "",

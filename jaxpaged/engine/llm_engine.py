@@ -95,7 +95,8 @@ class LLMEngine(ResearchMixin):
         self._completed: list[tuple] = []   # (plan, update, result) of completed steps, outputs not built
         self._in_flight = collections.deque()           # (plan, pending) dispatched, not fetched, oldest first
         self._ids = itertools.count()
-        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)   # structured outputs
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,   # structured outputs
+                                        args.reasoning_parser)
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
                                               args.max_logprobs, self.scheduler.check_prompt_len,
                                               args.scheduling_policy)
@@ -151,7 +152,7 @@ class LLMEngine(ResearchMixin):
             raise ValueError(f"request_id {request_id!r} clashes with the sequence id {clash[0]!r} of a request "
                              "in flight (sequences of n > 1 requests are named '<id>#<index>')")
         so = params.structured_outputs
-        matchers = [self.grammars.matcher(so) for _ in core_ids] if so is not None else [None] * len(core_ids)
+        matchers = [self.grammars.matcher(so, token_ids) if so is not None else None for _ in core_ids]
         sequences = []
         for i, core_id in enumerate(core_ids):
             seed = self._seed_for(params, i)

@@ -372,7 +372,8 @@ def test_serve_command_line_builds_the_engine_args(monkeypatch):
                   "log_level": "info", "enable_auto_tool_choice": False, "tool_call_parser": None,
                   "chat_template": None, "vllm_metric_names": False, "max_num_waiting": None,
                   "shutdown_timeout": 10.0, "enable_sleep_mode": False,
-                  "lora_modules": None, "max_request_body_bytes": None, "reasoning_parser": "qwen3"}
+                  "lora_modules": None, "max_request_body_bytes": None}
+    assert args.reasoning_parser == "qwen3"
     assert cli.main(["serve", "--model", "other/model"]) == 0 and calls[1][0].model == "other/model"
     assert cli.main(["serve"]) == 0 and calls[2][0].model is None          # the built-in model
     assert cli.main(["serve", "x", "--model", "y"]) == 2                  # two different models
