@@ -33,8 +33,9 @@ from jaxpaged.server.openapi import openapi_schema
 from jaxpaged.server.response_types import ModelList
 from jaxpaged.server.responses import Reply, internal_error, prepend
 from jaxpaged.server.tools import ToolSettings, plan_tools
-from jaxpaged.server.vllm_types import (DetokenizeRequest, LoadLoRAAdapterRequest, TokenizeRequest,
-                                        UnloadLoRAAdapterRequest)
+from jaxpaged.server.adapters import load_lora_adapter, unload_lora_adapter
+from jaxpaged.server.responses_api import ResponseStore, create_response, retrieve_response
+from jaxpaged.server.vllm_types import DetokenizeRequest, TokenizeRequest
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ class _Server:
             if max_request_body_bytes is None else max_request_body_bytes
         # --enable-lora: adapter name -> LoRARequest (None: LoRA off, the adapter routes answer 404)
         self.loras = None if loras is None else {r.lora_name: r for r in loras}
-        self._next_lora_id = max((r.lora_int_id for r in loras or []), default=0) + 1
+        self.next_lora_id = max((r.lora_int_id for r in loras or []), default=0) + 1   # server/adapters.py
         self.tool_settings = tool_settings or ToolSettings()
         self.chat_template = chat_template   # None: the tokenizer's own
         self.names = list(names or [engine.model_name])
@@ -105,6 +106,7 @@ class _Server:
         self.metrics = MetricsExporter(engine, self.names[0], vllm_metric_names)
         self.created = int(time.time())
         self.openapi_doc = None
+        self.responses = ResponseStore()   # /v1/responses stored with store true (previous_response_id, GET)
 
     # ---- helpers -------------------------------------------------------------------------
     async def read_json(self, request: Request) -> dict:
@@ -164,7 +166,7 @@ class _Server:
                 inputs.append(({"prompt": prompt, "prompt_token_ids": ids}, ids))
             else:
                 inputs.append(({"prompt_token_ids": prompt}, prompt))
-        return await self._generate(request, req, inputs, "cmpl")
+        return await self.generate(request, req, inputs, "cmpl")
 
     async def chat(self, request: Request) -> Response:
         req = P.parse_chat_request(await self.read_json(request))
@@ -175,16 +177,18 @@ class _Server:
         text, ids = self.render_chat(req.messages, req.request.add_generation_prompt is not False, req.tools,
                                      req.request.chat_template_kwargs)
         try:
-            return await self._generate(request, req, [({"prompt": text, "prompt_token_ids": ids}, ids)], "chatcmpl",
-                                        tools)
+            return await self.generate(request, req, [({"prompt": text, "prompt_token_ids": ids}, ids)], "chatcmpl",
+                                       tools)
         except P.APIError as exc:
             if forced and exc.param == "structured_outputs":   # the constraint is built from the tools
                 raise P.APIError(exc.status, f"the tools' parameters do not compile as a JSON schema: {exc.message}",
                                  "tools", exc.code) from None
             raise
 
-    async def _generate(self, request: Request, req: P.ParsedRequest, inputs: list, prefix: str,
-                        tools=None) -> Response:
+    async def generate(self, request: Request, req: P.ParsedRequest, inputs: list, prefix: str,
+                       tools=None, reply_type=Reply) -> Response:
+        """Run a parsed generation request's prompts; its answer built by `reply_type` (Reply: chat or
+        completion; responses_api.ResponsesReply), whole or streamed."""
         model = self.model(req.model)
         keep = req.request.truncate_prompt_tokens
         if keep is not None:   # vLLM's left truncation, before the context-length rule is checked; a cut
@@ -218,7 +222,7 @@ class _Server:
                 raise engine_dead()
             raise error
         streams = [prepend(first, gen) for first, gen in zip(firsts, gens)]
-        reply = Reply(self, req, model, request_id, params[0], tools)
+        reply = reply_type(self, req, model, request_id, params[0], tools)
         if req.stream:
             return StreamingResponse(reply.events(streams), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -230,10 +234,12 @@ class _Server:
             return Response(status_code=499)
         return _json(reply.whole(finals))
 
-    def pooled(self, create):
-        """A pooling route's handler: `create(server, body)` makes its response body (server/embeddings.py)."""
+    def route(self, serve):
+        """The handler of a route served elsewhere (server/embeddings.py, responses_api.py, adapters.py):
+        `serve(server, request)` returns its Response, or a body sent as JSON."""
         async def handler(request: Request) -> Response:
-            return _json(await create(self, await self.read_json(request)))
+            out = await serve(self, request)
+            return out if isinstance(out, Response) else _json(out)
         return handler
 
     # ---- the other routes ----------------------------------------------------------------
@@ -245,37 +251,6 @@ class _Server:
                   "root": lora.lora_path, "parent": self.names[0], "max_model_len": self.engine.max_model_len}
                  for name, lora in (self.loras or {}).items()]
         return _json(ModelList.model_validate({"object": "list", "data": data}).model_dump(mode="json"))
-
-    # ---- LoRA adapters while serving (--enable-lora), vLLM's routes ----------------------------
-    async def _lora_request(self, request: Request, model):
-        body = await self.read_json(request)
-        if self.loras is None:
-            raise P.APIError(404, "LoRA adapters are not enabled: start the server with --enable-lora", None,
-                             "not_found")
-        return P.validate(model, body)
-
-    async def load_lora_adapter(self, request: Request) -> Response:
-        from jaxpaged.lora import LoRARequest
-        adapter = await self._lora_request(request, LoadLoRAAdapterRequest)
-        name, path = adapter.lora_name, adapter.lora_path
-        if name in self.loras or name in self.names:
-            raise P.APIError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name", "invalid_value")
-        lora = LoRARequest(name, self._next_lora_id, path)
-        try:
-            await self.engine.add_lora(lora)
-        except ValueError as exc:
-            raise P.APIError(400, str(exc), "lora_path", "invalid_value") from None
-        self._next_lora_id += 1
-        self.loras[name] = lora
-        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
-
-    async def unload_lora_adapter(self, request: Request) -> Response:
-        name = (await self._lora_request(request, UnloadLoRAAdapterRequest)).lora_name
-        lora = self.loras.pop(name, None)
-        if lora is None:
-            raise P.APIError(404, f"The lora adapter '{name}' cannot be found.", "lora_name", "not_found")
-        await self.engine.remove_lora(lora.lora_int_id)   # requests running with it finish with it
-        return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
 
     async def tokenize(self, request: Request) -> Response:
         req = P.validate(TokenizeRequest, await self.read_json(request))
@@ -376,16 +351,18 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, api
     server = _Server(engine, served_model_names, api_key, tool_settings, chat_template, vllm_metric_names,
                      lora_modules, max_request_body_bytes)
     table = [("/v1/completions", server.completions, "POST"), ("/v1/chat/completions", server.chat, "POST"),
-             ("/v1/embeddings", server.pooled(create_embeddings), "POST"), ("/v1/models", server.models, "GET"),
-             *[(path, server.pooled(create_classify), "POST") for path in ("/classify", "/v1/classify")],
-             *[(path, server.pooled(create_score), "POST") for path in ("/score", "/v1/score")],
-             *[(path, server.pooled(create_rerank), "POST") for path in ("/rerank", "/v1/rerank", "/v2/rerank")],
+             ("/v1/responses", server.route(create_response), "POST"),
+             ("/v1/responses/{response_id}", server.route(retrieve_response), "GET"),
+             ("/v1/embeddings", server.route(create_embeddings), "POST"), ("/v1/models", server.models, "GET"),
+             *[(path, server.route(create_classify), "POST") for path in ("/classify", "/v1/classify")],
+             *[(path, server.route(create_score), "POST") for path in ("/score", "/v1/score")],
+             *[(path, server.route(create_rerank), "POST") for path in ("/rerank", "/v1/rerank", "/v2/rerank")],
              ("/health", server.health, "GET"),
              ("/metrics", server.metrics_text, "GET"), ("/tokenize", server.tokenize, "POST"),
              ("/detokenize", server.detokenize, "POST"), ("/version", server.version, "GET"),
              ("/openapi.json", server.openapi, "GET"),
-             ("/v1/load_lora_adapter", server.load_lora_adapter, "POST"),
-             ("/v1/unload_lora_adapter", server.unload_lora_adapter, "POST")]
+             ("/v1/load_lora_adapter", server.route(load_lora_adapter), "POST"),
+             ("/v1/unload_lora_adapter", server.route(unload_lora_adapter), "POST")]
     # besides /v1/*: the routes that run the model or put it to sleep (an API key guards them too)
     guarded = {"/sleep", "/wake_up", "/is_sleeping", "/classify", "/score", "/rerank", "/v2/rerank", "/start_profile",
                "/stop_profile"}

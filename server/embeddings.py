@@ -20,8 +20,8 @@ from jaxpaged.server.response_types import ClassificationResponse, EmbeddingResp
 from jaxpaged.server.vllm_types import ClassifyChatRequest, ClassifyRequest, RerankRequest, ScoreRequest
 
 
-async def create_embeddings(server, body: dict) -> dict:
-    req = P.validate(EmbeddingRequest, body)
+async def create_embeddings(server, request) -> dict:
+    req = P.validate(EmbeddingRequest, await server.read_json(request))
     params = _params(req, "input", dimensions=req.dimensions, task="embed")
     model, outs = await _encode(server, req, "Embeddings", _inputs(server, req), params, "input")
     data = [{"index": i, "object": "embedding", "embedding": _vector(out.outputs.data, req.encoding_format)}
@@ -31,7 +31,8 @@ async def create_embeddings(server, body: dict) -> dict:
     return EmbeddingResponse.model_validate(body).model_dump(mode="json")
 
 
-async def create_classify(server, body: dict) -> dict:
+async def create_classify(server, request) -> dict:
+    body = await server.read_json(request)
     if isinstance(body, dict) and "messages" in body:   # a conversation (vLLM's chat form), else inputs
         req = P.validate(ClassifyChatRequest, body)
         prompts = [server.render_chat(P.message_dicts(req.messages), req.add_generation_prompt is True)[1]]
@@ -48,8 +49,8 @@ async def create_classify(server, body: dict) -> dict:
     return ClassificationResponse.model_validate(body).model_dump(mode="json")
 
 
-async def create_score(server, body: dict) -> dict:
-    req = P.validate(ScoreRequest, body)
+async def create_score(server, request) -> dict:
+    req = P.validate(ScoreRequest, await server.read_json(request))
     first = [req.text_1] if isinstance(req.text_1, str) else req.text_1
     second = [req.text_2] if isinstance(req.text_2, str) else req.text_2
     try:
@@ -63,8 +64,8 @@ async def create_score(server, body: dict) -> dict:
     return ScoreResponse.model_validate(body).model_dump(mode="json")
 
 
-async def create_rerank(server, body: dict) -> dict:
-    req = P.validate(RerankRequest, body)
+async def create_rerank(server, request) -> dict:
+    req = P.validate(RerankRequest, await server.read_json(request))
     pairs = [(0, i) for i in range(len(req.documents))]
     model, scores, outs = await _scores(server, req, "Rerank", [req.query], req.documents, pairs, "documents")
     results = sorted(({"index": i, "document": {"text": text}, "relevance_score": score}

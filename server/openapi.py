@@ -7,6 +7,7 @@ from jaxpaged.server.openai_types import ChatCompletionRequest, CompletionReques
 from jaxpaged.server.response_types import (ChatCompletionChunk, ChatCompletionResponse, ClassificationResponse,
                                             CompletionResponse, EmbeddingResponse, ErrorResponse, ModelList,
                                             RerankResponse, ScoreResponse)
+from jaxpaged.server.responses_types import ResponseObject, ResponsesRequest
 from jaxpaged.server.vllm_types import ClassifyChatRequest, ClassifyRequest, RerankRequest, ScoreRequest
 
 _REF = "#/components/schemas/{model}"
@@ -20,7 +21,8 @@ def openapi_schema() -> dict:
               (EmbeddingRequest, "validation"), (EmbeddingResponse, "serialization"), (ScoreRequest, "validation"),
               (ScoreResponse, "serialization"), (RerankRequest, "validation"), (RerankResponse, "serialization"),
               (ClassifyRequest, "validation"), (ClassifyChatRequest, "validation"),
-              (ClassificationResponse, "serialization")]
+              (ClassificationResponse, "serialization"), (ResponsesRequest, "validation"),
+              (ResponseObject, "serialization")]
     refs, defs = models_json_schema(models, ref_template=_REF)
 
     def ref(model) -> dict:
@@ -49,6 +51,8 @@ def openapi_schema() -> dict:
     paths = {"/v1/completions": post(CompletionRequest, CompletionResponse, CompletionResponse, "Complete prompts"),
              "/v1/chat/completions": post(ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk,
                                           "Answer a conversation"),
+             "/v1/responses": post(ResponsesRequest, ResponseObject, None, "Answer an input (OpenAI's Responses API; "
+                                   "stream true: its typed events)"),
              "/v1/embeddings": post(EmbeddingRequest, EmbeddingResponse, None,
                                     "Embed inputs (a server with --runner pooling)"),
              "/v1/classify": post((ClassifyRequest, ClassifyChatRequest), ClassificationResponse, None,

@@ -154,8 +154,8 @@ def test_responses_pass_through_their_models_keeping_the_nulls_given():
 def test_the_openapi_document_covers_the_routes_and_every_ref_resolves():
     doc = openapi_schema()
     assert doc["openapi"].startswith("3.1") and doc["info"]["title"] == "jaxpaged"
-    assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/classify",
-                                 "/v1/score", "/v1/rerank", "/v1/models"}
+    assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings",
+                                 "/v1/classify", "/v1/score", "/v1/rerank", "/v1/models"}
     schemas = doc["components"]["schemas"]
     text = json.dumps(doc)
     refs = {part.split('"')[0] for part in text.split('"$ref": "#/components/schemas/')[1:]}
