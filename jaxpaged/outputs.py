@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 
 @dataclass
@@ -94,18 +94,29 @@ class EmbeddingOutput:
 
 
 @dataclass
-class EmbeddingRequestOutput:
-    """What `LLM.embed` hands back for one prompt (vLLM's type): `outputs.embedding`, a list of floats."""
+class _TaskRequestOutput:
+    """A pooled prompt's output as one task names it (vLLM's `*RequestOutput.from_base`): `outputs` is the
+    task's type (OUTPUT_TYPE) holding the pooled data as a list of floats."""
 
     request_id: str
-    outputs: EmbeddingOutput
+    outputs: Any
     prompt_token_ids: list[int]
     finished: bool
 
+    OUTPUT_TYPE: ClassVar[type]
+
     @classmethod
-    def from_base(cls, output: PoolingRequestOutput) -> "EmbeddingRequestOutput":
-        return cls(output.request_id, EmbeddingOutput([float(x) for x in output.outputs.data]),
+    def from_base(cls, output: PoolingRequestOutput):
+        return cls(output.request_id, cls.OUTPUT_TYPE([float(x) for x in output.outputs.data]),
                    output.prompt_token_ids, output.finished)
+
+
+@dataclass
+class EmbeddingRequestOutput(_TaskRequestOutput):
+    """What `LLM.embed` hands back for one prompt (vLLM's type): `outputs.embedding`, a list of floats."""
+
+    outputs: EmbeddingOutput
+    OUTPUT_TYPE: ClassVar[type] = EmbeddingOutput
 
 
 @dataclass
@@ -118,18 +129,11 @@ class ClassificationOutput:
 
 
 @dataclass
-class ClassificationRequestOutput:
+class ClassificationRequestOutput(_TaskRequestOutput):
     """What `LLM.classify` hands back for one prompt (vLLM's type): `outputs.probs`, a list of floats."""
 
-    request_id: str
     outputs: ClassificationOutput
-    prompt_token_ids: list[int]
-    finished: bool
-
-    @classmethod
-    def from_base(cls, output: PoolingRequestOutput) -> "ClassificationRequestOutput":
-        return cls(output.request_id, ClassificationOutput([float(x) for x in output.outputs.data]),
-                   output.prompt_token_ids, output.finished)
+    OUTPUT_TYPE: ClassVar[type] = ClassificationOutput
 
 
 @dataclass
