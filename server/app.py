@@ -352,7 +352,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, api
                      lora_modules, max_request_body_bytes)
     table = [("/v1/completions", server.completions, "POST"), ("/v1/chat/completions", server.chat, "POST"),
              ("/v1/responses", server.route(create_response), "POST"),
-             ("/v1/responses/{response_id}", server.route(retrieve_response), "GET"),
+             *[("/v1/responses/{response_id}", server.route(retrieve_response), m) for m in ("GET", "DELETE")],
              ("/v1/embeddings", server.route(create_embeddings), "POST"), ("/v1/models", server.models, "GET"),
              *[(path, server.route(create_classify), "POST") for path in ("/classify", "/v1/classify")],
              *[(path, server.route(create_score), "POST") for path in ("/score", "/v1/score")],

@@ -8,7 +8,8 @@ output items: a `reasoning` item (with a reasoning parser), a `message` with `ou
 response.output_text.delta, ..., response.completed), each with its sequence_number.
 
 With `store` (true by default) the response and its conversation stay in memory (the last MAX_STORED
-of them): `previous_response_id` continues the conversation, and GET /v1/responses/{id} returns it.
+of them): `previous_response_id` continues the conversation, GET /v1/responses/{id} returns it and
+DELETE forgets it.
 """
 
 import collections
@@ -47,9 +48,9 @@ class ResponseStore:
             while len(self._items) > self.size:
                 self._items.popitem(last=False)
 
-    def get(self, response_id: str, param: str | None = None) -> tuple[dict, list[dict]]:
+    def get(self, response_id: str, param: str | None = None, remove: bool = False) -> tuple[dict, list[dict]]:
         with self._lock:
-            found = self._items.get(response_id)
+            found = self._items.pop(response_id, None) if remove else self._items.get(response_id)
         if found is None:
             raise P.APIError(404, f"Response with id '{response_id}' not found (only responses made with store "
                                   f"true are kept, the last {self.size} of them)", param, "not_found")
@@ -143,8 +144,12 @@ def _renamed(param: str | None, req: ResponsesRequest, forced_tools: bool) -> st
 
 
 async def retrieve_response(server, request) -> dict:
-    """GET /v1/responses/{response_id}: a stored response."""
-    return server.responses.get(request.path_params["response_id"], "response_id")[0]
+    """GET /v1/responses/{response_id}: a stored response; DELETE: forget it."""
+    response_id = request.path_params["response_id"]
+    if request.method == "DELETE":
+        server.responses.get(response_id, "response_id", remove=True)
+        return {"id": response_id, "object": "response", "deleted": True}
+    return server.responses.get(response_id, "response_id")[0]
 
 
 class ResponsesReply(Reply):

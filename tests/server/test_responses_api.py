@@ -104,6 +104,9 @@ def test_function_calls_continue_with_previous_response_id_and_are_stored(client
     want = chat(url, messages=history, max_completion_tokens=3, **PLAIN)
     assert second.usage.input_tokens == want["usage"]["prompt_tokens"] and second.previous_response_id == first.id
     assert second.output_text == want["choices"][0]["message"]["content"]
+    assert client.responses.delete(first.id) is None   # (the client returns nothing) forgotten:
+    assert HTTP.get(f"{url}/v1/responses/{first.id}").status_code == 404
+    assert HTTP.post(url + "/v1/responses", json={"input": "hi", "previous_response_id": first.id}).status_code == 404
 
 
 @pytest.mark.parametrize("body, status, param", [
