@@ -26,6 +26,7 @@ from jaxpaged.chat_utils import render_chat
 from jaxpaged.engine.async_llm import EngineOverloadedError
 from jaxpaged.sampling_params import truncate_prompt
 from jaxpaged.server import protocol as P
+from jaxpaged.server.adapters import load_lora_adapter, unload_lora_adapter
 from jaxpaged.server.embeddings import create_classify, create_embeddings, create_rerank, create_score
 from jaxpaged.server.json_body import default_max_request_body_bytes, read_json
 from jaxpaged.server.metrics import MetricsExporter
@@ -33,8 +34,7 @@ from jaxpaged.server.openapi import openapi_schema
 from jaxpaged.server.response_types import ModelList
 from jaxpaged.server.responses import Reply, internal_error, prepend
 from jaxpaged.server.tools import ToolSettings, plan_tools
-from jaxpaged.server.adapters import load_lora_adapter, unload_lora_adapter
-from jaxpaged.server.responses_api import ResponseStore, create_response, retrieve_response
+from jaxpaged.server.responses_api import ResponseStore, create_response, stored_response
 from jaxpaged.server.vllm_types import DetokenizeRequest, TokenizeRequest
 
 logger = logging.getLogger(__name__)
@@ -352,7 +352,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, api
                      lora_modules, max_request_body_bytes)
     table = [("/v1/completions", server.completions, "POST"), ("/v1/chat/completions", server.chat, "POST"),
              ("/v1/responses", server.route(create_response), "POST"),
-             *[("/v1/responses/{response_id}", server.route(retrieve_response), m) for m in ("GET", "DELETE")],
+             *[("/v1/responses/{response_id}", server.route(stored_response), m) for m in ("GET", "DELETE")],
              ("/v1/embeddings", server.route(create_embeddings), "POST"), ("/v1/models", server.models, "GET"),
              *[(path, server.route(create_classify), "POST") for path in ("/classify", "/v1/classify")],
              *[(path, server.route(create_score), "POST") for path in ("/score", "/v1/score")],

@@ -143,7 +143,7 @@ def _renamed(param: str | None, req: ResponsesRequest, forced_tools: bool) -> st
     return _RENAMED.get(name, param)
 
 
-async def retrieve_response(server, request) -> dict:
+async def stored_response(server, request) -> dict:
     """GET /v1/responses/{response_id}: a stored response; DELETE: forget it."""
     response_id = request.path_params["response_id"]
     if request.method == "DELETE":
