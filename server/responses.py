@@ -136,8 +136,9 @@ class Reply:
                 delta = {} if started else {"role": "assistant"}
                 if text or not started:
                     delta["content"] = text
-                return {"index": index, "delta": {**delta, **self._reasoning_fields(reasoning)}, "logprobs": lps,
-                        **finish, **ids}
+                if reasoning:
+                    delta.update(self._reasoning_fields(reasoning))
+                return {"index": index, "delta": delta, "logprobs": lps, **finish, **ids}
             if self.reasoning is not None:
                 reasoning, text = self.reasoning.extract(text)
             message = {"role": "assistant", "content": text, **self._reasoning_fields(reasoning)}
@@ -230,12 +231,13 @@ class Reply:
             return None
         # the engine's outputs never hold the possible start of a stop string (stop_hold_back)
         offset = cursor.chars
-        reasoning, text = self._thought(cursor, c.text[offset:], done)
+        reasoning, text = (None, c.text[offset:]) if self.reasoning is None else \
+            self._thought(cursor, c.text[offset:], done)
         cursor.chars = len(c.text)   # (all of it fed: what a parser holds back is its own now)
         token_ids = c.token_ids[cursor.tokens:]
         entries = (c.logprobs or [])[cursor.tokens:len(c.token_ids)]
         wants_tokens = (self.req.logprobs is not None or self.token_ids) and token_ids
-        if not (text or self._reasoning_fields(reasoning) or done or wants_tokens or not cursor.started):
+        if not (text or (reasoning and self.include_reasoning) or done or wants_tokens or not cursor.started):
             return None
         echo = self.req.echo and not cursor.started
         choice = self._choice(i, out, c, text, token_ids, entries, offset, echo, done, cursor.started, reasoning)
