@@ -77,8 +77,8 @@ def conversation(req: ResponsesRequest, store: ResponseStore) -> list[dict]:
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and (last.get("tool_calls") or not last["content"]):
-                last.setdefault("tool_calls", []).append(call)   # the calls of one answer stay together
+            if last is not None and last["role"] == "assistant":   # one answer's text and calls: one turn
+                last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
             if reasoning:

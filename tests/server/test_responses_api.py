@@ -87,11 +87,18 @@ def test_reasoning_and_a_constrained_answer_come_back_as_items(client, url):
 
 
 def test_function_calls_continue_with_previous_response_id_and_are_stored(client, url):
-    first = client.responses.create(model=MODEL, input="Time?", tools=FUNCTIONS, tool_choice="required",
-                                    max_output_tokens=200, extra_body=PLAIN)
+    ask = dict(model=MODEL, input="Time?", tools=FUNCTIONS, tool_choice="required", max_output_tokens=200,
+               temperature=0.0, extra_body=PLAIN)
+    first = client.responses.create(**ask)
     calls = [item for item in first.output if item.type == "function_call"]
     assert calls and calls[0].name in ("get_weather", "get_time") and calls[0].call_id
     json.loads(calls[0].arguments)
+    events = list(client.responses.create(**ask, stream=True))   # the same call, streamed
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    assert [(i.type, i.name) for i in added] == [("function_call", c.name) for c in calls]
+    assert "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta") == \
+        "".join(c.arguments for c in calls)
+    assert [i.type for i in events[-1].response.output] == [i.type for i in first.output]
     assert HTTP.get(f"{url}/v1/responses/{first.id}").json() == first.model_dump(mode="json", exclude_unset=True)
     answer = [{"type": "function_call_output", "call_id": calls[0].call_id, "output": "12:00 UTC"}]
     second = client.responses.create(model=MODEL, previous_response_id=first.id, input=answer, max_output_tokens=3,
