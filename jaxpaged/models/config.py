@@ -56,6 +56,8 @@ def causal_architecture(architecture: str | None) -> str | None:
 def is_classifier(hf_config) -> bool:
     architectures = getattr(hf_config, "architectures", None) or []
     return bool(architectures) and architectures[0].endswith(CLASSIFIER_SUFFIX)
+
+
 _ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope")
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 _MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
