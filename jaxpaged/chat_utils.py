@@ -11,7 +11,8 @@ def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None
     ValueError for a variable that is one of apply_chat_template's own arguments, and what the template
     raises (no template, its own checks of roles and order)."""
     extra = dict(chat_template_kwargs or {})
-    taken = sorted(set(extra) & (set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"}))
+    taken = extra and sorted(set(extra) & (set(inspect.signature(tokenizer.apply_chat_template).parameters)
+                                           - {"kwargs"}))
     if taken:
         raise ValueError(f"chat_template_kwargs must not set {', '.join(taken)}: it is an argument of the "
                          "chat template call itself (use the request's own field)")

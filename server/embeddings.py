@@ -80,12 +80,11 @@ async def _scores(server, req, api: str, first: list[str], second: list[str], pa
     """(the model's name, a score per (first, second) index pair, the PoolingRequestOutputs run): a
     cross-encoder's (a classifier with one label) of each pair as one sequence, else the cosine similarity
     of an embedding model's vectors."""
+    tokenizer = server.need_tokenizer(param)
     if getattr(_pooling(server, api), "num_labels", 0):
-        tokenizer = server.need_tokenizer(param)
         joined = [cross_encoder_ids(tokenizer, first[i], second[j]) for i, j in pairs]
         model, outs = await _encode(server, req, api, joined, _params(req, param, task="score"), param)
         return model, [float(out.outputs.data[0]) for out in outs], outs
-    tokenizer = server.need_tokenizer(param)
     ids = [list(tokenizer.encode(text)) for text in first + second]
     model, outs = await _encode(server, req, api, ids, _params(req, param, task="embed"), param)
     return model, [cosine_similarity(outs[i].outputs.data, outs[len(first) + j].outputs.data) for i, j in pairs], outs

@@ -107,6 +107,27 @@ class Reply:
             cursor.thought = self.reasoning.stream()
         return cursor.thought.feed(text, done)
 
+    def answer(self, text: str) -> tuple[str | None, str | None, list, object]:
+        """A whole chat answer as (reasoning, content, tool calls, the reader that read them or None)."""
+        reasoning, content = self.reasoning.extract(text) if self.reasoning is not None else (None, text)
+        if self.tool_reader is None:
+            return reasoning, content, [], None
+        reader = self.tool_reader()
+        extracted = reader.extract(content or "")
+        calls = extracted.tool_calls[:self.max_calls]
+        return reasoning, extracted.content if calls else content, calls, reader
+
+    def answer_fragments(self, cursor: _Cursor, text: str, done: bool) -> tuple[str | None, list[dict]]:
+        """A streamed chat answer with tools, `text` all of it so far: (new reasoning, the tool reader's
+        content and call fragments, the calls past parallel_tool_calls' one dropped)."""
+        if cursor.reader is None:
+            cursor.reader = self.tool_reader()
+        reasoning, _ = self._thought(cursor, text[cursor.chars:], done)
+        cursor.chars = len(text)
+        content = text if cursor.thought is None else cursor.thought.answer   # the calls are read in the content
+        return reasoning, [f for f in cursor.reader.feed(content, done) if self.max_calls is None
+                           or all(t["index"] < self.max_calls for t in f.get("tool_calls", []))]
+
     def _reasoning_fields(self, reasoning: str | None) -> dict:
         """A message's or delta's reasoning, under vLLM's name and its earlier one."""
         return {"reasoning": reasoning, "reasoning_content": reasoning} if reasoning and self.include_reasoning \
@@ -139,16 +160,11 @@ class Reply:
                 if reasoning:
                     delta.update(self._reasoning_fields(reasoning))
                 return {"index": index, "delta": delta, "logprobs": lps, **finish, **ids}
-            if self.reasoning is not None:
-                reasoning, text = self.reasoning.extract(text)
-            message = {"role": "assistant", "content": text, **self._reasoning_fields(reasoning)}
-            if self.tool_reader is not None:
-                reader = self.tool_reader()
-                extracted = reader.extract(text or "")
-                calls = extracted.tool_calls[:self.max_calls]
-                message["content"] = extracted.content if calls else text
-                if calls:
-                    message["tool_calls"] = [call.to_openai() for call in calls]
+            reasoning, content, calls, reader = self.answer(text)
+            message = {"role": "assistant", "content": content, **self._reasoning_fields(reasoning)}
+            if calls:
+                message["tool_calls"] = [call.to_openai() for call in calls]
+            if reader is not None:
                 finish["finish_reason"] = self._finish_reason(c, reader) if done else None
             return {"index": index, "message": message, "logprobs": lps, **finish, **ids}
         if echo:
@@ -195,15 +211,10 @@ class Reply:
         (a possible call is held back until it is known), each as one chunk's choice."""
         if cursor.done:
             return []
-        if cursor.reader is None:
-            cursor.reader = self.tool_reader()
         done = c.finish_reason is not None
         token_ids = c.token_ids[cursor.tokens:]
         entries = (c.logprobs or [])[cursor.tokens:len(c.token_ids)]
-        reasoning, _ = self._thought(cursor, c.text[cursor.chars:], done)
-        content = c.text if cursor.thought is None else cursor.thought.answer   # the calls are read in the content
-        fragments = [f for f in cursor.reader.feed(content, done)
-                     if self.max_calls is None or all(t["index"] < self.max_calls for t in f.get("tool_calls", []))]
+        reasoning, fragments = self.answer_fragments(cursor, c.text, done)
         if self._reasoning_fields(reasoning):
             fragments.insert(0, self._reasoning_fields(reasoning))
         if not fragments and (done or not cursor.started or (self.req.logprobs is not None and token_ids)):

@@ -13,7 +13,7 @@ DELETE forgets it.
 """
 
 import collections
-import json
+import copy
 import threading
 import uuid
 
@@ -201,13 +201,7 @@ class ResponsesReply(Reply):
 
     def _items(self, text: str, status: str) -> list[dict]:
         """The output items of a whole answer: reasoning, message, function calls."""
-        reasoning, content = self.reasoning.extract(text) if self.reasoning is not None else (None, text)
-        calls = []
-        if self.tool_reader is not None:
-            extracted = self.tool_reader().extract(content or "")
-            calls = extracted.tool_calls[:self.max_calls]
-            if calls:
-                content = extracted.content
+        reasoning, content, calls, _ = self.answer(text)
         items = []
         if reasoning and self.include_reasoning:
             items.append(_reasoning_item(reasoning, status))
@@ -220,8 +214,7 @@ class ResponsesReply(Reply):
         return items
 
     def _finish(self, final, output: list[dict]) -> dict:
-        status = "incomplete" if final.outputs[0].finish_reason == "length" else "completed"
-        body = self.body(status, output, final)
+        body = self.body(_status(final), output, final)
         if self.responses.store is not False:
             said = {"role": "assistant", "content": "".join(p["text"] for i in output if i["type"] == "message"
                                                             for p in i["content"])}
@@ -236,8 +229,7 @@ class ResponsesReply(Reply):
     def whole(self, finals) -> dict:
         final = finals[0]
         self.server.observe(final)
-        status = "incomplete" if final.outputs[0].finish_reason == "length" else "completed"
-        return self._finish(final, self._items(final.outputs[0].text, status))
+        return self._finish(final, self._items(final.outputs[0].text, _status(final)))
 
     # ---- the stream ----
     def _event(self, kind: str, **fields) -> str:
@@ -259,14 +251,19 @@ class ResponsesReply(Reply):
                 if out.finished:
                     final = out
                     self.server.observe(out)
-            status = "incomplete" if final.outputs[0].finish_reason == "length" else "completed"
+            status = _status(final)
             for chunk in stream.close(status):
                 yield chunk
-            kind = "response.incomplete" if status == "incomplete" else "response.completed"
+            kind = f"response.{status}"
             yield self._event(kind, response=self._finish(final, stream.items))
         except Exception as exc:   # headers are gone: report the failure inside the stream
             logger.exception("stream %s failed", self.request_id)
             yield self._event("error", **internal_error(exc).to_dict()["error"])
+
+
+def _status(final) -> str:
+    """A finished answer's status: incomplete when max_output_tokens cut it."""
+    return "incomplete" if final.outputs[0].finish_reason == "length" else "completed"
 
 
 def _message_item(text: str, status: str) -> dict:
@@ -292,23 +289,18 @@ class _ItemStream:
 
     def feed(self, c, done: bool):
         reply, cursor = self.reply, self.cursor
-        reasoning, text = reply._thought(cursor, c.text[cursor.chars:], done)
-        cursor.chars = len(c.text)
+        if reply.tool_reader is None:
+            reasoning, text = reply._thought(cursor, c.text[cursor.chars:], done)
+            cursor.chars = len(c.text)
+            fragments = [{"content": text}]
+        else:
+            reasoning, fragments = reply.answer_fragments(cursor, c.text, done)
         if reasoning and reply.include_reasoning:
             yield from self._text("reasoning", reasoning)
-        if reply.tool_reader is None:
-            if text:
-                yield from self._text("message", text)
-            return
-        if cursor.reader is None:
-            cursor.reader = reply.tool_reader()
-        answer = c.text if cursor.thought is None else cursor.thought.answer
-        for fragment in cursor.reader.feed(answer, done):
+        for fragment in fragments:
             if fragment.get("content"):
                 yield from self._text("message", fragment["content"])
             for call in fragment.get("tool_calls") or []:
-                if reply.max_calls is not None and call["index"] >= reply.max_calls:
-                    continue
                 yield from self._call(call)
 
     def _open(self, item: dict):
@@ -375,6 +367,6 @@ class _ItemStream:
 
 
 def _in_progress(item: dict) -> dict:
-    item = json.loads(json.dumps(item))
+    item = copy.deepcopy(item)
     item["status"] = "in_progress"
     return item
