@@ -70,14 +70,17 @@ def check_tensor_parallel(cfg, tp: int) -> None:
     if cfg.shared_expert_size:
         sizes["shared expert size"] = cfg.shared_expert_size
 
+    # OLMo's k norm spans every KV head at once: its heads are not repeated (not built yet)
+    repeats = not cfg.qk_norm_full
+
     def fits(t: int) -> bool:
-        return all(n % t == 0 for n in sizes.values()) and (kv % t == 0 or t % kv == 0)
+        return all(n % t == 0 for n in sizes.values()) and (kv % t == 0 or (repeats and t % kv == 0))
 
     if not fits(tp):
         allowed = [t for t in range(1, cfg.num_heads + 1) if fits(t)]
         raise ValueError(
             f"tensor_parallel_size must divide the model's {', '.join(f'{k} ({n})' for k, n in sizes.items())}, "
-            f"and divide or be a multiple of its {kv} KV heads: one of {allowed}, got {tp}")
+            f"and divide {'or be a multiple of ' if repeats else ''}its {kv} KV heads: one of {allowed}, got {tp}")
 
 
 def kv_head_replicas(num_kv_heads: int, tp: int) -> int:

@@ -12,9 +12,11 @@ import tempfile
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 # the families beyond Llama's (phi3-longrope: long-rope scaling and a partial rotary, short and long prompts)
-FAMILIES = ("phi3", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe")
+FAMILIES = ("phi3", "gemma", "gemma2", "gemma3", "granite", "olmo2", "olmo3", "smollm3", "mixtral", "qwen2_moe",
+            "qwen3_moe")
 _CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
-            "gemma2": "Gemma2", "gemma3": "Gemma3", "mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe",
+            "gemma": "Gemma", "gemma2": "Gemma2", "gemma3": "Gemma3", "granite": "Granite", "olmo2": "Olmo2",
+            "olmo3": "Olmo3", "smollm3": "SmolLM3", "mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe",
             "qwen3_moe": "Qwen3Moe"}
 _ROOT = tempfile.mkdtemp(prefix="jaxpaged-tiny-")   # this process's checkpoints, removed when it exits
 atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)
@@ -50,6 +52,9 @@ def _config(arch: str, **overrides):
     elif arch == "qwen2":
         cfg = transformers.Qwen2Config(**{**common, "tie_word_embeddings": False, **overrides})
     elif arch == "qwen3":
+        if overrides.pop("rope", None) == "yarn":   # Qwen's long-context setting: 4x over 32 original positions
+            common.update(max_position_embeddings=128, rope_parameters={
+                "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32})
         cfg = transformers.Qwen3Config(**{**common, "head_dim": 32, "tie_word_embeddings": True, **overrides})
     elif arch == "phi3":
         if overrides.pop("rope", None) == "longrope":   # 4 of 16 head dims rotate; long factors past 32 tokens
@@ -72,6 +77,23 @@ def _config(arch: str, **overrides):
             cfg = transformers.Gemma3TextConfig(**{**common, **gemma, "query_pre_attn_scalar": 32,
                                                    "rope_parameters": rope, **overrides})
             cfg.architectures = ["Gemma3ForCausalLM"]
+    elif arch == "gemma":
+        cfg = transformers.GemmaConfig(**{**common, "head_dim": 32, "hidden_act": "gelu_pytorch_tanh", **overrides})
+    elif arch == "granite":   # multipliers far enough from 1 to matter
+        cfg = transformers.GraniteConfig(**{**common, "embedding_multiplier": 3.0, "residual_multiplier": 0.5,
+                                            "attention_multiplier": 0.1, "logits_scaling": 2.5, **overrides})
+    elif arch == "olmo2":
+        cfg = transformers.Olmo2Config(**{**common, "tie_word_embeddings": False, **overrides})
+    elif arch == "olmo3":   # layer 1 full attention with yarn, layers 0 and 2 a 12-token window with plain rope
+        rope = {"full_attention": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                   "original_max_position_embeddings": 32},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+        cfg = transformers.Olmo3Config(**{**common, "max_position_embeddings": 128, "sliding_window": 12,
+                                          "rope_parameters": rope,
+                                          "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                                          **overrides})
+    elif arch == "smollm3":   # layer 1 without rope (NoPE)
+        cfg = transformers.SmolLM3Config(**{**common, "no_rope_layers": [1, 0, 1], **overrides})
     elif arch == "mixtral":
         cfg = transformers.MixtralConfig(**{**common, "num_local_experts": 8, "num_experts_per_tok": 2,
                                             "tie_word_embeddings": False, **overrides})

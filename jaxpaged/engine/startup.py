@@ -86,7 +86,7 @@ def load_model_and_tokenizer(args: EngineArgs, data_rank: int = 0):
         kv_heads = model_config_from_hf(loaded.hf_config).num_kv_heads
         if loaded.config.is_moe or loaded.config.architecture == "Phi3ForCausalLM":
             raise ValueError(f"enable_lora does not yet support {loaded.config.architecture} (experts, or fused "
-                             "qkv/gate_up modules); LoRA runs on the dense Llama, Mistral, Qwen2/3 and Gemma models")
+                             "qkv/gate_up modules); LoRA runs on the other dense families")
         if plan.size > kv_heads:   # K/V heads repeated over the devices: adapters' K/V columns are not (yet)
             raise ValueError(f"enable_lora needs tensor_parallel_size ({plan.size}) at most the model's "
                              f"{kv_heads} KV heads")
@@ -150,10 +150,11 @@ def build_runner(args: EngineArgs, loaded: LoadedModel, use_tqdm: bool = True, d
     """Returns (runner, max_model_len, num_blocks). `draft`: a speculative draft model, whose KV pool
     has as many blocks as the target's (the memory budget is shared between the two pools)."""
     cfg = loaded.config
-    model_max = cfg.max_position_embeddings
+    model_max = cfg.max_model_len
     if args.max_model_len is not None and args.max_model_len > model_max:
+        scaled = "" if model_max == cfg.max_position_embeddings else f" scaled by its {cfg.rope_type} rope"
         raise ValueError(f"max_model_len ({args.max_model_len}) is larger than the model's "
-                         f"max_position_embeddings ({model_max})")
+                         f"max_position_embeddings{scaled} ({model_max})")
     max_model_len = args.max_model_len or model_max
     per_block = ModelRunner.bytes_per_block(cfg, args.block_size, kv_dtype(args, loaded))
     if draft is not None:

@@ -10,16 +10,24 @@ become one `ModelConfig`:
   the embedding scaled by sqrt(hidden), GeGLU, attention and final logit soft-capping,
   query_pre_attn_scalar, alternating sliding-window and global layers, a separate rope base
   for the local layers (Gemma 3).
+- Gemma (1): the Gemma 2 switches without sandwich norms, soft-capping or sliding windows.
+- Granite: scaled embedding, residual branches and logits, its own attention scale.
+- OLMo 2 / OLMo 3: norms after attention and after the MLP only (no pre-norms), q/k norms over
+  all heads at once, and (OLMo 3) sliding-window layers with their own rope.
+- SmolLM3: layers without rope among the rotating ones (NoPE, `nope_layers`).
 - Mixtral, Qwen2-MoE, Qwen3-MoE: a routed mixture of experts in place of the MLP (top-k of
   `num_experts`, probabilities renormalized or not), Qwen2-MoE's shared expert with its
   sigmoid gate, and dense layers among the sparse ones (`dense_layers`).
+
+Rope types and their fields are read by `jaxpaged.models.rope`.
 """
 
 import dataclasses
-import math
 from typing import Any
 
 import numpy as np
+
+from jaxpaged.models import rope
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -32,6 +40,11 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
+    "GemmaForCausalLM",
+    "GraniteForCausalLM",
+    "Olmo2ForCausalLM",
+    "Olmo3ForCausalLM",
+    "SmolLM3ForCausalLM",
 )
 # A bare transformer without its LM head (an embedding checkpoint: e5-mistral's MistralModel, weights
 # without the "model." prefix) runs as its *ForCausalLM family, the input embedding standing in for
@@ -58,10 +71,10 @@ def is_classifier(hf_config) -> bool:
     return bool(architectures) and architectures[0].endswith(CLASSIFIER_SUFFIX)
 
 
-_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope")
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 _MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
-_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+_GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+_OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +120,15 @@ class ModelConfig:
     embed_scale: float = 1.0
     sandwich_norms: bool = False
     attn_scale: float = 0.0           # softmax scale; 0 = head_dim ** -0.5
+    # OLMo 2/3: no norm before attention or the MLP (no input_norm / post_norm), the sandwich norms after them
+    pre_norms: bool = True
+    qk_norm_full: bool = False        # q/k norms over all heads' dims at once ([q_size], [kv_size]: OLMo)
+    residual_scale: float = 1.0       # Granite: each block's output times this before the residual add
+    logits_scaling: float = 1.0       # Granite: the output logits divided by this
+    nope_layers: tuple[int, ...] = () # SmolLM3: the layers whose q/k do not rotate
+    # yarn: beta_fast / beta_slow (the ramp's ends, in rotations over the original length), truncate
+    rope_yarn_betas: tuple[float, float] = (32.0, 1.0)
+    rope_yarn_truncate: bool = True
     attn_softcap: float = 0.0         # attention logits -> cap * tanh(logits / cap); 0 = off
     final_softcap: float = 0.0        # the same on the output logits
     # mixture of experts: 0 experts = a dense MLP in every layer
@@ -139,6 +161,11 @@ class ModelConfig:
         return not (self.is_moe and self.dense_layers)
 
     @property
+    def rope_layers(self) -> tuple[bool, ...]:
+        """Per layer: its q/k rotate (all but SmolLM3's NoPE layers)."""
+        return tuple(i not in self.nope_layers for i in range(self.num_layers))
+
+    @property
     def local_rope_layers(self) -> tuple[bool, ...]:
         """Per layer: rotates with local_rope_theta (Gemma 3's sliding-window layers)."""
         return tuple(bool(self.local_rope_theta) and w > 0 for w in self.sliding_windows)
@@ -154,6 +181,17 @@ class ModelConfig:
         return self.num_layers * attention + mlp + self.hidden_size * self.vocab_size
 
     @property
+    def max_model_len(self) -> int:
+        """The longest sequence the model takes, as vLLM derives it: max_position_embeddings, times the
+        rope's factor for linear and dynamic scaling, the original length times the factor for yarn
+        (Qwen's long-context setting keeps max_position_embeddings at the original length)."""
+        if self.rope_type == "yarn":
+            return int(self.rope_original_max_positions * self.rope_factor)
+        if self.rope_type in ("linear", "dynamic"):
+            return int(self.max_position_embeddings * self.rope_factor)
+        return self.max_position_embeddings
+
+    @property
     def rope_switch_len(self) -> int:
         """The sequence length past which LongRoPE takes its long factors (0: the rope does not switch).
         transformers recomputes a sequence's whole cache with the long factors when it grows past it;
@@ -161,65 +199,13 @@ class ModelConfig:
         return self.rope_original_max_positions if self.rope_type == "longrope" else 0
 
     def inv_freq(self, long: bool = False, local: bool = False) -> np.ndarray:
-        """Rotary inverse frequencies [rotary_dim // 2] (before any length-dependent scaling); `long`:
-        longrope's long factors, `local`: the local layers' base (local_rope_theta, unscaled)."""
-        dim = self.rotary_dim or self.head_dim
-        if local:
-            return (1.0 / (self.local_rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))).astype(np.float32)
-        inv = 1.0 / (self.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-        if self.rope_type == "longrope":
-            inv = inv / np.asarray(self.rope_long_factors if long else self.rope_short_factors, dtype=np.float64)
-        if self.rope_freq_factors:   # as llama.cpp does: theta_i = pos * inv_freq_i / factor_i
-            inv = inv / np.asarray(self.rope_freq_factors, dtype=np.float64)
-        if self.rope_type == "linear":
-            inv = inv / self.rope_factor
-        elif self.rope_type == "llama3":
-            orig = self.rope_original_max_positions
-            low_wavelen = orig / self.rope_low_freq_factor
-            high_wavelen = orig / self.rope_high_freq_factor
-            wavelen = 2 * math.pi / inv
-            scaled = np.where(wavelen > low_wavelen, inv / self.rope_factor, inv)
-            smooth = (orig / wavelen - self.rope_low_freq_factor) / (
-                self.rope_high_freq_factor - self.rope_low_freq_factor)
-            smoothed = (1 - smooth) * scaled / self.rope_factor + smooth * scaled
-            medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-            inv = np.where(medium, smoothed, scaled)
-        return inv.astype(np.float32)
+        """Rotary inverse frequencies f32[rotary_dim // 2] (jaxpaged.models.rope.inv_freq)."""
+        return rope.inv_freq(self, long, local)
 
 
 def _get(hf_config: Any, name: str, default: Any = None) -> Any:
     value = getattr(hf_config, name, default)
     return default if value is None else value
-
-
-def _rope_params(hf_config: Any, layer_type: str = "full_attention") -> dict:
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    if isinstance(params, dict) and layer_type in params:   # per-layer-type form
-        params = params[layer_type]
-    legacy = getattr(hf_config, "rope_scaling", None) or {}
-    merged = {**legacy, **dict(params)}
-    if "rope_theta" not in merged:
-        merged["rope_theta"] = _get(hf_config, "rope_theta", 10000.0)
-    rope_type = merged.get("rope_type", merged.get("type", "default"))
-    if rope_type == "su":   # Phi-3's early name for longrope
-        rope_type = "longrope"
-    if rope_type not in _ROPE_TYPES:
-        raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(_ROPE_TYPES)}")
-    merged["rope_type"] = rope_type
-    return merged
-
-
-def _local_rope_theta(hf_config: Any) -> float:
-    """Gemma 3's sliding-window layers rotate with their own base (unscaled)."""
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    if not (isinstance(params, dict) and "sliding_attention" in params):
-        local = getattr(hf_config, "rope_local_base_freq", None)
-        return float(local) if local else 0.0
-    local = _rope_params(hf_config, "sliding_attention")
-    if local["rope_type"] != "default":
-        raise ValueError(f"rope_parameters['sliding_attention'] rope_type {local['rope_type']!r} is not supported; "
-                         "supported for the local layers: default")
-    return float(local["rope_theta"])
 
 
 def _sliding_windows(hf_config: Any, architecture: str, num_layers: int) -> tuple[int, ...]:
@@ -230,23 +216,6 @@ def _sliding_windows(hf_config: Any, architecture: str, num_layers: int) -> tupl
     if architecture == "MistralForCausalLM" or not layer_types:
         return (int(window),) * num_layers
     return tuple(int(window) if kind == "sliding_attention" else 0 for kind in layer_types)
-
-
-def _longrope(hf_config: Any, rope: dict, max_pos: int, dim: int) -> dict:
-    """longrope's factors and attention factor as transformers computes them."""
-    orig = int(rope.get("original_max_position_embeddings")
-               or _get(hf_config, "original_max_position_embeddings", max_pos))
-    short, long = rope.get("short_factor"), rope.get("long_factor")
-    for name, factors in (("short_factor", short), ("long_factor", long)):
-        if factors is None or len(factors) != dim // 2:
-            raise ValueError(f"rope_parameters {name} must list {dim // 2} factors (rotary dim {dim} / 2), "
-                             f"got {None if factors is None else len(factors)}")
-    factor = rope.get("factor") or max_pos / orig
-    attention_factor = rope.get("attention_factor")
-    if attention_factor is None:
-        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
-    return dict(rope_short_factors=tuple(float(f) for f in short), rope_long_factors=tuple(float(f) for f in long),
-                rope_attention_factor=float(attention_factor), rope_original_max_positions=orig)
 
 
 def _moe_fields(hf_config: Any, architecture: str, num_layers: int) -> dict:
@@ -272,12 +241,27 @@ def _gemma_fields(hf_config: Any, architecture: str) -> dict:
     if getattr(hf_config, "use_bidirectional_attention", False):
         raise ValueError("use_bidirectional_attention=True (an embedding model) is not supported; jaxpaged runs "
                          "causal language models")
-    return dict(norm_offset=1.0, embed_scale=float(hf_config.hidden_size) ** 0.5, sandwich_norms=True,
+    gemma1 = architecture == "GemmaForCausalLM"
+    return dict(norm_offset=1.0, embed_scale=float(hf_config.hidden_size) ** 0.5, sandwich_norms=not gemma1,
                 attn_scale=float(_get(hf_config, "query_pre_attn_scalar", hf_config.head_dim)) ** -0.5,
                 attn_softcap=float(_get(hf_config, "attn_logit_softcapping", 0.0)),
                 final_softcap=float(_get(hf_config, "final_logit_softcapping", 0.0)),
-                local_rope_theta=_local_rope_theta(hf_config) if architecture == "Gemma3ForCausalLM" else 0.0,
                 qk_norm=architecture == "Gemma3ForCausalLM")
+
+
+def _family_fields(hf_config: Any, architecture: str, num_layers: int) -> dict:
+    """The switches of Granite, OLMo 2/3 and SmolLM3 (Gemma's and the MoEs' have their own readers)."""
+    if architecture == "GraniteForCausalLM":
+        return dict(embed_scale=float(_get(hf_config, "embedding_multiplier", 1.0)),
+                    residual_scale=float(_get(hf_config, "residual_multiplier", 1.0)),
+                    logits_scaling=float(_get(hf_config, "logits_scaling", 1.0)),
+                    attn_scale=float(_get(hf_config, "attention_multiplier", 0.0)))
+    if architecture in _OLMO:
+        return dict(pre_norms=False, sandwich_norms=True, qk_norm=True, qk_norm_full=True)
+    if architecture == "SmolLM3ForCausalLM":
+        uses_rope = _get(hf_config, "no_rope_layers", [1] * num_layers)   # transformers' name: 1 = rotates
+        return dict(nope_layers=tuple(i for i, rotates in enumerate(uses_rope) if not rotates))
+    return {}
 
 
 def model_config_from_hf(hf_config: Any) -> ModelConfig:
@@ -295,14 +279,14 @@ def model_config_from_hf(hf_config: Any) -> ModelConfig:
     num_labels = int(getattr(hf_config, "num_labels", 0) or 0) if classifier else 0
     if classifier and num_labels < 1:
         raise ValueError(f"{given} needs num_labels >= 1 in its config (id2label), got {num_labels}")
-    act_field = "hidden_activation" if architecture in _GEMMA else "hidden_act"
+    act_field = "hidden_activation" if architecture in _GEMMA[1:] else "hidden_act"
     act = _get(hf_config, act_field, "silu")
     if act not in _ACTIVATIONS:
         raise ValueError(f"{act_field} {act!r} is not supported; supported: {', '.join(_ACTIVATIONS)}")
     num_heads = hf_config.num_attention_heads
     head_dim = _get(hf_config, "head_dim", hf_config.hidden_size // num_heads)
-    rope = _rope_params(hf_config)
-    partial = float(rope.get("partial_rotary_factor", _get(hf_config, "partial_rotary_factor", 1.0)))
+    rope_cfg = rope.rope_params(hf_config)
+    partial = float(rope_cfg.get("partial_rotary_factor", _get(hf_config, "partial_rotary_factor", 1.0)))
     rotary_dim = int(head_dim * partial)
     if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
         raise ValueError(f"partial_rotary_factor {partial} gives {rotary_dim} rotary dims of head_dim {head_dim}; "
@@ -310,9 +294,9 @@ def model_config_from_hf(hf_config: Any) -> ModelConfig:
     # Set by the GGUF loader; the factors compose with linear scaling as in llama.cpp, but
     # llama3 would scale twice and dynamic NTK recomputes the frequencies without them.
     freq_factors = tuple(float(f) for f in (getattr(hf_config, "rope_freq_factors", None) or ()))
-    if freq_factors and rope["rope_type"] not in ("default", "linear"):
+    if freq_factors and rope_cfg["rope_type"] not in ("default", "linear"):
         raise ValueError(f"rope_freq_factors (a GGUF file's rope_freqs.weight) cannot be combined with "
-                         f"rope_type {rope['rope_type']!r}; supported with them: default, linear")
+                         f"rope_type {rope_cfg['rope_type']!r}; supported with them: default, linear")
     num_layers = hf_config.num_hidden_layers
     max_pos = _get(hf_config, "max_position_embeddings", 2048)
     eos = _get(hf_config, "eos_token_id", ())
@@ -324,7 +308,9 @@ def model_config_from_hf(hf_config: Any) -> ModelConfig:
         qkv_bias, o_bias = True, False
     else:
         qkv_bias, o_bias = attention_bias, attention_bias
-    longrope = _longrope(hf_config, rope, max_pos, rotary_dim) if rope["rope_type"] == "longrope" else {}
+    local_theta = rope.local_rope_theta(hf_config)
+    if rope_cfg["rope_type"] == "default" and local_theta == float(rope_cfg["rope_theta"]):
+        local_theta = 0.0   # the local layers rotate as the others do
     fields = dict(
         architecture=architecture,
         vocab_size=hf_config.vocab_size,
@@ -342,12 +328,13 @@ def model_config_from_hf(hf_config: Any) -> ModelConfig:
         mlp_bias=bool(_get(hf_config, "mlp_bias", False)),
         qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         sliding_windows=_sliding_windows(hf_config, architecture, num_layers),
-        rope_theta=float(rope["rope_theta"]),
-        rope_type=rope["rope_type"],
-        rope_factor=float(rope.get("factor", 1.0) or 1.0),
-        rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-        rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-        rope_original_max_positions=int(rope.get("original_max_position_embeddings", max_pos)),
+        rope_theta=float(rope_cfg["rope_theta"]),
+        rope_type=rope_cfg["rope_type"],
+        rope_factor=float(rope_cfg.get("factor", 1.0) or 1.0),
+        rope_low_freq_factor=float(rope_cfg.get("low_freq_factor", 1.0)),
+        rope_high_freq_factor=float(rope_cfg.get("high_freq_factor", 4.0)),
+        rope_original_max_positions=int(rope_cfg.get("original_max_position_embeddings", max_pos)),
+        local_rope_theta=local_theta,
         rope_freq_factors=freq_factors,
         bos_token_id=_get(hf_config, "bos_token_id", None),
         eos_token_ids=tuple(int(e) for e in eos_ids if e is not None),
@@ -355,7 +342,11 @@ def model_config_from_hf(hf_config: Any) -> ModelConfig:
         rotary_dim=rotary_dim if rotary_dim != head_dim else 0,
         num_labels=num_labels,
     )
-    fields.update(longrope)
+    if rope_cfg["rope_type"] == "longrope":
+        fields.update(rope.longrope_fields(hf_config, rope_cfg, max_pos, rotary_dim))
+    elif rope_cfg["rope_type"] == "yarn":
+        fields.update(rope.yarn_fields(hf_config, rope_cfg, max_pos))
     fields.update(_moe_fields(hf_config, architecture, num_layers))
     fields.update(_gemma_fields(hf_config, architecture))
+    fields.update(_family_fields(hf_config, architecture, num_layers))
     return ModelConfig(**fields)

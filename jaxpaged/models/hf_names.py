@@ -22,13 +22,13 @@ def _hf_layer_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
     attn, mlp = p + "self_attn.", p + "mlp."
     moe = cfg.is_moe_layer(i)
     dense = mlp + "shared_expert." if moe else mlp
-    sources = {
-        "input_norm": [p + "input_layernorm.weight"],
-        "post_norm": [p + ("pre_feedforward_layernorm.weight" if cfg.sandwich_norms
-                           else "post_attention_layernorm.weight")],
-        "wqkv": [attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"],
-        "wo": [attn + "o_proj.weight"],
-    }
+    sources = {}
+    if cfg.pre_norms:   # (OLMo has only the sandwich norms after attention and the MLP)
+        sources["input_norm"] = [p + "input_layernorm.weight"]
+        sources["post_norm"] = [p + ("pre_feedforward_layernorm.weight" if cfg.sandwich_norms
+                                     else "post_attention_layernorm.weight")]
+    sources["wqkv"] = [attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"]
+    sources["wo"] = [attn + "o_proj.weight"]
     if not moe or cfg.shared_expert_size:
         sources["w_gate_up"] = [dense + "gate_proj.weight", dense + "up_proj.weight"]
         sources["w_down"] = [dense + "down_proj.weight"]

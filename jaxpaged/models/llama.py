@@ -1,5 +1,6 @@
-"""One Flax NNX decoder for every supported family (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3, and the
-mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE): one layer body and its switches (`ModelConfig`).
+"""One Flax NNX decoder for every supported family (Llama, Mistral, Qwen2/3, Phi-3, Gemma 1/2/3, Granite,
+OLMo 2/3, SmolLM3, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE): one layer body and its
+switches (`ModelConfig`); the rope in `jaxpaged.models.rope`.
 
 One layer body (`_decoder_layer`) and two loops over it, chosen when the model is loaded:
 
@@ -12,8 +13,9 @@ One layer body (`_decoder_layer`) and two loops over it, chosen when the model i
 
 The KV pool (one array, [num_layers, 2, ...], see `jaxpaged.kernels.layout`) is threaded
 through the layers whole: in the scan it is part of the carry, and the layer index, the
-layer's sliding window (0 = full attention; they differ per layer in Qwen2 and Gemma) and
-whether it rotates with the local rope base (Gemma 3) are scanned i32 arrays. Each layer
+layer's sliding window (0 = full attention; they differ per layer in Qwen2, Gemma and OLMo 3),
+whether it rotates with the local rope base (Gemma 3, OLMo 3) and whether it rotates at all (not
+SmolLM3's NoPE layers) are scanned arrays. Each layer
 scatters its new K/V into its own plane at that index and attends over the pool through block
 tables. The scatter is in place in both loops (the step donates the pool, and a loop carry is
 updated in place): no layer copies the pool.
@@ -42,6 +44,7 @@ from jaxpaged.models.batch import ForwardBatch
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.moe import activation, moe_mlp, resolve_moe_impl
 from jaxpaged.models.quantization import QuantizedWeight, embedding_lookup, linear, matmul_kernel
+from jaxpaged.models.rope import apply_rotary, rotary_cos_sin
 from jaxpaged.parallel import MODEL_AXIS, ShardPlan
 from jaxpaged.kernels import write_kv
 from jaxpaged.kernels.layout import calibrated_kv_scale, is_fp8, scaled_attention
@@ -54,12 +57,8 @@ def layer_weight_shapes(cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int
     d, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
     moe = cfg.is_moe_layer(layer)
     inter = cfg.shared_expert_size if moe else cfg.intermediate_size   # the dense MLP's (or shared expert's)
-    shapes = {
-        "input_norm": (d,),
-        "post_norm": (d,),
-        "wqkv": (d, q + 2 * kv),
-        "wo": (q, d),
-    }
+    shapes = {"input_norm": (d,), "post_norm": (d,)} if cfg.pre_norms else {}
+    shapes.update(wqkv=(d, q + 2 * kv), wo=(q, d))
     if inter:
         shapes["w_gate_up"] = (d, 2 * inter)
         shapes["w_down"] = (inter, d)
@@ -81,8 +80,8 @@ def layer_weight_shapes(cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int
         shapes["b_gate_up"] = (2 * inter,)
         shapes["b_down"] = (d,)
     if cfg.qk_norm:
-        shapes["q_norm"] = (cfg.head_dim,)
-        shapes["k_norm"] = (cfg.head_dim,)
+        shapes["q_norm"] = (q,) if cfg.qk_norm_full else (cfg.head_dim,)
+        shapes["k_norm"] = (kv,) if cfg.qk_norm_full else (cfg.head_dim,)
     return shapes
 
 
@@ -124,45 +123,6 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return (x32 * (weight.astype(jnp.float32) + offset)).astype(x.dtype)
-
-
-def rotary_cos_sin(cfg: ModelConfig, positions: jax.Array, seq_lens: jax.Array | None,
-                   local: bool = False) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [num_tokens, rotary_dim // 2] for each token's absolute position.
-
-    Dynamic NTK scaling stretches the base once a sequence outgrows the trained length, and
-    longrope takes its long factors then, as transformers does; `seq_lens` (i32[num_tokens]) is
-    the sequence length each token's rope is chosen for (ForwardBatch.rope_lens). `local`: the
-    local layers' rope (Gemma 3's own base).
-    """
-    if local:
-        freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(cfg.inv_freq(local=True))[None, :]
-        return jnp.cos(freqs), jnp.sin(freqs)
-    inv_freq = jnp.asarray(cfg.inv_freq())[None, :]
-    if cfg.rope_type == "longrope":
-        long = (seq_lens > cfg.rope_original_max_positions)[:, None]
-        inv_freq = jnp.where(long, jnp.asarray(cfg.inv_freq(long=True))[None, :], inv_freq)
-        freqs = positions.astype(jnp.float32)[:, None] * inv_freq
-        return jnp.cos(freqs) * cfg.rope_attention_factor, jnp.sin(freqs) * cfg.rope_attention_factor
-    if cfg.rope_type == "dynamic":
-        dim = cfg.head_dim
-        max_pos = cfg.max_position_embeddings
-        seq_len = jnp.maximum(seq_lens, max_pos).astype(jnp.float32)[:, None]
-        base = cfg.rope_theta * (cfg.rope_factor * seq_len / max_pos - (cfg.rope_factor - 1)) ** (dim / (dim - 2))
-        exponents = jnp.arange(0, dim, 2, dtype=jnp.float32)[None, :] / dim
-        inv_freq = 1.0 / (base ** exponents)
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq
-    return jnp.cos(freqs), jnp.sin(freqs)
-
-
-def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x [T, heads, head_dim] with transformers' rotate-half layout (not interleaved) over its first
-    2 x cos.shape[-1] dims (all of them, or a partial rotary's); the rest pass through."""
-    x32 = x.astype(jnp.float32)
-    half = cos.shape[-1]
-    x1, x2, rest = x32[..., :half], x32[..., half:2 * half], x32[..., 2 * half:]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, rest], axis=-1).astype(x.dtype)
 
 
 class LlamaFamilyForCausalLM(nnx.Module):
@@ -214,7 +174,7 @@ class LlamaFamilyForCausalLM(nnx.Module):
             logits = self.matmul(hidden, embed, "lm_head")
         else:
             logits = jnp.einsum("td,vd->tv", hidden, embed)
-        return _soft_capped(logits.astype(jnp.float32), cfg.final_softcap)
+        return _scaled_logits(cfg, logits)
 
     def compute_logits_transposed(self, hidden: jax.Array) -> jax.Array:
         """f32[vocab, rows]: the same logits as compute_logits, laid out vocabulary-major."""
@@ -227,7 +187,7 @@ class LlamaFamilyForCausalLM(nnx.Module):
             logits = head @ hidden.T
         else:
             logits = jnp.einsum("dv,td->vt", head, hidden)
-        return _soft_capped(logits.astype(jnp.float32), cfg.final_softcap)
+        return _scaled_logits(cfg, logits)
 
     def matmul(self, x: jax.Array, w, name: str) -> jax.Array:
         """x @ the weight `name` (plain or quantized; a quantized decode step through the kernel, per shard)."""
@@ -254,7 +214,7 @@ class LlamaFamilyForCausalLM(nnx.Module):
             weights = {k: v.get_value() for k, v in self.layers.items()}
             xs = (weights, jnp.arange(cfg.num_layers, dtype=jnp.int32),
                   jnp.asarray(cfg.sliding_windows, jnp.int32), jnp.asarray(cfg.local_rope_layers, jnp.bool_),
-                  self.kv_scales[...], lora)
+                  jnp.asarray(cfg.rope_layers, jnp.bool_), self.kv_scales[...], lora)
 
             def scan_step(carry, xs):
                 hidden, kv_pool, kv_scale = layer_fn(cfg.is_moe, *carry, *xs)
@@ -267,7 +227,7 @@ class LlamaFamilyForCausalLM(nnx.Module):
                 hidden, kv_pool, kv_scale = layer_fn(cfg.is_moe_layer(i), hidden, kv_pool,
                                                      {k: v.get_value() for k, v in layer.items()},
                                                      jnp.int32(i), jnp.int32(cfg.sliding_windows[i]),
-                                                     cfg.local_rope_layers[i], self.kv_scales[i],
+                                                     cfg.local_rope_layers[i], cfg.rope_layers[i], self.kv_scales[i],
                                                      None if lora is None else {k: v[i] for k, v in lora.items()})
                 used.append(kv_scale)
             kv_scales = jnp.stack(used)
@@ -275,26 +235,31 @@ class LlamaFamilyForCausalLM(nnx.Module):
         return kv_pool, hidden
 
 
-def _soft_capped(x: jax.Array, cap: float) -> jax.Array:
-    return x if not cap else cap * jnp.tanh(x / cap)
+def _scaled_logits(cfg: ModelConfig, logits: jax.Array) -> jax.Array:
+    """f32 logits divided by logits_scaling (Granite), then soft-capped (Gemma 2)."""
+    logits = logits.astype(jnp.float32)
+    if cfg.logits_scaling != 1.0:
+        logits = logits / cfg.logits_scaling
+    cap = cfg.final_softcap
+    return logits if not cap else cap * jnp.tanh(logits / cap)
 
 
 def _decoder_layer(cfg: ModelConfig, plan: ShardPlan, attention, matmul, moe_impl: str, batch: ForwardBatch, rope,
-                   local_rope, onehot, moe: bool, hidden, kv_pool, w, layer, window, local, kv_scale, lora):
+                   local_rope, onehot, moe: bool, hidden, kv_pool, w, layer, window, local, rotates, kv_scale, lora):
     """One layer (the body of both loops): (hidden, kv_pool) -> (hidden, kv_pool, kv_scale) with its K/V
     written and the K/V scales it wrote them with.
 
     `w` holds this layer's weights (`layer_weight_shapes`); `moe` (static) whether its MLP is a mixture of
     experts; `layer` (i32[]) is its plane of the pool, `window` (i32[]) its sliding window, 0 for full
     attention, `local` (bool) whether it rotates with `local_rope` rather than `rope` (each a (cos, sin)
-    pair), `kv_scale` (f32[2]) its K and V scales in an fp8 pool; `lora` this layer's LoRA stacks (None: no
-    LoRA) and `onehot` [tokens, slots] each token's adapter slot; `matmul(x, w, name)` multiplies by a weight
-    (the model's `matmul`). The fused q/k/v and gate/up columns are shard-major (see jaxpaged.parallel):
+    pair), `rotates` (bool) whether its q/k rotate at all (not a NoPE layer), `kv_scale` (f32[2]) its K and
+    V scales in an fp8 pool; `lora` this layer's LoRA stacks (None: no LoRA) and `onehot` [tokens, slots]
+    each token's adapter slot; `matmul(x, w, name)` multiplies by a weight (the model's `matmul`). The fused q/k/v and gate/up columns are shard-major (see jaxpaged.parallel):
     viewed as [tokens, tp, per shard], each device splits its own columns.
     """
     num_tokens, tp = hidden.shape[0], plan.size
     eps, offset = cfg.rms_norm_eps, cfg.norm_offset
-    x = rms_norm(hidden, w["input_norm"], eps, offset)
+    x = rms_norm(hidden, w["input_norm"], eps, offset) if cfg.pre_norms else hidden
     qkv = matmul(x, w["wqkv"], "wqkv")
     if cfg.qkv_bias:
         qkv = qkv + w["bqkv"]
@@ -308,10 +273,15 @@ def _decoder_layer(cfg: ModelConfig, plan: ShardPlan, attention, matmul, moe_imp
         q = q + lora_delta(x, lora, "q", onehot).reshape(q.shape)
         k = k + lora_delta(x, lora, "k", onehot).reshape(k.shape)
         v = v + lora_delta(x, lora, "v", onehot).reshape(v.shape)
-    if cfg.qk_norm:
+    if cfg.qk_norm_full:   # over every head at once: [tokens, heads x head_dim]
+        q = rms_norm(q.reshape(num_tokens, -1), w["q_norm"], eps, offset).reshape(q.shape)
+        k = rms_norm(k.reshape(num_tokens, -1), w["k_norm"], eps, offset).reshape(k.shape)
+    elif cfg.qk_norm:
         q = rms_norm(q, w["q_norm"], eps, offset)
         k = rms_norm(k, w["k_norm"], eps, offset)
     cos, sin = (jnp.where(local, a, b) for a, b in zip(local_rope, rope)) if cfg.local_rope_theta else rope
+    if cfg.nope_layers:   # a NoPE layer turns by angle 0
+        cos, sin = jnp.where(rotates, cos, 1.0), jnp.where(rotates, sin, 0.0)
     q = apply_rotary(q, cos, sin)
     k = apply_rotary(k, cos, sin)
 
@@ -333,12 +303,16 @@ def _decoder_layer(cfg: ModelConfig, plan: ShardPlan, attention, matmul, moe_imp
         out = out + w["bo"]
     if cfg.sandwich_norms:
         out = rms_norm(out, w["attn_out_norm"], eps, offset)
-    hidden = hidden + out
-    x = rms_norm(hidden, w["post_norm"], eps, offset)
+    hidden = hidden + _residual_scaled(cfg, out)
+    x = rms_norm(hidden, w["post_norm"], eps, offset) if cfg.pre_norms else hidden
     mlp = _mlp(cfg, plan, matmul, w, x, moe, moe_impl, lora, onehot)
     if cfg.sandwich_norms:
         mlp = rms_norm(mlp, w["mlp_out_norm"], eps, offset)
-    return hidden + mlp, kv_pool, kv_scale
+    return hidden + _residual_scaled(cfg, mlp), kv_pool, kv_scale
+
+
+def _residual_scaled(cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    return x if cfg.residual_scale == 1.0 else x * jnp.asarray(cfg.residual_scale, x.dtype)
 
 
 def _mlp(cfg: ModelConfig, plan: ShardPlan, matmul, w, x, moe: bool, moe_impl: str, lora, onehot):

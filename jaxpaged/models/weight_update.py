@@ -57,7 +57,7 @@ def update_targets(cfg: ModelConfig, scan_layers: bool, tp: int) -> dict[str, Ta
 
     if cfg.is_moe or cfg.architecture == "Phi3ForCausalLM":
         raise ValueError(f"update_weights does not yet take {cfg.architecture}'s tensors (per-expert or fused "
-                         "qkv/gate_up names); it updates the dense Llama, Mistral, Qwen2/3 and Gemma models")
+                         "qkv/gate_up names); it updates the other dense families")
     shapes = weight_shapes(cfg)
     targets = {"model.embed_tokens.weight": Target(("embed",), None, None, None, False, shapes["embed"]),
                "model.norm.weight": Target(("final_norm",), None, None, None, False, shapes["final_norm"])}

@@ -1,5 +1,6 @@
-"""The families beyond Llama's (Phi-3, Gemma 2/3, Mixtral, Qwen2-MoE, Qwen3-MoE) through the whole engine:
-greedy tokens and logprobs equal transformers' (fp32) with prefix caching and chunked prefill at work."""
+"""The families beyond Llama's (Phi-3, Gemma, Granite, OLMo, SmolLM3, the MoEs) through the whole engine:
+greedy tokens and logprobs equal transformers' (fp32) with prefix caching and chunked prefill at work;
+LoRA equals peft's."""
 
 import numpy as np
 import pytest
@@ -55,3 +56,49 @@ def test_moe_refuses_what_it_does_not_run_yet():
               max_model_len=64, compile_on_startup=False)
     with pytest.raises(ValueError, match="update_weights does not yet take MixtralForCausalLM"):
         llm.update_weights({"model.norm.weight": np.ones(64, np.float32)})
+
+
+@pytest.mark.parametrize("arch", ["granite", "olmo2"])
+def test_lora_on_families_that_scale_or_norm_around_the_projections(arch):
+    """An adapter on every projection equals peft's where the family scales the residual branches
+    (Granite) or norms q/k over all heads after q_proj / k_proj (OLMo 2)."""
+    import peft
+    import torch
+    import transformers
+
+    from jaxpaged import LoRARequest
+    from tests.tiny_models import scratch_folder
+
+    path = tiny_checkpoint(arch)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                                peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets, lora_dropout=0.0,
+                                                init_lora_weights=False)).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.3)
+    adapter = scratch_folder(f"lora-{arch}-")
+    model.save_pretrained(adapter)
+    tokens = np.random.default_rng(1).integers(3, 320, 12).tolist()
+    with torch.no_grad():
+        for _ in range(MAX_TOKENS):
+            tokens.append(int(torch.argmax(model(input_ids=torch.tensor([tokens])).logits[0, -1])))
+    llm = LLM(path, dtype="float32", block_size=8, num_gpu_blocks_override=32, max_model_len=64, enable_lora=True,
+              max_lora_rank=8, compile_on_startup=False)
+    out = llm.generate([{"prompt_token_ids": tokens[:12]}], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                                           ignore_eos=True),
+                       lora_request=LoRARequest("a", 1, adapter), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == tokens[12:]
+
+
+def test_yarn_lengthens_the_context_past_max_position_embeddings():
+    """Qwen's long-context setting (yarn, factor 4 over 32 original positions, max_position_embeddings left at
+    32): the engine takes 128-token sequences, as vLLM does, and refuses a longer max_model_len naming why."""
+    path = tiny_checkpoint("qwen3", rope="yarn", max_position_embeddings=32)
+    llm = LLM(path, dtype="float32", block_size=8, num_gpu_blocks_override=32, compile_on_startup=False)
+    assert llm.llm_engine.max_model_len == 128
+    with pytest.raises(ValueError, match=r"max_model_len \(129\) .* scaled by its yarn rope \(128\)"):
+        LLM(path, dtype="float32", block_size=8, num_gpu_blocks_override=32, max_model_len=129,
+            compile_on_startup=False)

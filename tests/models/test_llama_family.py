@@ -54,9 +54,10 @@ def scattered_blocks(rng, n):
 
 
 @pytest.mark.parametrize("arch,rope", [(a, None) for a in ALL] + [("llama", "linear"), ("llama", "dynamic"),
-                                                                   ("phi3", "longrope")])
+                                                                   ("phi3", "longrope"), ("qwen3", "yarn")])
 def test_whole_prompt_logits_match_transformers(arch, rope):
-    """40-token prompts; the dynamic-NTK variant's max_position_embeddings is 32, so its scaling is active."""
+    """40-token prompts; the dynamic-NTK variant's max_position_embeddings is 32, so its scaling is active
+    (yarn's original length is 32 too, though it scales at every length)."""
     path, cfg, forward = loaded(arch, **({"rope": rope} if rope else {}))
     rng = np.random.default_rng(0)
     tokens = rng.integers(3, cfg.vocab_size, 40).tolist()

@@ -97,6 +97,19 @@ def test_rope_scaling_types_are_read():
     assert ours.rope_type == "linear" and ours.rope_factor == 4.0
     base = 1.0 / (10000.0 ** (np.arange(0, 16, 2) / 16))
     np.testing.assert_allclose(ours.inv_freq(), base / 4.0, rtol=1e-6)
-    cfg.rope_parameters = {"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0}
-    with pytest.raises(ValueError, match="rope_type 'yarn' is not supported"):
+    cfg.rope_parameters = {"rope_type": "mrope", "factor": 2.0, "rope_theta": 10000.0}   # (Qwen2-VL)
+    with pytest.raises(ValueError, match="rope_type 'mrope' is not supported"):
         model_config_from_hf(cfg)
+
+
+@pytest.mark.parametrize("rope,max_model_len", [
+    ({"rope_type": "default"}, 2048), ({"rope_type": "linear", "factor": 4.0}, 8192),
+    ({"rope_type": "yarn", "factor": 4.0}, 8192),   # Qwen2.5's form: max_position_embeddings the original length
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}, 4096)])
+def test_scaled_rope_lengthens_the_context_as_vllm_derives_it(rope, max_model_len):
+    import transformers
+
+    cfg = transformers.Qwen2Config(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, intermediate_size=64,
+                                   vocab_size=32, max_position_embeddings=2048, architectures=["Qwen2ForCausalLM"],
+                                   rope_parameters={"rope_theta": 10000.0, **rope})
+    assert model_config_from_hf(cfg).max_model_len == max_model_len

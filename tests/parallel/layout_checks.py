@@ -26,6 +26,8 @@ CASES = {
     "llama-mha": ("llama", {"num_key_value_heads": 4}, LAYOUTS, [[1, 1], [2, 1]], []),
     "qwen2-gqa": ("qwen2", {"head_dim": 32}, TENSOR_PARALLEL, [], [[2, 1]]),   # head_dim 32: the Mosaic kernel in fp32
     "qwen3-mqa": ("qwen3", {"num_key_value_heads": 1}, TENSOR_PARALLEL, [[2, 1]], []),
+    # q/k norms over all heads at once (an all-device reduction under tensor parallelism), no pre-norms
+    "olmo2-tp": ("olmo2", {}, [[1, 1], [2, 1]], [], []),
     # experts sharded over the devices; qwen2_moe: a shared expert and a dense layer (unrolled layers)
     "mixtral-ep": ("mixtral", {}, [[1, 1], [4, 1]], [[2, 1]], []),
     "qwen2_moe-ep": ("qwen2_moe", {}, [[1, 1], [2, 1]], [], []),

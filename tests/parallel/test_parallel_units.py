@@ -41,6 +41,11 @@ def test_a_tensor_parallel_size_the_model_cannot_split_is_refused_with_the_allow
     moe = _config(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32)
     with pytest.raises(ValueError, match=r"experts \(6\).*one of \[1, 2\], got 4"):
         check_tensor_parallel(moe, 4)
+    # OLMo's k norm spans all KV heads: they are not repeated, so tp divides them
+    olmo = _config(qk_norm_full=True)
+    check_tensor_parallel(olmo, 2)
+    with pytest.raises(ValueError, match=r"divide its 2 KV heads: one of \[1, 2\], got 4"):
+        check_tensor_parallel(olmo, 4)
 
 
 def test_engine_args_refuse_bad_sizes():
