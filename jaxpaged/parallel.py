@@ -50,6 +50,8 @@ LAYER_SPECS = {
     "attn_out_norm": P(), "mlp_out_norm": P(), "router": P(), "shared_gate": P(),
     # experts: each device holds num_experts / tp of them whole (expert parallelism, jaxpaged.models.moe)
     "w_experts_gate_up": P(MODEL_AXIS, None, None), "w_experts_down": P(MODEL_AXIS, None, None),
+    "router_bias": P(), "b_experts_gate_up": P(MODEL_AXIS, None), "b_experts_down": P(MODEL_AXIS, None),
+    "sinks": P(MODEL_AXIS),   # one per query head (gpt-oss), split as the heads are
 }
 TOP_SPECS = {"embed": P(MODEL_AXIS, None), "lm_head": P(None, MODEL_AXIS), "final_norm": P(), "classifier": P()}
 POOL_SPEC = P(None, None, None, MODEL_AXIS)      # [layers, 2, blocks, kv_heads, block_size, head_dim]
@@ -200,16 +202,19 @@ class ShardPlan:
         return call
 
     def attention(self, fn):
-        """fn(kv_pool, q, k, v, *replicated) -> (kv_pool, out [T, heads, head_dim]) run per shard:
-        each device writes and reads its own KV heads with its own query heads."""
+        """fn(kv_pool, q, k, v, sinks, *replicated) -> (kv_pool, out [T, heads, head_dim]) run per shard:
+        each device writes and reads its own KV heads with its own query heads (and their sinks
+        [heads], or None)."""
         if self.mesh is None:
             return fn
         heads = P(None, MODEL_AXIS)
 
-        def per_shard(kv_pool, q, k, v, *rest):
-            return fn(kv_pool, q, k, v, *rest)
-
-        def call(kv_pool, q, k, v, *rest):
-            return jax.shard_map(per_shard, mesh=self.mesh, in_specs=(POOL_SPEC, heads, heads, heads) + (P(),) * len(rest),
-                                 out_specs=(POOL_SPEC, heads), check_vma=False)(kv_pool, q, k, v, *rest)
+        def call(kv_pool, q, k, v, sinks, *rest):
+            if sinks is None:
+                return jax.shard_map(lambda *a: fn(*a[:4], None, *a[4:]), mesh=self.mesh,
+                                     in_specs=(POOL_SPEC, heads, heads, heads) + (P(),) * len(rest),
+                                     out_specs=(POOL_SPEC, heads), check_vma=False)(kv_pool, q, k, v, *rest)
+            return jax.shard_map(fn, mesh=self.mesh,
+                                 in_specs=(POOL_SPEC, heads, heads, heads, P(MODEL_AXIS)) + (P(),) * len(rest),
+                                 out_specs=(POOL_SPEC, heads), check_vma=False)(kv_pool, q, k, v, sinks, *rest)
         return call

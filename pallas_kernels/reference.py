@@ -83,6 +83,7 @@ def tile_layout(md: AttentionMetadata, num_tokens: int):
 def ragged_paged_attention_reference(
     q: jax.Array, kv_pool: jax.Array, layer: jax.Array, md: AttentionMetadata,
     sliding_window: jax.Array | int = 0, soft_cap: float | jax.Array = 0.0, *, sm_scale: float,
+    sinks: jax.Array | None = None,   # [num_heads] (gpt-oss): a logit per head that joins each softmax's sum
     kv_chunk_blocks: int = 8,    # pages per step of a tile's walk (mixed batches)
     tiles_per_group: int = 8,    # query tiles walked together (mixed batches)
     pages_per_chunk: int = 128,  # pages per step of the flat walk (decode-only batches), at most 16 per seq
@@ -93,18 +94,31 @@ def ragged_paged_attention_reference(
                         ("tiles_per_group", tiles_per_group)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
+    if sinks is not None and sinks.shape != (q.shape[1],):
+        raise ValueError(f"sinks must be [num_heads] ({q.shape[1]},), got shape {sinks.shape}")
     if md.decode_only:
-        return _flat_pages_attention(q, kv_pool, layer, md, sliding_window, soft_cap, sm_scale=sm_scale,
+        return _flat_pages_attention(q, kv_pool, layer, md, sliding_window, soft_cap, sinks, sm_scale=sm_scale,
                                      pages_per_chunk=pages_per_chunk)
-    return _tiled_attention(q, kv_pool, layer, md, sliding_window, soft_cap, sm_scale=sm_scale,
+    return _tiled_attention(q, kv_pool, layer, md, sliding_window, soft_cap, sinks, sm_scale=sm_scale,
                             kv_chunk_blocks=kv_chunk_blocks, tiles_per_group=tiles_per_group)
+
+
+def _softmax_start(sinks: jax.Array | None, shape: tuple[int, ...], kv_heads: int) -> tuple[jax.Array, jax.Array]:
+    """The online softmax's first (max, sum) [.., kv_heads, group, ..] = shape: nothing seen yet, or each
+    head's sink as a key with logit sinks[h] and value 0 (it adds exp(sink - max) to the sum only)."""
+    if sinks is None:
+        return jnp.full(shape, _MASKED, jnp.float32), jnp.zeros(shape, jnp.float32)
+    per_head = sinks.astype(jnp.float32).reshape(kv_heads, -1)
+    per_head = per_head.reshape((1, kv_heads, per_head.shape[1]) + (1,) * (len(shape) - 3))
+    return jnp.broadcast_to(per_head, shape), jnp.ones(shape, jnp.float32)
 
 
 def _soft_capped(s: jax.Array, cap: jax.Array) -> jax.Array:
     return jnp.where(cap > 0, cap * jnp.tanh(s / jnp.where(cap > 0, cap, 1.0)), s)
 
 
-def _tiled_attention(q, kv_pool, layer, md, sliding_window, soft_cap, *, sm_scale, kv_chunk_blocks, tiles_per_group):
+def _tiled_attention(q, kv_pool, layer, md, sliding_window, soft_cap, sinks, *, sm_scale, kv_chunk_blocks,
+                     tiles_per_group):
     """Mixed batches: tiles walked `tiles_per_group` at a time, only the groups that hold a tile in
     use, each group only as far as its tiles' last visible key.
 
@@ -175,14 +189,14 @@ def _tiled_attention(q, kv_pool, layer, md, sliding_window, soft_cap, *, sm_scal
             acc = acc * alpha[..., None] + jnp.einsum("nhgqk,nhkd->nhgqd", p, v)
             return acc, m_new, l
 
-        m0 = jnp.full((G, kv_heads, group, q_tile), _MASKED, jnp.float32)
+        m0, l0 = _softmax_start(sinks, (G, kv_heads, group, q_tile), kv_heads)
         acc0 = jnp.zeros((G, kv_heads, group, q_tile, head_dim), jnp.float32)
         # keys the group sees: up to its last valid row (causal); a window hides those before its first
         end = jnp.where(g_rows, g_pos + 1, 0).max()
         begin = jnp.where(g_rows, jnp.maximum(g_pos - window + 1, 0), end).min()
         start = jnp.where(window > 0, begin // chunk_tokens, 0)
         stop = (end + chunk_tokens - 1) // chunk_tokens
-        acc, _, l = jax.lax.fori_loop(start, stop, body, (acc0, m0, jnp.zeros_like(m0)))
+        acc, _, l = jax.lax.fori_loop(start, stop, body, (acc0, m0, l0))
         return jax.lax.dynamic_update_slice_in_dim(out, acc / jnp.where(l > 0, l, 1.0)[..., None], first, axis=0)
 
     groups_in_use = (jnp.sum(tile_valid) + G - 1) // G   # tiles in use come first, sequence by sequence
@@ -192,7 +206,7 @@ def _tiled_attention(q, kv_pool, layer, md, sliding_window, soft_cap, *, sm_scal
     return out[token_tile, token_tile_row].astype(q.dtype)
 
 
-def _flat_pages_attention(q, kv_pool, layer, md, sliding_window, soft_cap, *, sm_scale, pages_per_chunk):
+def _flat_pages_attention(q, kv_pool, layer, md, sliding_window, soft_cap, sinks, *, sm_scale, pages_per_chunk):
     """Decode-only batches: the pages of all sequences laid end to end, walked in fixed-size chunks.
 
         pages read   | seq0: 0 1 2 | seq1: 0 | seq2 (window): 3 4 5 | padding seqs: none |
@@ -256,10 +270,10 @@ def _flat_pages_attention(q, kv_pool, layer, md, sliding_window, soft_cap, *, sm
         acc = acc * alpha[..., None] + merge(page_acc * page_weight[..., None], seq)
         return m_new, l, acc
 
-    m0 = jnp.full((num_seqs, kv_heads, group), _MASKED, jnp.float32)
+    m0, l0 = _softmax_start(sinks, (num_seqs, kv_heads, group), kv_heads)
     acc0 = jnp.zeros((num_seqs, kv_heads, group, head_dim), jnp.float32)
     num_chunks = (total_pages + pages_per_chunk - 1) // pages_per_chunk
-    _, l, acc = jax.lax.fori_loop(0, num_chunks, body, (m0, jnp.zeros_like(m0), acc0))
+    _, l, acc = jax.lax.fori_loop(0, num_chunks, body, (m0, l0, acc0))
     out = (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(num_seqs, num_heads, head_dim)
     token_seq = jnp.searchsorted(md.cu_q_lens[1:], jnp.arange(num_tokens, dtype=jnp.int32), side="right",
                                  method="compare_all")

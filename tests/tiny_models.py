@@ -13,11 +13,11 @@ import tempfile
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 # the families beyond Llama's (phi3-longrope: long-rope scaling and a partial rotary, short and long prompts)
 FAMILIES = ("phi3", "gemma", "gemma2", "gemma3", "granite", "olmo2", "olmo3", "smollm3", "mixtral", "qwen2_moe",
-            "qwen3_moe")
+            "qwen3_moe", "gpt_oss")
 _CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
             "gemma": "Gemma", "gemma2": "Gemma2", "gemma3": "Gemma3", "granite": "Granite", "olmo2": "Olmo2",
             "olmo3": "Olmo3", "smollm3": "SmolLM3", "mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe",
-            "qwen3_moe": "Qwen3Moe"}
+            "qwen3_moe": "Qwen3Moe", "gpt_oss": "GptOss"}
 _ROOT = tempfile.mkdtemp(prefix="jaxpaged-tiny-")   # this process's checkpoints, removed when it exits
 atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)
 
@@ -105,6 +105,14 @@ def _config(arch: str, **overrides):
         cfg = transformers.Qwen3MoeConfig(**{**common, "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
                                              "moe_intermediate_size": 48, "norm_topk_prob": True,
                                              "tie_word_embeddings": True, **overrides})
+    elif arch == "gpt_oss":   # sinks, biased router and experts, a clamp low enough to bite, yarn, windows
+        rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+        cfg = transformers.GptOssConfig(**{**common, "head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2,
+                                           "intermediate_size": 64, "max_position_embeddings": 128,
+                                           "sliding_window": 12, "swiglu_limit": 1.0, "rope_parameters": rope,
+                                           "layer_types": ["sliding_attention", "full_attention",
+                                                           "sliding_attention"], **overrides})
     else:
         raise ValueError(arch)
     return cfg

@@ -18,6 +18,8 @@ become one `ModelConfig`:
 - Mixtral, Qwen2-MoE, Qwen3-MoE: a routed mixture of experts in place of the MLP (top-k of
   `num_experts`, probabilities renormalized or not), Qwen2-MoE's shared expert with its
   sigmoid gate, and dense layers among the sparse ones (`dense_layers`).
+- gpt-oss: experts with biases (router too) and a clamped SwiGLU, attention sinks (a learned
+  logit per head in every softmax's denominator), alternating sliding / global layers, yarn.
 
 Rope types and their fields are read by `jaxpaged.models.rope`.
 """
@@ -45,6 +47,7 @@ SUPPORTED_ARCHITECTURES = (
     "Olmo2ForCausalLM",
     "Olmo3ForCausalLM",
     "SmolLM3ForCausalLM",
+    "GptOssForCausalLM",
 )
 # A bare transformer without its LM head (an embedding checkpoint: e5-mistral's MistralModel, weights
 # without the "model." prefix) runs as its *ForCausalLM family, the input embedding standing in for
@@ -72,7 +75,7 @@ def is_classifier(hf_config) -> bool:
 
 
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
-_MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+_MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM")
 _GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 _OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 
@@ -126,6 +129,7 @@ class ModelConfig:
     residual_scale: float = 1.0       # Granite: each block's output times this before the residual add
     logits_scaling: float = 1.0       # Granite: the output logits divided by this
     nope_layers: tuple[int, ...] = () # SmolLM3: the layers whose q/k do not rotate
+    attn_sinks: bool = False          # gpt-oss: a learned logit per head joins each softmax's denominator
     # yarn: beta_fast / beta_slow (the ramp's ends, in rotations over the original length), truncate
     rope_yarn_betas: tuple[float, float] = (32.0, 1.0)
     rope_yarn_truncate: bool = True
@@ -138,6 +142,11 @@ class ModelConfig:
     norm_topk_prob: bool = False      # renormalize the top-k probabilities to sum to 1
     shared_expert_size: int = 0       # Qwen2-MoE: a dense expert every token takes, sigmoid-gated; 0 = none
     dense_layers: tuple[int, ...] = ()   # layers of an MoE model with a dense MLP (intermediate_size) instead
+    moe_bias: bool = False            # gpt-oss: the router and each expert's projections add biases
+    # gpt-oss's clamped SwiGLU in the experts: gate <= limit, |up| <= limit, (up + 1) * gate * sigmoid(alpha *
+    # gate); 0 = the plain gated MLP (hidden_act)
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.0
     num_labels: int = 0               # a sequence classifier's classes (its `score` head's rows); 0 = none
 
     @property
@@ -151,6 +160,11 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def expert_act(self) -> str | tuple:
+        """The experts' gated activation (jaxpaged.models.moe): hidden_act, or gpt-oss's clamped SwiGLU."""
+        return ("swiglu_clamped", self.swiglu_limit, self.swiglu_alpha) if self.swiglu_limit else self.hidden_act
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.is_moe and layer not in self.dense_layers
@@ -221,9 +235,12 @@ def _sliding_windows(hf_config: Any, architecture: str, num_layers: int) -> tupl
 def _moe_fields(hf_config: Any, architecture: str, num_layers: int) -> dict:
     if architecture not in _MOE:
         return {}
-    if architecture == "MixtralForCausalLM":
+    if architecture in ("MixtralForCausalLM", "GptOssForCausalLM"):
+        gpt_oss = dict(moe_bias=True, swiglu_limit=float(_get(hf_config, "swiglu_limit", 7.0)),
+                       swiglu_alpha=float(_get(hf_config, "swiglu_alpha", 1.702)))
         return dict(num_experts=int(hf_config.num_local_experts), num_experts_per_tok=int(hf_config.num_experts_per_tok),
-                    moe_intermediate_size=int(hf_config.intermediate_size), norm_topk_prob=True)
+                    moe_intermediate_size=int(hf_config.intermediate_size), norm_topk_prob=True,
+                    **(gpt_oss if architecture == "GptOssForCausalLM" else {}))
     step = int(_get(hf_config, "decoder_sparse_step", 1))
     only = set(_get(hf_config, "mlp_only_layers", []) or [])
     dense = tuple(i for i in range(num_layers) if i in only or step < 1 or (i + 1) % step)
@@ -250,7 +267,8 @@ def _gemma_fields(hf_config: Any, architecture: str) -> dict:
 
 
 def _family_fields(hf_config: Any, architecture: str, num_layers: int) -> dict:
-    """The switches of Granite, OLMo 2/3 and SmolLM3 (Gemma's and the MoEs' have their own readers)."""
+    """The switches of Granite, OLMo 2/3, SmolLM3 and gpt-oss's attention (Gemma's and the experts' have
+    their own readers)."""
     if architecture == "GraniteForCausalLM":
         return dict(embed_scale=float(_get(hf_config, "embedding_multiplier", 1.0)),
                     residual_scale=float(_get(hf_config, "residual_multiplier", 1.0)),
@@ -258,6 +276,8 @@ def _family_fields(hf_config: Any, architecture: str, num_layers: int) -> dict:
                     attn_scale=float(_get(hf_config, "attention_multiplier", 0.0)))
     if architecture in _OLMO:
         return dict(pre_norms=False, sandwich_norms=True, qk_norm=True, qk_norm_full=True)
+    if architecture == "GptOssForCausalLM":
+        return dict(attn_sinks=True)
     if architecture == "SmolLM3ForCausalLM":
         uses_rope = _get(hf_config, "no_rope_layers", [1] * num_layers)   # transformers' name: 1 = rotates
         return dict(nope_layers=tuple(i for i, rotates in enumerate(uses_rope) if not rotates))

@@ -9,6 +9,7 @@ from typing import Callable
 import numpy as np
 
 from jaxpaged.models.config import ModelConfig
+from jaxpaged.models.prequantized import mxfp4_dequantize
 from jaxpaged.models.quantization import HostQuantized
 
 
@@ -38,6 +39,12 @@ def _hf_layer_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
         sources["w_experts_down"] = [mlp + "experts.down_proj.weight"]
         if cfg.shared_expert_size:
             sources["shared_gate"] = [mlp + "shared_expert_gate.weight"]
+        if cfg.moe_bias:
+            sources["router_bias"] = [mlp + "gate.bias"]
+            sources["b_experts_gate_up"] = [mlp + "experts.gate_proj.bias", mlp + "experts.up_proj.bias"]
+            sources["b_experts_down"] = [mlp + "experts.down_proj.bias"]
+    if cfg.attn_sinks:
+        sources["sinks"] = [attn + "sinks"]
     if cfg.sandwich_norms:
         sources["attn_out_norm"] = [p + "post_attention_layernorm.weight"]
         sources["mlp_out_norm"] = [p + "post_feedforward_layernorm.weight"]
@@ -54,12 +61,15 @@ def _hf_layer_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
     return sources
 
 
-# our names of the expert stacks: sharded by expert (not by columns), never quantized
-EXPERT_WEIGHTS = ("w_experts_gate_up", "w_experts_down")
+# our names of the expert stacks: sharded by expert (not by columns), never quantized; their biases
+# [experts, out] (gpt-oss) are stacks of vectors, never transposed
+EXPERT_BIASES = ("b_experts_gate_up", "b_experts_down")
+EXPERT_WEIGHTS = ("w_experts_gate_up", "w_experts_down") + EXPERT_BIASES
 # the matmul weights `quantization` applies to (routers and gates stay in the model dtype)
 QUANTIZABLE = ("wqkv", "wo", "w_gate_up", "w_down")
 _MIXTRAL_EXPERT = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
-_EXPERT_STACK = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_STACK = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)\.(weight|bias)$")
+GPT_OSS = "GptOssForCausalLM"
 
 
 def hf_reader(cfg: ModelConfig, get: Callable[[str], np.ndarray],
@@ -67,7 +77,8 @@ def hf_reader(cfg: ModelConfig, get: Callable[[str], np.ndarray],
     """(get, has) that also serve `_hf_layer_sources`' names from the checkpoint's own layout: Phi-3's
     fused qkv_proj and gate_up_proj (sliced), Mixtral's block_sparse_moe names, and expert stacks
     [experts, out, in] (stacked from per-expert tensors, or sliced from transformers 5's fused
-    `experts.gate_up_proj` [experts, 2 x inter, hidden] / `experts.down_proj`)."""
+    `experts.gate_up_proj` [experts, 2 x inter, hidden] / `experts.down_proj`; gpt-oss's fused
+    [experts, in, out] with gate and up interleaved, its `mlp.router` and the experts' bias stacks)."""
     arch = cfg.architecture
 
     def source(name: str):
@@ -83,6 +94,8 @@ def hf_reader(cfg: ModelConfig, get: Callable[[str], np.ndarray],
             for part, rows in (("gate_proj", (0, inter)), ("up_proj", (inter, 2 * inter))):
                 if name.endswith(f"mlp.{part}.weight"):
                     return name.replace(part, "gate_up_proj"), rows
+        if arch == GPT_OSS and ".mlp.gate." in name:
+            return name.replace(".mlp.gate.", ".mlp.router."), None
         if arch == "MixtralForCausalLM" and ".mlp." in name:
             moe = name.replace(".mlp.", ".block_sparse_moe.")
             for ours, theirs in _MIXTRAL_EXPERT.items():
@@ -112,14 +125,23 @@ def hf_reader(cfg: ModelConfig, get: Callable[[str], np.ndarray],
         match = _EXPERT_STACK.match(name)
         if match is None:
             return None
-        prefix, part = match.groups()
-        return prefix, part, f"{prefix}.{'down_proj' if part == 'down_proj' else 'gate_up_proj'}"
+        prefix, part, kind = match.groups()
+        fused = f"{prefix}.{'down_proj' if part == 'down_proj' else 'gate_up_proj'}"
+        return prefix, part, fused + ("_bias" if kind == "bias" else "")
 
     def get_any(name: str) -> np.ndarray:
         found = stack(name)
         if found is None:
             return get_one(name)
         prefix, part, fused = found
+        if arch == GPT_OSS and not has(fused) and has(fused + "_blocks"):   # MXFP4: [experts, out, in]
+            tensor = mxfp4_dequantize(get(fused + "_blocks"), get(fused + "_scales"))
+            return tensor if part == "down_proj" else tensor[:, (part == "up_proj")::2]
+        if arch == GPT_OSS:   # [experts, in, out] (a bias [experts, out]), gate and up columns interleaved
+            tensor = get(fused)
+            if part != "down_proj":
+                tensor = tensor[..., (part == "up_proj")::2]
+            return tensor if fused.endswith("_bias") else np.swapaxes(tensor, 1, 2)
         if has(fused):   # transformers 5's own layout: [experts, 2 x inter, hidden] (gate | up) or down
             tensor = get(fused)
             if part == "down_proj":
@@ -135,7 +157,8 @@ def hf_reader(cfg: ModelConfig, get: Callable[[str], np.ndarray],
         if found is None:
             return has_one(name)
         prefix, part, fused = found
-        return has(fused) or all(has_one(f"{prefix}.{e}.{part}.weight") for e in range(cfg.num_experts))
+        return has(fused) or has(fused + "_blocks") or all(has_one(f"{prefix}.{e}.{part}.weight")
+                                                           for e in range(cfg.num_experts))
 
     return get_any, has_any
 
@@ -154,6 +177,8 @@ def hf_tensor(get: Callable[[str], np.ndarray], has: Callable[[str], bool], name
 def hf_part_shape(cfg: ModelConfig, name: str, ours: tuple[int, ...], parts: int, j: int) -> tuple[int, ...]:
     """PyTorch [out, in] shape of part j of our fused [in, out...] weight `name` (ours: its shape; an
     expert stack [experts, in, out] reads [experts, out, in])."""
+    if name in EXPERT_BIASES:
+        return (ours[0], ours[-1] // parts)
     if name in ("wqkv", "bqkv"):
         out = (cfg.q_size, cfg.kv_size, cfg.kv_size)[j]
     else:
@@ -163,9 +188,10 @@ def hf_part_shape(cfg: ModelConfig, name: str, ours: tuple[int, ...], parts: int
     return (out, ours[0]) if len(ours) == 2 else (out,)
 
 
-def hf_to_ours(part):
-    """A PyTorch [.., out, in] linear weight as ours [.., in, out] (a bias or norm as it is)."""
+def hf_to_ours(part, name: str = ""):
+    """A PyTorch [.., out, in] linear weight as ours [.., in, out] (a bias or norm as it is; `name`, ours:
+    an expert bias stack too)."""
     ndim = len(part.shape)
-    if ndim < 2:
+    if ndim < 2 or name in EXPERT_BIASES:
         return part
     return part.T if ndim == 2 else np.swapaxes(part, -1, -2)

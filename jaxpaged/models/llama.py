@@ -1,6 +1,6 @@
 """One Flax NNX decoder for every supported family (Llama, Mistral, Qwen2/3, Phi-3, Gemma 1/2/3, Granite,
-OLMo 2/3, SmolLM3, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE): one layer body and its
-switches (`ModelConfig`); the rope in `jaxpaged.models.rope`.
+OLMo 2/3, SmolLM3, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss): one layer body
+and its switches (`ModelConfig`); the rope in `jaxpaged.models.rope`.
 
 One layer body (`_decoder_layer`) and two loops over it, chosen when the model is loaded:
 
@@ -69,6 +69,12 @@ def layer_weight_shapes(cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int
         shapes["w_experts_down"] = (e, mi, d)
         if cfg.shared_expert_size:
             shapes["shared_gate"] = (d, 1)
+        if cfg.moe_bias:
+            shapes["router_bias"] = (e,)
+            shapes["b_experts_gate_up"] = (e, 2 * mi)
+            shapes["b_experts_down"] = (e, d)
+    if cfg.attn_sinks:
+        shapes["sinks"] = (cfg.num_heads,)
     if cfg.sandwich_norms:
         shapes["attn_out_norm"] = (d,)
         shapes["mlp_out_norm"] = (d,)
@@ -288,13 +294,14 @@ def _decoder_layer(cfg: ModelConfig, plan: ShardPlan, attention, matmul, moe_imp
     if is_fp8(kv_pool.dtype):   # outside the shard_map: the largest |K| of every device's heads
         kv_scale = calibrated_kv_scale(kv_scale, k, v, batch.slot_mapping, kv_pool.dtype)
 
-    def write_and_attend(kv_pool, q, k, v, slot_mapping, md, layer, window, kv_scale):
+    def write_and_attend(kv_pool, q, k, v, sinks, slot_mapping, md, layer, window, kv_scale):
         kv_pool = write_kv(kv_pool, layer, k, v, slot_mapping, kv_scale)
+        extra = {} if sinks is None else {"sinks": sinks}   # (gpt-oss; the reference backend's, startup checks)
         return kv_pool, scaled_attention(attention, q, kv_pool, layer, md, window, kv_scale, soft_cap=cfg.attn_softcap,
-                                         sm_scale=cfg.attn_scale or cfg.head_dim ** -0.5)
+                                         sm_scale=cfg.attn_scale or cfg.head_dim ** -0.5, **extra)
 
-    kv_pool, attn = plan.attention(write_and_attend)(kv_pool, q, k, v, batch.slot_mapping, batch.attn, layer, window,
-                                                      kv_scale)
+    kv_pool, attn = plan.attention(write_and_attend)(kv_pool, q, k, v, w.get("sinks"), batch.slot_mapping, batch.attn,
+                                                      layer, window, kv_scale)
     attn = attn.reshape(num_tokens, cfg.q_size)
     out = matmul(attn, w["wo"], "wo")
     if lora is not None:
@@ -322,7 +329,9 @@ def _mlp(cfg: ModelConfig, plan: ShardPlan, matmul, w, x, moe: bool, moe_impl: s
     out = None
     if moe:
         out = moe_mlp(x, w["router"], w["w_experts_gate_up"], w["w_experts_down"], top_k=cfg.num_experts_per_tok,
-                      normalize=cfg.norm_topk_prob, act=cfg.hidden_act, impl=moe_impl, plan=plan)
+                      normalize=cfg.norm_topk_prob, act=cfg.expert_act, impl=moe_impl, plan=plan,
+                      router_bias=w.get("router_bias"), b_gate_up=w.get("b_experts_gate_up"),
+                      b_down=w.get("b_experts_down"))
     if "w_gate_up" not in w:
         return out
     inter = cfg.shared_expert_size if moe else cfg.intermediate_size

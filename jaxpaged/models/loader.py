@@ -172,7 +172,7 @@ def convert_hf_weights(get: Callable[[str], np.ndarray], has: Callable[[str], bo
             parts = [fetch(n, hf_part_shape(cfg, name, hf_shapes[name], len(hf_names), j))
                      for j, n in enumerate(hf_names)]
             axis = len(shape) - 1    # a linear's output columns (after the transpose), or a bias
-            parts = [hf_to_ours(p) for p in parts]   # linear: [out, in] -> [in, out]
+            parts = [hf_to_ours(p, name) for p in parts]   # linear: [out, in] -> [in, out]
             if any(isinstance(p, HostQuantized) for p in parts) and not all(
                     isinstance(p, HostQuantized) and p.kind == parts[0].kind for p in parts):
                 parts = [p.dequantize() if isinstance(p, HostQuantized) else p for p in parts]   # mixed types
@@ -308,11 +308,13 @@ def load_model(model: str, dtype: str = "auto", revision: str | None = None,
         dtype = resolve_dtype(dtype, _CHECKPOINT_DTYPES[checkpoint.dtype_name()])
         get, method = checkpoint.get, checkpoint_quantization(hf_config)
         quantization = resolve_quantization(quantization, method)
+        if method == "mxfp4" and cfg.architecture == "GptOssForCausalLM" and quantization in (method, None):
+            quantization = method = None   # no MXFP4 kernel yet: hf_reader de-quantizes the experts as it reads them
         if method is not None and quantization in (method, None):   # kept, or de-quantized: read with its scales
             if method != "fp8":
                 raise ValueError(f"{folder!r} is quantized as {method!r}, which jaxpaged cannot load; pre-quantized "
-                                 "checkpoints it reads: fp8 (transformers' fp8 and compressed-tensors float8), and "
-                                 "GGUF files")
+                                 "checkpoints it reads: fp8 (transformers' fp8 and compressed-tensors float8), "
+                                 "gpt-oss's mxfp4 experts (de-quantized at load), and GGUF files")
             get = fp8_reader(checkpoint.get, checkpoint.__contains__, dequantize=quantization is None)
         weights = convert_hf_weights(get, checkpoint.__contains__, cfg, dtype, scan_layers, shard_plan,
                                      None if quantization == method else quantization)

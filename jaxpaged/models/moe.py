@@ -6,7 +6,9 @@
     combine  each pair's output times its routing weight, added back onto its token
 
 The expert weights are stacked: `w_experts_gate_up` [experts, hidden, 2 x moe_intermediate] (gate | up
-per expert) and `w_experts_down` [experts, moe_intermediate, hidden]. `expert_mlp` has three
+per expert) and `w_experts_down` [experts, moe_intermediate, hidden]; gpt-oss adds a bias to the router's
+logits and to each expert's projections (`b_experts_gate_up` [experts, 2 x moe_intermediate],
+`b_experts_down` [experts, hidden]) and gates with a clamped SwiGLU (`_gated`). `expert_mlp` has three
 implementations with one meaning (`MOE_IMPLS`):
 
 - "ragged_dot": two `jax.lax.ragged_dot` grouped GEMMs over the sorted rows (XLA's on GPU).
@@ -48,22 +50,35 @@ def activation(name: str, x: jax.Array) -> jax.Array:
     return jax.nn.silu(x32) if name == "silu" else jax.nn.gelu(x32, approximate=True)
 
 
-def route(x: jax.Array, router: jax.Array, k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
+def route(x: jax.Array, router: jax.Array, k: int, normalize: bool,
+          bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """(weights [tokens, k] in x's dtype, expert ids i32[tokens, k]) as transformers routes: softmax of
-    the router logits in f32, the k largest, renormalized to sum to 1 when `normalize`."""
-    probs = jax.nn.softmax((x @ router).astype(jnp.float32), axis=-1)
+    the router logits (plus `bias`, gpt-oss) in f32, the k largest, renormalized to sum to 1 when
+    `normalize` (the same as gpt-oss's softmax over the k largest logits)."""
+    logits = (x @ router).astype(jnp.float32)
+    if bias is not None:
+        logits = logits + bias.astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
     weights, ids = jax.lax.top_k(probs, k)
     if normalize:
         weights = weights / weights.sum(axis=-1, keepdims=True)
     return weights.astype(x.dtype), ids.astype(jnp.int32)
 
 
-def _gated(h: jax.Array, act: str) -> jax.Array:
+def _gated(h: jax.Array, act) -> jax.Array:
+    """act(gate) * up of h = gate | up; `act` a hidden_act name, or ("swiglu_clamped", limit, alpha):
+    gpt-oss's (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit)."""
     inter = h.shape[-1] // 2
-    return (activation(act, h[..., :inter]) * h[..., inter:].astype(jnp.float32)).astype(h.dtype)
+    gate, up = h[..., :inter], h[..., inter:].astype(jnp.float32)
+    if isinstance(act, tuple):
+        _, limit, alpha = act
+        g = jnp.minimum(gate.astype(jnp.float32), limit)
+        return ((jnp.clip(up, -limit, limit) + 1.0) * g * jax.nn.sigmoid(alpha * g)).astype(h.dtype)
+    return (activation(act, gate) * up).astype(h.dtype)
 
 
-def _loop_mlp(rows: jax.Array, group_sizes: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, act: str):
+def _loop_mlp(rows: jax.Array, group_sizes: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, act, b_gate_up,
+              b_down):
     """Each expert's contiguous rows in tiles: a tile past its expert's rows reads the next expert's
     (or padding) and keeps the values already there."""
     num_rows, hidden = rows.shape
@@ -72,45 +87,57 @@ def _loop_mlp(rows: jax.Array, group_sizes: jax.Array, w_gate_up: jax.Array, w_d
     tile = jnp.arange(TILE_ROWS, dtype=jnp.int32)
 
     def per_expert(out, xs):
-        w_gu, w_dn, start, size = xs
+        w_gu, w_dn, b_gu, b_dn, start, size = xs
 
         def per_tile(t, out):
             first = start + t * TILE_ROWS
-            y = _gated(jax.lax.dynamic_slice_in_dim(padded, first, TILE_ROWS) @ w_gu, act) @ w_dn
+            y = _gated(jax.lax.dynamic_slice_in_dim(padded, first, TILE_ROWS) @ w_gu + b_gu, act) @ w_dn + b_dn
             keep = (tile < size - t * TILE_ROWS)[:, None]
             old = jax.lax.dynamic_slice_in_dim(out, first, TILE_ROWS)
             return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep, y.astype(out.dtype), old), first, 0)
 
         return jax.lax.fori_loop(0, (size + TILE_ROWS - 1) // TILE_ROWS, per_tile, out), None
 
+    if b_gate_up is None:
+        b_gate_up = jnp.zeros(w_gate_up.shape[::2], rows.dtype)   # [experts, 2 x inter]
+        b_down = jnp.zeros(w_down.shape[::2], rows.dtype)         # [experts, hidden]
     out, _ = jax.lax.scan(per_expert, jnp.zeros((num_rows + TILE_ROWS, hidden), rows.dtype),
-                          (w_gate_up, w_down, starts, group_sizes))
+                          (w_gate_up, w_down, b_gate_up, b_down, starts, group_sizes))
     return out[:num_rows]
 
 
-def expert_mlp(rows: jax.Array, group_sizes: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, act: str,
-               impl: str) -> jax.Array:
-    """rows [R, hidden] sorted by expert, group_sizes i32[experts] (rows past their sum: zeros out) ->
-    [R, hidden], row r through its own expert's gated MLP. impl: "ragged_dot" or "loop"."""
+def expert_mlp(rows: jax.Array, group_sizes: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, act,
+               impl: str, b_gate_up: jax.Array | None = None, b_down: jax.Array | None = None) -> jax.Array:
+    """rows [R, hidden] sorted by expert, group_sizes i32[experts] -> [R, hidden], row r through its own
+    expert's gated MLP (rows past the groups' sum: whatever, their callers drop them). impl: "ragged_dot"
+    or "loop"; b_gate_up / b_down: the experts' biases (gpt-oss) or None."""
     if impl == "ragged_dot":
         h = jax.lax.ragged_dot(rows, w_gate_up, group_sizes)
-        return jax.lax.ragged_dot(_gated(h, act), w_down, group_sizes)
+        if b_gate_up is None:
+            return jax.lax.ragged_dot(_gated(h, act), w_down, group_sizes)
+        ends = jnp.cumsum(group_sizes)
+        expert = jnp.clip(jnp.searchsorted(ends, jnp.arange(rows.shape[0]), side="right"), 0, len(group_sizes) - 1)
+        return jax.lax.ragged_dot(_gated(h + b_gate_up[expert], act), w_down, group_sizes) + b_down[expert]
     if impl == "loop":
-        return _loop_mlp(rows, group_sizes, w_gate_up, w_down, act)
+        return _loop_mlp(rows, group_sizes, w_gate_up, w_down, act, b_gate_up, b_down)
     raise ValueError(f"expert_mlp impl must be ragged_dot or loop, got {impl!r}")
 
 
-def _dense_moe(x, weights, ids, w_gate_up, w_down, act, first_expert):
+def _dense_moe(x, weights, ids, w_gate_up, w_down, act, first_expert, *biases):
     """Every (local) expert on every token, weighted by the routing (0 where not chosen)."""
     num_local = w_gate_up.shape[0]
     local = jnp.arange(num_local, dtype=jnp.int32) + first_expert
     gate = jnp.sum(jnp.where(ids[:, :, None] == local[None, None, :], weights[:, :, None], 0), axis=1)   # [T, E]
-    h = _gated(jnp.einsum("td,edi->eti", x, w_gate_up), act)
-    y = jnp.einsum("eti,eid->etd", h, w_down)
+    h = jnp.einsum("td,edi->eti", x, w_gate_up)
+    if biases:
+        h = h + biases[0][:, None, :]
+    y = jnp.einsum("eti,eid->etd", _gated(h, act), w_down)
+    if biases:
+        y = y + biases[1][:, None, :]
     return jnp.einsum("etd,te->td", y.astype(jnp.float32), gate.astype(jnp.float32)).astype(x.dtype)
 
 
-def _sparse_moe(x, weights, ids, w_gate_up, w_down, act, first_expert, impl):
+def _sparse_moe(x, weights, ids, w_gate_up, w_down, act, first_expert, *biases, impl):
     num_tokens, k = ids.shape
     num_local = w_gate_up.shape[0]
     expert = ids.reshape(-1) - first_expert                                    # [T * k]
@@ -119,26 +146,30 @@ def _sparse_moe(x, weights, ids, w_gate_up, w_down, act, first_expert, impl):
     order = jnp.argsort(key, stable=True)
     token = order // k
     group_sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
-    y = expert_mlp(x[token], group_sizes, w_gate_up, w_down, act, impl)        # [T * k, hidden]
+    y = expert_mlp(x[token], group_sizes, w_gate_up, w_down, act, impl, *biases)   # [T * k, hidden]
     pair_weight = jnp.where(is_local[order], weights.reshape(-1)[order], 0).astype(jnp.float32)
     y = jnp.where(is_local[order][:, None], y.astype(jnp.float32), 0.0) * pair_weight[:, None]
     return jnp.zeros((num_tokens, x.shape[1]), jnp.float32).at[token].add(y).astype(x.dtype)
 
 
 def moe_mlp(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, *, top_k: int,
-            normalize: bool, act: str, impl: str, plan=None) -> jax.Array:
+            normalize: bool, act, impl: str, plan=None, router_bias: jax.Array | None = None,
+            b_gate_up: jax.Array | None = None, b_down: jax.Array | None = None) -> jax.Array:
     """x [tokens, hidden] -> the routed experts' weighted sum [tokens, hidden]. `plan` (a ShardPlan
-    with a mesh): the experts are sharded over its model axis (expert parallelism)."""
-    weights, ids = route(x, router, top_k, normalize)
+    with a mesh): the experts are sharded over its model axis (expert parallelism). `act`: see _gated;
+    the biases (gpt-oss): the router's [experts] and the experts' (module docstring), or None."""
+    weights, ids = route(x, router, top_k, normalize, router_bias)
+    biases = () if b_gate_up is None else (b_gate_up, b_down)
     fn = _dense_moe if impl == "dense" else functools.partial(_sparse_moe, impl=impl)
     if plan is None or plan.mesh is None:
-        return fn(x, weights, ids, w_gate_up, w_down, act, 0)
+        return fn(x, weights, ids, w_gate_up, w_down, act, 0, *biases)
     from jaxpaged.parallel import MODEL_AXIS
 
-    def per_shard(x, weights, ids, w_gate_up, w_down):
+    def per_shard(x, weights, ids, w_gate_up, w_down, *biases):
         first = jax.lax.axis_index(MODEL_AXIS) * w_gate_up.shape[0]
-        return jax.lax.psum(fn(x, weights, ids, w_gate_up, w_down, act, first), MODEL_AXIS)
+        return jax.lax.psum(fn(x, weights, ids, w_gate_up, w_down, act, first, *biases), MODEL_AXIS)
 
     experts = P(MODEL_AXIS, None, None)
-    return jax.shard_map(per_shard, mesh=plan.mesh, in_specs=(P(), P(), P(), experts, experts), out_specs=P(),
-                         check_vma=False)(x, weights, ids, w_gate_up, w_down)
+    return jax.shard_map(per_shard, mesh=plan.mesh,
+                         in_specs=(P(), P(), P(), experts, experts) + (P(MODEL_AXIS, None),) * len(biases),
+                         out_specs=P(), check_vma=False)(x, weights, ids, w_gate_up, w_down, *biases)

@@ -31,7 +31,7 @@ from jaxpaged.parallel import ShardPlan, kv_head_replicas
 FORMAT_FILE = "jaxpaged.json"
 FORMAT = "jaxpaged-orbax"
 VERSION = 1
-_FUSED = ("wqkv", "bqkv", "w_gate_up", "b_gate_up", "w_experts_gate_up")
+_FUSED = ("wqkv", "bqkv", "w_gate_up", "b_gate_up", "w_experts_gate_up", "b_experts_gate_up")
 
 
 def is_converted(path: str) -> bool:
@@ -161,7 +161,7 @@ def canonical_arrays(get, has, cfg: ModelConfig, np_dtype) -> dict[str, np.ndarr
             for j, hf_name in enumerate(hf_names):
                 shape = hf_part_shape(cfg, name, layer_shapes[name], len(hf_names), j)
                 value = hf_tensor(get, has, hf_name, shape)
-                value = hf_to_ours(value)
+                value = hf_to_ours(value, name)
                 key = _key(name, j) if name in _FUSED else name
                 stacked.setdefault(key, []).append(np.ascontiguousarray(value).astype(np_dtype))
     for key, values in stacked.items():

@@ -12,6 +12,10 @@ Two layouts of float8_e4m3fn linear weights ([out, in], as PyTorch stores them) 
 Either becomes a `HostQuantized` whose scales are per (group of input rows, output row): a block's
 scale repeated over its output rows, its column width the group. Tensors left unquantized
 (`modules_to_not_convert`, `ignore`) are stored in 16 bits and pass through as they are.
+
+gpt-oss's released experts are MXFP4 (`quant_method: "mxfp4"`): `<name>_blocks` u8[experts, out, in / 32,
+16] (two e2m1 values a byte, the low nibble first) and `<name>_scales` u8[experts, out, in / 32] (e8m0:
+2^(s - 127) per 32 values). No kernel runs them yet: `mxfp4_dequantize` turns them into floats at load.
 """
 
 import math
@@ -38,6 +42,22 @@ def checkpoint_quantization(hf_config) -> str | None:
         kinds = sorted({f"{w.get('type')}{w.get('num_bits')}" for w in weights})
         return f"compressed-tensors ({', '.join(kinds) or 'unknown'})"
     return method
+
+
+_FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                       np.float32)   # e2m1 by its 4 bits
+
+
+def mxfp4_dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """MXFP4 blocks u8[..., groups, 16] and scales u8[..., groups] -> f32[..., groups x 32]."""
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise ValueError(f"MXFP4 blocks {list(blocks.shape)} and scales {list(scales.shape)} do not match: "
+                         "expected blocks [..., groups, 16] and scales [..., groups]")
+    values = np.empty(scales.shape + (32,), np.float32)
+    values[..., 0::2] = _FP4_VALUES[blocks & 0x0F]
+    values[..., 1::2] = _FP4_VALUES[blocks >> 4]
+    values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
+    return values.reshape(scales.shape[:-1] + (-1,))
 
 
 def fp8_reader(get, has, dequantize: bool):

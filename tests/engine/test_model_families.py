@@ -102,3 +102,9 @@ def test_yarn_lengthens_the_context_past_max_position_embeddings():
     with pytest.raises(ValueError, match=r"max_model_len \(129\) .* scaled by its yarn rope \(128\)"):
         LLM(path, dtype="float32", block_size=8, num_gpu_blocks_override=32, max_model_len=129,
             compile_on_startup=False)
+
+
+def test_gpt_oss_attention_sinks_run_on_the_reference_attention_only():
+    with pytest.raises(ValueError, match="attention_backend='pallas' has no attention sinks yet, which "
+                                         "GptOssForCausalLM needs: use 'auto' or 'reference'"):
+        LLM(tiny_checkpoint("gpt_oss"), dtype="float32", attention_backend="pallas", compile_on_startup=False)

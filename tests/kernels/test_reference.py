@@ -23,8 +23,9 @@ from tests.kernels.cases import live_tokens, random_case
 _TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 
 
-def naive_attention(q, kv_pool, layer, md, sliding_window, soft_cap, sm_scale) -> np.ndarray:
-    """[num_tokens, num_heads, head_dim] float64; rows of padded tokens are NaN."""
+def naive_attention(q, kv_pool, layer, md, sliding_window, soft_cap, sm_scale, sinks=None) -> np.ndarray:
+    """[num_tokens, num_heads, head_dim] float64; rows of padded tokens are NaN. `sinks` [num_heads]: a
+    logit per head in the softmax's sum (gpt-oss), as transformers concatenates and drops it."""
     q = np.asarray(q.astype(jnp.float32), np.float64)
     pool = np.asarray(kv_pool[int(layer)].astype(jnp.float32), np.float64)   # [2, blocks, kv_heads, bs, D]
     kv_lens, tables, cu_q_lens = (np.asarray(x) for x in (md.kv_lens, md.block_tables, md.cu_q_lens))
@@ -44,8 +45,10 @@ def naive_attention(q, kv_pool, layer, md, sliding_window, soft_cap, sm_scale) -
                 s = k[visible, head // group] @ q[token, head] * sm_scale
                 if soft_cap > 0:
                     s = soft_cap * np.tanh(s / soft_cap)
+                if sinks is not None:
+                    s = np.append(s, float(sinks[head]))
                 p = np.exp(s - s.max())
-                out[token, head] = p @ v[visible, head // group] / p.sum()
+                out[token, head] = p[:visible.sum()] @ v[visible, head // group] / p.sum()
     return out
 
 
@@ -104,6 +107,21 @@ def test_mixed_batches_match_naive_attention(block_size, group, window, soft_cap
     got = ragged_paged_attention_reference(q, kv_pool, layer, md, **kwargs, kv_chunk_blocks=2,
                                            tiles_per_group=tiles_per_group)
     assert_close(got, naive_attention(q, kv_pool, layer, md, **kwargs), md, jnp.float32)
+
+
+@pytest.mark.parametrize("decode_only", [True, False])
+def test_attention_sinks_join_each_softmax_as_a_key_without_value(decode_only):
+    """gpt-oss's sinks (a learned logit per head, some far above the scores) in both paths."""
+    rng = np.random.default_rng(30)
+    q, kv_pool, layer, md, kwargs = random_case(rng, head_dim=32, group=2, block_size=8, num_seqs=5,
+                                                dtype=jnp.float32, sliding_window=9, decode_only=decode_only,
+                                                max_blocks_per_seq=4, pad_seqs=2)
+    sinks = jnp.asarray([-2.0, 0.5, 3.0, 8.0], jnp.float32)   # [kv_heads 2 x group 2]
+    got = ragged_paged_attention_reference(q, kv_pool, layer, md, **kwargs, sinks=sinks, kv_chunk_blocks=2)
+    want = naive_attention(q, kv_pool, layer, md, **kwargs, sinks=np.asarray(sinks))
+    assert_close(got, want, md, jnp.float32)
+    plain = naive_attention(q, kv_pool, layer, md, **kwargs)
+    assert np.abs(want - plain)[:live_tokens(md)].max() > 0.1   # the sinks change every row's weights
 
 
 def test_flat_path_spans_many_chunks_like_the_tile_walk():

@@ -21,14 +21,22 @@ def weights(seed: int):
 
 
 @pytest.mark.parametrize("impl", ["loop", "ragged_dot"])
-@pytest.mark.parametrize("num_tokens,top_k,skew", [(1, 2, False), (7, 2, False), (40, 3, False),
-                                                    (2 * TILE_ROWS + 3, 1, True), (50, 2, True)])
-def test_grouped_experts_equal_every_expert_run_densely(impl, num_tokens, top_k, skew):
+@pytest.mark.parametrize("num_tokens,top_k,skew,gpt_oss", [(1, 2, False, False), (7, 2, False, False),
+                                                            (40, 3, False, False), (2 * TILE_ROWS + 3, 1, True, False),
+                                                            (50, 2, True, False), (7, 2, False, True),
+                                                            (2 * TILE_ROWS + 3, 2, True, True)])
+def test_grouped_experts_equal_every_expert_run_densely(impl, num_tokens, top_k, skew, gpt_oss):
+    """gpt_oss: biases on the router and each expert's projections, the clamped SwiGLU (a clamp that bites)."""
     router, gate_up, down = weights(num_tokens)
     if skew:   # nearly every token to expert 4: one long group over several tiles, most experts empty
         router = router.at[:, 4].add(5.0)
     x = jnp.asarray(np.random.default_rng(1).normal(0, 1, (num_tokens, HIDDEN)), jnp.float32)
     args = dict(top_k=top_k, normalize=True, act="silu")
+    if gpt_oss:
+        rng = np.random.default_rng(2)
+        args.update(act=("swiglu_clamped", 0.5, 1.702), router_bias=jnp.asarray(rng.normal(0, 0.5, EXPERTS)),
+                    b_gate_up=jnp.asarray(rng.normal(0, 0.3, (EXPERTS, 2 * INTER)), jnp.float32),
+                    b_down=jnp.asarray(rng.normal(0, 0.3, (EXPERTS, HIDDEN)), jnp.float32))
     ours = jax.jit(lambda x: moe_mlp(x, router, gate_up, down, impl=impl, **args))(x)
     dense = moe_mlp(x, router, gate_up, down, impl="dense", **args)
     np.testing.assert_allclose(np.asarray(ours), np.asarray(dense), rtol=2e-5, atol=2e-5)

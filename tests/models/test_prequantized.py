@@ -118,3 +118,65 @@ def test_bad_combinations_with_prequantized_checkpoints_raise():
         load_model(gptq, quantization="fp8")
     with pytest.raises(ValueError, match="quantized as 'gptq', which jaxpaged cannot load"):
         load_model(gptq)
+
+
+def encode_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """w [..., in] (in a multiple of 32) -> (blocks u8[..., in / 32, 16], scales u8[..., in / 32]): each 32
+    values' e8m0 scale the power of two that brings their largest to at most 6, each value the nearest e2m1."""
+    lut = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+    groups = w.reshape(*w.shape[:-1], -1, 32)
+    exponent = np.ceil(np.log2(np.maximum(np.abs(groups).max(axis=-1), 1e-30) / 6.0)).astype(np.int32)
+    scaled = groups / np.ldexp(np.float32(1.0), exponent)[..., None]
+    codes = np.abs(np.abs(scaled)[..., None] - lut).argmin(axis=-1) | np.where(scaled < 0, 8, 0)
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+    # contiguous: safetensors' numpy writer saves an array's buffer whatever its strides
+    return np.ascontiguousarray(blocks), np.ascontiguousarray((exponent + 127).astype(np.uint8))
+
+
+@functools.cache
+def gpt_oss_mxfp4() -> tuple[str, str]:
+    """(the tiny gpt-oss with its experts in MXFP4 as OpenAI released gpt-oss, the same weights de-quantized
+    by transformers' own MXFP4 decoder, saved as an fp32 checkpoint)."""
+    import torch
+    from safetensors.numpy import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    src = tiny_checkpoint("gpt_oss")
+    mx, plain = src + "-mxfp4", src + "-mxfp4-dequantized"
+    if not os.path.isdir(mx):
+        tensors = load_file(os.path.join(src, "model.safetensors"))
+        quantized, dequantized = {}, dict(tensors)
+        for name, w in tensors.items():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):   # [experts, in, out]
+                blocks, scales = encode_mxfp4(np.swapaxes(w, 1, 2))           # stored [experts, out, in]
+                quantized[name + "_blocks"], quantized[name + "_scales"] = blocks, scales
+                back = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
+                                                  dtype=torch.float32)        # transformers': [experts, in, out]
+                dequantized[name] = back.numpy()
+                assert 0 < np.abs(back.numpy() - w).max() < 0.5 * np.abs(w).max()   # rounded, not garbage
+            else:
+                quantized[name] = w
+        shutil.copytree(src, mx)
+        save_file(quantized, os.path.join(mx, "model.safetensors"), metadata={"format": "pt"})
+        shutil.copytree(src, plain)
+        save_file(dequantized, os.path.join(plain, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(mx, "config.json")) as f:
+            config = json.load(f)
+        config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+        with open(os.path.join(mx, "config.json"), "w") as f:
+            json.dump(config, f)
+    return mx, plain
+
+
+def test_gpt_oss_mxfp4_experts_load_de_quantized():
+    """gpt-oss as released: MXFP4 experts, read into floats at load (no MXFP4 kernel yet); the logits are
+    transformers' on the weights its own decoder de-quantizes."""
+    mx, plain = gpt_oss_mxfp4()
+    tokens = np.random.default_rng(4).integers(3, 320, 40).tolist()
+    ours, loaded = forward_logits(mx, tokens)
+    assert loaded.quantization is None
+    assert_close(ours, hf_logits(plain, tokens))
+    with pytest.raises(ValueError, match="quantization='int8' cannot re-quantize a checkpoint already quantized "
+                                         "as 'mxfp4'"):
+        load_model(mx, quantization="int8")

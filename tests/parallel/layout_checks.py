@@ -14,7 +14,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHARDED = ("wqkv", "wo", "w_gate_up", "w_down", "embed", "lm_head", "bqkv", "b_gate_up",   # and column biases
-           "w_experts_gate_up", "w_experts_down")   # experts: expert parallelism
+           "w_experts_gate_up", "w_experts_down", "b_experts_gate_up", "b_experts_down",   # experts: expert parallelism
+           "sinks")   # gpt-oss's attention sinks, with their query heads
 
 # arch, config overrides, layouts (tp, dp): MHA, GQA with q/k/v bias, MQA with q/k norm
 # every layout for llama; the tensor-parallel ones for the others (data parallelism runs
@@ -31,6 +32,8 @@ CASES = {
     # experts sharded over the devices; qwen2_moe: a shared expert and a dense layer (unrolled layers)
     "mixtral-ep": ("mixtral", {}, [[1, 1], [4, 1]], [[2, 1]], []),
     "qwen2_moe-ep": ("qwen2_moe", {}, [[1, 1], [2, 1]], [], []),
+    # gpt-oss: each device's attention sinks with its query heads, the experts' biases with the experts
+    "gpt_oss-ep": ("gpt_oss", {}, [[1, 1], [2, 1]], [], []),
 }
 
 

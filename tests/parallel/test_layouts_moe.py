@@ -1,7 +1,8 @@
-"""Expert parallelism on the tiny mixtral and qwen2_moe (a shared expert and a dense layer; experts split
-over the devices, routing replicated): see layout_checks.py. A few models per file so that the test
-processes share them (pytest-xdist distributes by file)."""
+"""Expert parallelism on the tiny mixtral, qwen2_moe (a shared expert and a dense layer) and gpt_oss
+(expert biases, attention sinks; experts split over the devices, routing replicated): see
+layout_checks.py. A few models per file so that the test processes share them (pytest-xdist distributes
+by file)."""
 
 from tests.parallel.layout_checks import layout_tests
 
-globals().update(layout_tests("mixtral-ep", "qwen2_moe-ep"))
+globals().update(layout_tests("mixtral-ep", "qwen2_moe-ep", "gpt_oss-ep"))
