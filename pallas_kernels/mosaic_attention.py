@@ -37,7 +37,7 @@ from jaxpaged.kernels.layout import fp8_type, is_fp8
 from jaxpaged.kernels.metadata import AttentionMetadata
 from jaxpaged.kernels.reference import num_query_tiles, validate_inputs
 from jaxpaged.kernels.tiling import (FIRST_POS, KV_LEN, LAYER, NUM_QUERIES, SEQ, WINDOW, kernel_q_tile, merge_splits,
-                                     split_pages, tile_queries, untile, visible_pages)
+                                     sink_rows, split_pages, tile_queries, untile, visible_pages)
 
 ROWS = 64                  # one warpgroup's wgmma tile
 KEYS = 64                  # keys a step: P's rows are 128 bytes (one swizzle row) in 16 bits
@@ -111,6 +111,7 @@ def ragged_paged_attention_mosaic(
     interpret: bool = False,              # run on a CPU in Mosaic GPU's interpret mode
     num_kv_splits: int | None = None,     # programs per (tile, kv head) along the context; None = auto
     max_slots: int = _MAX_SLOTS,          # steps of K and V in flight at most (SMEM permitting)
+    sinks: jax.Array | None = None,       # [num_heads] attention sinks (gpt-oss), added as the splits merge
 ) -> jax.Array:
     """Attention of a ragged batch over the paged pool (backends.AttentionFn); pure, returns a new array.
 
@@ -121,13 +122,13 @@ def ragged_paged_attention_mosaic(
         raise ValueError(f"max_slots must be >= 2, got {max_slots}")
     # A Python soft cap is known at trace time: none skips the tanh, a value is baked in.
     static_cap = float(soft_cap) if isinstance(soft_cap, (int, float)) else None
-    return _attention(q, kv_pool, layer, md, sliding_window, jnp.asarray(soft_cap, jnp.float32).reshape(1),
+    return _attention(q, kv_pool, layer, md, sliding_window, jnp.asarray(soft_cap, jnp.float32).reshape(1), sinks,
                       sm_scale=sm_scale, interpret=interpret, num_kv_splits=num_kv_splits, max_slots=max_slots,
                       static_cap=static_cap)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "num_kv_splits", "max_slots", "static_cap"))
-def _attention(q, kv_pool, layer, md, sliding_window, cap, *, sm_scale, interpret, num_kv_splits, max_slots,
+def _attention(q, kv_pool, layer, md, sliding_window, cap, sinks, *, sm_scale, interpret, num_kv_splits, max_slots,
                static_cap):
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = kv_pool.shape[3]
@@ -138,7 +139,7 @@ def _attention(q, kv_pool, layer, md, sliding_window, cap, *, sm_scale, interpre
     # A step starts at any page before max_blocks: the padded columns keep its table reads in bounds.
     tables = jnp.pad(md.block_tables.astype(jnp.int32), ((0, 0), (0, plan.copies - 1)))
 
-    split_output = plan.num_splits > 1
+    split_output = plan.num_splits > 1 or sinks is not None
     if split_output:
         out_type = [jax.ShapeDtypeStruct((plan.num_splits, num_tiles, kv_heads, plan.rows, head_dim), jnp.float32),
                     jax.ShapeDtypeStruct((plan.num_splits, num_tiles, kv_heads, plan.rows), jnp.float32),
@@ -154,7 +155,8 @@ def _attention(q, kv_pool, layer, md, sliding_window, cap, *, sm_scale, interpre
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(tiles.info, tables, cap, tiles.q_tiles, kv_pool)
-    out = merge_splits(*result) if split_output else result[0]
+    sink = None if sinks is None else sink_rows(sinks, kv_heads, plan.rows)
+    out = merge_splits(*result, sink) if split_output else result[0]
     return untile(out, tiles, num_heads, q.dtype)
 
 

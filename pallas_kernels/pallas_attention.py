@@ -37,8 +37,7 @@ from jaxpaged.kernels.layout import fp8_values, is_fp8
 from jaxpaged.kernels.metadata import AttentionMetadata
 from jaxpaged.kernels.reference import validate_inputs
 from jaxpaged.kernels.tiling import (FIRST_POS, KV_LEN, LAYER, NUM_QUERIES, SEQ, WINDOW, kernel_q_tile,
-                                     merge_splits,
-                                     split_pages, tile_queries, untile, visible_pages)
+                                     merge_splits, sink_rows, split_pages, tile_queries, untile, visible_pages)
 
 _MASKED = -1e30
 _MAX_ROWS = 128          # rows (queries x heads) per program: the fp32 accumulator lives in registers
@@ -152,6 +151,7 @@ def ragged_paged_attention_pallas(
     kv_chunk_blocks: int = 8,             # pages per inner step at most (a power of two, >= 16 keys)
     interpret: bool = False,              # run on CPU through the Pallas interpreter
     num_kv_splits: int | None = None,     # programs per (tile, kv head) along the context; None = auto
+    sinks: jax.Array | None = None,       # [num_heads] attention sinks (gpt-oss), added as the splits merge
 ) -> jax.Array:
     """Attention of a ragged batch over the paged pool (backends.AttentionFn); pure, returns a new array.
 
@@ -160,14 +160,14 @@ def ragged_paged_attention_pallas(
     _validate_kernel_inputs(q, kv_pool, md, kv_chunk_blocks, num_kv_splits)
     # A Python 0 soft cap is known at trace time: skip the tanh instead of masking it.
     use_cap = not (isinstance(soft_cap, (int, float)) and soft_cap == 0)
-    return _attention(q, kv_pool, layer, md, sliding_window, soft_cap, sm_scale=sm_scale,
+    return _attention(q, kv_pool, layer, md, sliding_window, soft_cap, sinks, sm_scale=sm_scale,
                       kv_chunk_blocks=kv_chunk_blocks, interpret=interpret, num_kv_splits=num_kv_splits,
                       use_cap=use_cap)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "kv_chunk_blocks", "interpret", "num_kv_splits",
                                              "use_cap"))
-def _attention(q, kv_pool, layer, md, sliding_window, soft_cap, *, sm_scale, kv_chunk_blocks, interpret,
+def _attention(q, kv_pool, layer, md, sliding_window, soft_cap, sinks, *, sm_scale, kv_chunk_blocks, interpret,
                num_kv_splits, use_cap):
     num_tokens, num_heads, head_dim = q.shape
     kv_heads, block_size = kv_pool.shape[3], kv_pool.shape[4]
@@ -190,7 +190,7 @@ def _attention(q, kv_pool, layer, md, sliding_window, soft_cap, *, sm_scale, kv_
     tables = jnp.pad(md.block_tables.astype(jnp.int32), ((0, 0), (0, pages_per_step - 1)))
     cap = jnp.asarray(soft_cap, jnp.float32).reshape(1)
 
-    split_output = num_kv_splits > 1
+    split_output = num_kv_splits > 1 or sinks is not None
     if split_output:
         out_shape = [jax.ShapeDtypeStruct((num_kv_splits, num_tiles, kv_heads, rows, head_dim), jnp.float32),
                      jax.ShapeDtypeStruct((num_kv_splits, num_tiles, kv_heads, rows), jnp.float32),
@@ -222,5 +222,6 @@ def _attention(q, kv_pool, layer, md, sliding_window, soft_cap, *, sm_scale, kv_
         name="ragged_paged_attention",
     )(tiles.info, tables, cap, tiles.q_tiles, kv_pool)
 
-    out = merge_splits(*result) if split_output else result
+    sink = None if sinks is None else sink_rows(sinks, kv_heads, rows)
+    out = merge_splits(*result, sink) if split_output else result
     return untile(out, tiles, num_heads, q.dtype)

@@ -93,11 +93,24 @@ def tile_queries(q, md: AttentionMetadata, layer, sliding_window, *, kv_heads: i
     return TileInputs(info, q_tiles, token_tile, token_row, q_tile)
 
 
-def merge_splits(acc, m, l):
-    """[splits, N, h, rows, D] fp32 partials and their [splits, N, h, rows] max and sum -> [N, h, rows, D]."""
+def sink_rows(sinks: jax.Array, kv_heads: int, rows: int) -> jax.Array:
+    """f32[kv_heads, rows]: the attention sink (gpt-oss, [num_heads]) of each program row, row r holding head
+    r % group of its kv head (the padding rows past q_tile x group get one too: they are dropped)."""
+    per_head = sinks.astype(jnp.float32).reshape(kv_heads, -1)
+    return jnp.tile(per_head, (1, -(-rows // per_head.shape[1])))[:, :rows]
+
+
+def merge_splits(acc, m, l, sinks=None):
+    """[splits, N, h, rows, D] fp32 partials and their [splits, N, h, rows] max and sum -> [N, h, rows, D];
+    `sinks` (sink_rows, [h, rows]): each row's sink joins the sum as a key of value 0 (the kernels leave
+    it out: a kernel with sinks writes partials even with one split)."""
     m_all = m.max(axis=0)
+    if sinks is not None:
+        m_all = jnp.maximum(m_all, sinks)
     weight = jnp.exp(m - m_all)
     l = (l * weight).sum(axis=0)
+    if sinks is not None:
+        l = l + jnp.exp(sinks - m_all)
     acc = (acc * weight[..., None]).sum(axis=0)
     return acc / jnp.where(l > 0, l, 1.0)[..., None]
 

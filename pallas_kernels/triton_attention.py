@@ -236,6 +236,7 @@ def ragged_paged_attention_triton(
     q: jax.Array, kv_pool: jax.Array, layer: jax.Array, md: AttentionMetadata,
     sliding_window: jax.Array | int = 0, soft_cap: float | jax.Array = 0.0, *, sm_scale: float,
     kv_chunk_blocks: int = 8,  # pages per step of the KV walk (a power of two; capped, see plan_launch)
+    sinks: jax.Array | None = None,   # [num_heads] attention sinks (gpt-oss), added as the splits merge
 ) -> jax.Array:
     """Attention of a ragged batch over the paged pool (backends.AttentionFn) as a Triton kernel."""
     import jax_triton  # here, not at the top: the tiling and its CPU tests need no cuda12 extra
@@ -248,7 +249,7 @@ def ragged_paged_attention_triton(
         *operands, kernel=_paged_attention_kernel, **{out_keyword: out_type}, grid=launch.grid,
         name="ragged_paged_attention", num_warps=8 if launch.rows >= 128 else 4, num_stages=2,
         compute_capability=_target_compute_capability(), **meta)
-    return combine_splits(acc, m, l, launch, tokens, q.dtype)
+    return combine_splits(acc, m, l, launch, tokens, q.dtype, sinks)
 
 
 def kernel_call_args(q, kv_pool, layer, md: AttentionMetadata, sliding_window=0, soft_cap=0.0, *,
@@ -283,14 +284,21 @@ def _tile_operands(md: AttentionMetadata, num_tokens: int):
 
 
 @functools.partial(jax.jit, static_argnames=("launch", "dtype"))
-def combine_splits(acc, m, l, launch: TritonLaunch, tokens, dtype) -> jax.Array:
-    """Merges the kernel's per-split (acc, max, sum) and gathers rows back to [num_tokens, num_heads, head_dim]."""
+def combine_splits(acc, m, l, launch: TritonLaunch, tokens, dtype, sinks=None) -> jax.Array:
+    """Merges the kernel's per-split (acc, max, sum) and gathers rows back to [num_tokens, num_heads, head_dim];
+    `sinks` [num_heads] (gpt-oss): each head's sink joins its rows' sums as a key of value 0."""
     n, kv_heads, live = launch.num_tiles, launch.kv_heads, launch.q_tile * launch.group
     shape = (n, kv_heads, launch.num_splits, launch.row_blocks * launch.rows)
     acc = acc.reshape(*shape, -1)[..., :live, :launch.head_dim]
     m, l = m.reshape(shape)[..., :live], l.reshape(shape)[..., :live]
-    weight = jnp.exp(m - m.max(axis=2, keepdims=True))  # an empty split has m = -1e30: weight 0
+    m_all = m.max(axis=2, keepdims=True)
+    if sinks is not None:   # row r of a kv head holds its head r % group
+        sink = jnp.tile(sinks.astype(jnp.float32).reshape(kv_heads, launch.group), (1, launch.q_tile))[:, None, :]
+        m_all = jnp.maximum(m_all, sink)
+    weight = jnp.exp(m - m_all)  # an empty split has m = -1e30: weight 0
     l = (weight * l).sum(axis=2)
+    if sinks is not None:
+        l = l + jnp.exp(sink - m_all)[:, :, 0]
     out = (weight[..., None] * acc).sum(axis=2) / jnp.where(l > 0, l, 1.0)[..., None]
     out = out.reshape(n, kv_heads, launch.q_tile, launch.group, launch.head_dim).transpose(0, 2, 1, 3, 4)
     out = out.reshape(n, launch.q_tile, launch.num_heads, launch.head_dim)

@@ -108,7 +108,7 @@ def _config(arch: str, **overrides):
     elif arch == "gpt_oss":   # sinks, biased router and experts, a clamp low enough to bite, yarn, windows
         rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
                 "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
-        cfg = transformers.GptOssConfig(**{**common, "head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2,
+        cfg = transformers.GptOssConfig(**{**common, "head_dim": 32, "num_local_experts": 8, "num_experts_per_tok": 2,
                                            "intermediate_size": 64, "max_position_embeddings": 128,
                                            "sliding_window": 12, "swiglu_limit": 1.0, "rope_parameters": rope,
                                            "layer_types": ["sliding_attention", "full_attention",

@@ -75,12 +75,7 @@ def load_model_and_tokenizer(args: EngineArgs, data_rank: int = 0):
     plan = ShardPlan.for_devices(engine_devices(args, data_rank), pin=args.data_parallel_size > 1)
     loaded = load_model(model, args.dtype, args.revision, attention_backend=backend, scan_layers=args.scan_layers,
                         shard_plan=plan, quantization=args.quantization, load_format=args.load_format)
-    if loaded.config.attn_sinks:   # gpt-oss: only the reference attention adds the sinks (not yet the kernels)
-        if args.attention_backend not in ("auto", "reference", "cpu"):
-            raise ValueError(f"attention_backend={args.attention_backend!r} has no attention sinks yet, which "
-                             f"{loaded.config.architecture} needs: use 'auto' or 'reference'")
-        loaded.model.attention_backend = "reference"
-    elif args.attention_backend == "auto" and jax.devices()[0].platform == "gpu":
+    if args.attention_backend == "auto" and jax.devices()[0].platform == "gpu":
         cfg = loaded.config
         loaded.model.attention_backend = resolve_backend(
             "auto", head_shape=(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),

@@ -104,7 +104,16 @@ def test_yarn_lengthens_the_context_past_max_position_embeddings():
             compile_on_startup=False)
 
 
-def test_gpt_oss_attention_sinks_run_on_the_reference_attention_only():
-    with pytest.raises(ValueError, match="attention_backend='pallas' has no attention sinks yet, which "
-                                         "GptOssForCausalLM needs: use 'auto' or 'reference'"):
-        LLM(tiny_checkpoint("gpt_oss"), dtype="float32", attention_backend="pallas", compile_on_startup=False)
+def test_gpt_oss_runs_on_the_mosaic_gpu_kernel_with_its_sinks():
+    """The sinks reach a Pallas kernel too (Mosaic GPU, in GPU interpret mode here): transformers' greedy
+    tokens and logprobs."""
+    arch = "gpt_oss"
+    llm = LLM(tiny_checkpoint(arch), dtype="float32", attention_backend="pallas", block_size=16,
+              num_gpu_blocks_override=16, max_model_len=64, max_num_seqs=2, compile_on_startup=False)
+    prompt = np.random.default_rng(5).integers(3, 320, 20).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=4, min_tokens=4, logprobs=1)
+    c = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+    ref = hf_greedy(arch, prompt, 4)
+    assert c.token_ids == ref
+    ours = np.array([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
+    np.testing.assert_allclose(ours, hf_logprobs(arch, prompt + ref, len(prompt)), atol=2e-4)
