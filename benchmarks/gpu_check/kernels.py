@@ -40,6 +40,7 @@ class Batch:
     decode_only: bool = False
     sliding_window: int = 0
     soft_cap: float = 0.0
+    sinks: bool = False           # gpt-oss's attention sinks: a logit per q head, from -2 to 6
 
 
 def correctness_batches(ctx: Context) -> list[Batch]:
@@ -65,6 +66,8 @@ def correctness_batches(ctx: Context) -> list[Batch]:
                          tuple(decodes(decode_batch)) + (0,) * 3, 1, decode_only=True))
     batches.append(mixed(f"mixed {first[0]}/{first[1]} d{first[2]} window+cap", first,
                          sliding_window=max(2, longest // 6), soft_cap=30.0))
+    batches.append(mixed(f"mixed {first[0]}/{first[1]} d{first[2]} window+sinks", first,
+                         sliding_window=max(2, longest // 6), sinks=True))
     return batches
 
 
@@ -92,6 +95,8 @@ def build_inputs(batch: Batch, dtype, block_size: int, seed: int, num_layers: in
                            q_tile=batch.q_tile, decode_only=batch.decode_only)
     kwargs = dict(sliding_window=np.int32(batch.sliding_window), soft_cap=batch.soft_cap,
                   sm_scale=head_dim ** -0.5)
+    if batch.sinks:
+        kwargs["sinks"] = np.linspace(-2.0, 6.0, num_heads, dtype=np.float32)
     return q, pool, np.int32(layer), md, kwargs
 
 
