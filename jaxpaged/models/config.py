@@ -15,6 +15,7 @@ become one `ModelConfig`:
 - OLMo 2 / OLMo 3: norms after attention and after the MLP only (no pre-norms), q/k norms over
   all heads at once, and (OLMo 3) sliding-window layers with their own rope.
 - SmolLM3: layers without rope among the rotating ones (NoPE, `nope_layers`).
+- EXAONE 4: OLMo 2's norms with per-head q/k norms, sliding-window layers, the global ones without rope.
 - Mixtral, Qwen2-MoE, Qwen3-MoE: a routed mixture of experts in place of the MLP (top-k of
   `num_experts`, probabilities renormalized or not), Qwen2-MoE's shared expert with its
   sigmoid gate, and dense layers among the sparse ones (`dense_layers`).
@@ -48,6 +49,7 @@ SUPPORTED_ARCHITECTURES = (
     "Olmo3ForCausalLM",
     "SmolLM3ForCausalLM",
     "GptOssForCausalLM",
+    "Exaone4ForCausalLM",
 )
 # A bare transformer without its LM head (an embedding checkpoint: e5-mistral's MistralModel, weights
 # without the "model." prefix) runs as its *ForCausalLM family, the input embedding standing in for
@@ -267,8 +269,8 @@ def _gemma_fields(hf_config: Any, architecture: str) -> dict:
 
 
 def _family_fields(hf_config: Any, architecture: str, num_layers: int) -> dict:
-    """The switches of Granite, OLMo 2/3, SmolLM3 and gpt-oss's attention (Gemma's and the experts' have
-    their own readers)."""
+    """The switches of Granite, OLMo 2/3, EXAONE 4, SmolLM3 and gpt-oss's attention (Gemma's and the
+    experts' have their own readers)."""
     if architecture == "GraniteForCausalLM":
         return dict(embed_scale=float(_get(hf_config, "embedding_multiplier", 1.0)),
                     residual_scale=float(_get(hf_config, "residual_multiplier", 1.0)),
@@ -278,6 +280,11 @@ def _family_fields(hf_config: Any, architecture: str, num_layers: int) -> dict:
         return dict(pre_norms=False, sandwich_norms=True, qk_norm=True, qk_norm_full=True)
     if architecture == "GptOssForCausalLM":
         return dict(attn_sinks=True)
+    if architecture == "Exaone4ForCausalLM":   # with sliding windows, the global layers do not rotate
+        windowed = bool(getattr(hf_config, "sliding_window", None))
+        kinds = getattr(hf_config, "layer_types", None) or ["full_attention"] * num_layers
+        return dict(pre_norms=False, sandwich_norms=True, qk_norm=True,
+                    nope_layers=tuple(i for i, kind in enumerate(kinds) if windowed and kind != "sliding_attention"))
     if architecture == "SmolLM3ForCausalLM":
         uses_rope = _get(hf_config, "no_rope_layers", [1] * num_layers)   # transformers' name: 1 = rotates
         return dict(nope_layers=tuple(i for i, rotates in enumerate(uses_rope) if not rotates))

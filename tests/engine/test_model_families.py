@@ -1,4 +1,4 @@
-"""The families beyond Llama's (Phi-3, Gemma, Granite, OLMo, SmolLM3, the MoEs) through the whole engine:
+"""The families beyond Llama's (Phi-3, Gemma, Granite, OLMo, SmolLM3, EXAONE, the MoEs) through the engine:
 greedy tokens and logprobs equal transformers' (fp32) with prefix caching and chunked prefill at work;
 LoRA equals peft's."""
 
