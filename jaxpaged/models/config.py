@@ -200,7 +200,10 @@ class ModelConfig:
     def max_model_len(self) -> int:
         """The longest sequence the model takes, as vLLM derives it: max_position_embeddings, times the
         rope's factor for linear and dynamic scaling, the original length times the factor for yarn
-        (Qwen's long-context setting keeps max_position_embeddings at the original length)."""
+        (Qwen's long-context setting keeps max_position_embeddings at the original length); Gemma 3's
+        max_position_embeddings is already the scaled length."""
+        if self.architecture == "Gemma3ForCausalLM":
+            return self.max_position_embeddings
         if self.rope_type == "yarn":
             return int(self.rope_original_max_positions * self.rope_factor)
         if self.rope_type in ("linear", "dynamic"):

@@ -129,13 +129,18 @@ def hf_reader(cfg: ModelConfig, get: Callable[[str], np.ndarray],
         fused = f"{prefix}.{'down_proj' if part == 'down_proj' else 'gate_up_proj'}"
         return prefix, part, fused + ("_bias" if kind == "bias" else "")
 
+    decoded: dict[str, np.ndarray] = {}   # the last MXFP4 tensor de-quantized (gpt-oss), by name
+
     def get_any(name: str) -> np.ndarray:
         found = stack(name)
         if found is None:
             return get_one(name)
         prefix, part, fused = found
         if arch == GPT_OSS and not has(fused) and has(fused + "_blocks"):   # MXFP4: [experts, out, in]
-            tensor = mxfp4_dequantize(get(fused + "_blocks"), get(fused + "_scales"))
+            if fused not in decoded:   # gate and up are read in turn from one fused tensor: decode it once
+                decoded.clear()
+                decoded[fused] = mxfp4_dequantize(get(fused + "_blocks"), get(fused + "_scales"))
+            tensor = decoded[fused]
             return tensor if part == "down_proj" else tensor[:, (part == "up_proj")::2]
         if arch == GPT_OSS:   # [experts, in, out] (a bias [experts, out]), gate and up columns interleaved
             tensor = get(fused)

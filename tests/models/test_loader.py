@@ -113,3 +113,17 @@ def test_scaled_rope_lengthens_the_context_as_vllm_derives_it(rope, max_model_le
                                    vocab_size=32, max_position_embeddings=2048, architectures=["Qwen2ForCausalLM"],
                                    rope_parameters={"rope_theta": 10000.0, **rope})
     assert model_config_from_hf(cfg).max_model_len == max_model_len
+
+
+def test_gemma3s_max_position_embeddings_is_already_its_scaled_length():
+    import transformers
+
+    cfg = transformers.Gemma3TextConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, head_dim=16,
+                                        intermediate_size=64, vocab_size=32, max_position_embeddings=2048,
+                                        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                            "rope_theta": 1e6},
+                                                         "sliding_attention": {"rope_type": "default",
+                                                                               "rope_theta": 1e4}})
+    cfg.architectures = ["Gemma3ForCausalLM"]
+    ours = model_config_from_hf(cfg)
+    assert ours.rope_type == "linear" and ours.max_model_len == 2048   # as vLLM: not 8 x 2048

@@ -15,7 +15,7 @@ from jaxpaged.models import quantization as qz
 from jaxpaged.models.loader import load_model
 from tests.models.test_llama_family import assert_close
 from tests.models.test_quantization import LINEARS, forward_logits
-from tests.tiny_models import hf_logits, tiny_checkpoint
+from tests.tiny_models import hf_logits, scratch_folder, tiny_checkpoint
 
 FP8_MAX = 448.0
 CONFIGS = {
@@ -180,3 +180,7 @@ def test_gpt_oss_mxfp4_experts_load_de_quantized():
     with pytest.raises(ValueError, match="quantization='int8' cannot re-quantize a checkpoint already quantized "
                                          "as 'mxfp4'"):
         load_model(mx, quantization="int8")
+    from jaxpaged.models.loader import convert_checkpoint   # `jaxpaged convert`: the expert biases' stacks too
+    converted = scratch_folder("gpt-oss-orbax-")
+    convert_checkpoint(mx, converted, "float32", None)
+    assert_close(forward_logits(converted, tokens)[0], hf_logits(plain, tokens))
