@@ -13,11 +13,12 @@ import tempfile
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 # the families beyond Llama's (phi3-longrope: long-rope scaling and a partial rotary, short and long prompts)
 FAMILIES = ("phi3", "gemma", "gemma2", "gemma3", "granite", "olmo2", "olmo3", "smollm3", "mixtral", "qwen2_moe",
-            "qwen3_moe", "gpt_oss", "exaone4")
+            "qwen3_moe", "gpt_oss", "exaone4", "ernie4_5")
 _CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
             "gemma": "Gemma", "gemma2": "Gemma2", "gemma3": "Gemma3", "granite": "Granite", "olmo2": "Olmo2",
             "olmo3": "Olmo3", "smollm3": "SmolLM3", "mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe",
-            "qwen3_moe": "Qwen3Moe", "gpt_oss": "GptOss", "exaone4": "Exaone4"}
+            "qwen3_moe": "Qwen3Moe", "gpt_oss": "GptOss", "exaone4": "Exaone4",
+            "ernie4_5": "Ernie4_5"}
 _ROOT = tempfile.mkdtemp(prefix="jaxpaged-tiny-")   # this process's checkpoints, removed when it exits
 atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)
 
@@ -95,6 +96,8 @@ def _config(arch: str, **overrides):
     elif arch == "exaone4":   # post-norms, per-head q/k norms, layer 1 global without rope, 0 and 2 windowed
         cfg = transformers.Exaone4Config(**{**common, "sliding_window": 12, "layer_types": [
             "sliding_attention", "full_attention", "sliding_attention"], **overrides})
+    elif arch == "ernie4_5":   # an interleaved rope, biases on every projection
+        cfg = transformers.Ernie4_5Config(**{**common, "head_dim": 16, "use_bias": True, **overrides})
     elif arch == "smollm3":   # layer 1 without rope (NoPE)
         cfg = transformers.SmolLM3Config(**{**common, "no_rope_layers": [1, 0, 1], **overrides})
     elif arch == "mixtral":

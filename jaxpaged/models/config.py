@@ -16,6 +16,8 @@ become one `ModelConfig`:
   all heads at once, and (OLMo 3) sliding-window layers with their own rope.
 - SmolLM3: layers without rope among the rotating ones (NoPE, `nope_layers`).
 - EXAONE 4: OLMo 2's norms with per-head q/k norms, sliding-window layers, the global ones without rope.
+- ERNIE 4.5: biases everywhere (`use_bias`), an interleaved rope (`rope_interleaved`: the loader reorders
+  q/k's dims so that the model's rotate-half rope turns the same pairs).
 - Mixtral, Qwen2-MoE, Qwen3-MoE: a routed mixture of experts in place of the MLP (top-k of
   `num_experts`, probabilities renormalized or not), Qwen2-MoE's shared expert with its
   sigmoid gate, and dense layers among the sparse ones (`dense_layers`).
@@ -50,6 +52,7 @@ SUPPORTED_ARCHITECTURES = (
     "SmolLM3ForCausalLM",
     "GptOssForCausalLM",
     "Exaone4ForCausalLM",
+    "Ernie4_5ForCausalLM",
 )
 # A bare transformer without its LM head (an embedding checkpoint: e5-mistral's MistralModel, weights
 # without the "model." prefix) runs as its *ForCausalLM family, the input embedding standing in for
@@ -131,6 +134,7 @@ class ModelConfig:
     residual_scale: float = 1.0       # Granite: each block's output times this before the residual add
     logits_scaling: float = 1.0       # Granite: the output logits divided by this
     nope_layers: tuple[int, ...] = () # SmolLM3: the layers whose q/k do not rotate
+    rope_interleaved: bool = False    # ERNIE: rope turns dims (2i, 2i+1), read as rotate-half (hf_names.hf_reader)
     attn_sinks: bool = False          # gpt-oss: a learned logit per head joins each softmax's denominator
     # yarn: beta_fast / beta_slow (the ramp's ends, in rotations over the original length), truncate
     rope_yarn_betas: tuple[float, float] = (32.0, 1.0)
@@ -272,8 +276,8 @@ def _gemma_fields(hf_config: Any, architecture: str) -> dict:
 
 
 def _family_fields(hf_config: Any, architecture: str, num_layers: int) -> dict:
-    """The switches of Granite, OLMo 2/3, EXAONE 4, SmolLM3 and gpt-oss's attention (Gemma's and the
-    experts' have their own readers)."""
+    """The switches of Granite, OLMo 2/3, EXAONE 4, ERNIE 4.5, SmolLM3 and gpt-oss's attention (Gemma's
+    and the experts' have their own readers)."""
     if architecture == "GraniteForCausalLM":
         return dict(embed_scale=float(_get(hf_config, "embedding_multiplier", 1.0)),
                     residual_scale=float(_get(hf_config, "residual_multiplier", 1.0)),
@@ -283,6 +287,9 @@ def _family_fields(hf_config: Any, architecture: str, num_layers: int) -> dict:
         return dict(pre_norms=False, sandwich_norms=True, qk_norm=True, qk_norm_full=True)
     if architecture == "GptOssForCausalLM":
         return dict(attn_sinks=True)
+    if architecture == "Ernie4_5ForCausalLM":
+        bias = bool(_get(hf_config, "use_bias", False))
+        return dict(rope_interleaved=True, qkv_bias=bias, o_bias=bias, mlp_bias=bias)
     if architecture == "Exaone4ForCausalLM":   # with sliding windows, the global layers do not rotate
         windowed = bool(getattr(hf_config, "sliding_window", None))
         kinds = getattr(hf_config, "layer_types", None) or ["full_attention"] * num_layers

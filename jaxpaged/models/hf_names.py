@@ -134,7 +134,8 @@ def hf_reader(cfg: ModelConfig, get: Callable[[str], np.ndarray],
     def get_any(name: str) -> np.ndarray:
         found = stack(name)
         if found is None:
-            return get_one(name)
+            tensor = get_one(name)
+            return _rotate_half_order(cfg, name, tensor) if cfg.rope_interleaved else tensor
         prefix, part, fused = found
         if arch == GPT_OSS and not has(fused) and has(fused + "_blocks"):   # MXFP4: [experts, out, in]
             if fused not in decoded:   # gate and up are read in turn from one fused tensor: decode it once
@@ -166,6 +167,24 @@ def hf_reader(cfg: ModelConfig, get: Callable[[str], np.ndarray],
                                                            for e in range(cfg.num_experts))
 
     return get_any, has_any
+
+
+_ROTATING = re.compile(r"self_attn\.(q|k)_(proj|norm)\.(weight|bias)$")
+
+
+def _rotate_half_order(cfg: ModelConfig, name: str, tensor):
+    """q/k's dims of an interleaved rope's model (ERNIE: pairs (2i, 2i+1) turn together) reordered, head by
+    head, as rotate-half's (pair (i, i + rotary / 2)): q . k is the same, and the model's rope turns the
+    same pairs by the same angles. Other tensors as they are."""
+    match = _ROTATING.search(name)
+    if match is None:
+        return tensor
+    if isinstance(tensor, HostQuantized):
+        tensor = tensor.dequantize()
+    rot = cfg.rotary_dim or cfg.head_dim
+    order = np.concatenate([np.arange(0, rot, 2), np.arange(1, rot, 2), np.arange(rot, cfg.head_dim)])
+    heads = tensor.shape[0] // cfg.head_dim
+    return tensor.reshape(heads, cfg.head_dim, *tensor.shape[1:])[:, order].reshape(tensor.shape)
 
 
 def hf_tensor(get: Callable[[str], np.ndarray], has: Callable[[str], bool], name: str,

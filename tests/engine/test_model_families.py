@@ -1,4 +1,4 @@
-"""The families beyond Llama's (Phi-3, Gemma, Granite, OLMo, SmolLM3, EXAONE, the MoEs) through the engine:
+"""The families beyond Llama's (Phi-3, Gemma, Granite, OLMo, SmolLM3, EXAONE, ERNIE, the MoEs) in the engine:
 greedy tokens and logprobs equal transformers' (fp32) with prefix caching and chunked prefill at work;
 LoRA equals peft's."""
 
@@ -52,6 +52,8 @@ def test_moe_refuses_what_it_does_not_run_yet():
         LLM(tiny_checkpoint("qwen2_moe"), dtype="float32", scan_layers=True, compile_on_startup=False)
     with pytest.raises(ValueError, match="enable_lora does not yet support MixtralForCausalLM"):
         LLM(tiny_checkpoint("mixtral"), dtype="float32", enable_lora=True, compile_on_startup=False)
+    with pytest.raises(ValueError, match="enable_lora does not yet support Ernie4_5ForCausalLM .*interleaved rope"):
+        LLM(tiny_checkpoint("ernie4_5"), dtype="float32", enable_lora=True, compile_on_startup=False)
     llm = LLM(tiny_checkpoint("mixtral"), dtype="float32", block_size=8, num_gpu_blocks_override=16,
               max_model_len=64, compile_on_startup=False)
     with pytest.raises(ValueError, match="update_weights does not yet take MixtralForCausalLM"):
