@@ -87,22 +87,25 @@ def _loop_mlp(rows: jax.Array, group_sizes: jax.Array, w_gate_up: jax.Array, w_d
     tile = jnp.arange(TILE_ROWS, dtype=jnp.int32)
 
     def per_expert(out, xs):
-        w_gu, w_dn, b_gu, b_dn, start, size = xs
+        w_gu, w_dn, start, size, *biases = xs   # biases: this expert's (gpt-oss), or none
 
         def per_tile(t, out):
             first = start + t * TILE_ROWS
-            y = _gated(jax.lax.dynamic_slice_in_dim(padded, first, TILE_ROWS) @ w_gu + b_gu, act) @ w_dn + b_dn
+            h = jax.lax.dynamic_slice_in_dim(padded, first, TILE_ROWS) @ w_gu
+            if biases:
+                h = h + biases[0]
+            y = _gated(h, act) @ w_dn
+            if biases:
+                y = y + biases[1]
             keep = (tile < size - t * TILE_ROWS)[:, None]
             old = jax.lax.dynamic_slice_in_dim(out, first, TILE_ROWS)
             return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep, y.astype(out.dtype), old), first, 0)
 
         return jax.lax.fori_loop(0, (size + TILE_ROWS - 1) // TILE_ROWS, per_tile, out), None
 
-    if b_gate_up is None:
-        b_gate_up = jnp.zeros(w_gate_up.shape[::2], rows.dtype)   # [experts, 2 x inter]
-        b_down = jnp.zeros(w_down.shape[::2], rows.dtype)         # [experts, hidden]
+    biases = () if b_gate_up is None else (b_gate_up, b_down)
     out, _ = jax.lax.scan(per_expert, jnp.zeros((num_rows + TILE_ROWS, hidden), rows.dtype),
-                          (w_gate_up, w_down, b_gate_up, b_down, starts, group_sizes))
+                          (w_gate_up, w_down, starts, group_sizes, *biases))
     return out[:num_rows]
 
 

@@ -21,14 +21,14 @@ MAX_TOKENS = 8
 
 @functools.cache
 def adapter(seed: int, targets: tuple[str, ...] = tuple(ALL), rank: int = 8, alpha: int = 16,
-            use_rslora: bool = False) -> str:
-    """A random PEFT LoRA adapter folder for the tiny checkpoint (both A and B random, large
+            use_rslora: bool = False, arch: str = ARCH) -> str:
+    """A random PEFT LoRA adapter folder for the tiny checkpoint of `arch` (both A and B random, large
     enough to change greedy tokens)."""
     import peft
     import torch
     import transformers
 
-    base = transformers.AutoModelForCausalLM.from_pretrained(tiny_checkpoint(ARCH), dtype=torch.float32)
+    base = transformers.AutoModelForCausalLM.from_pretrained(tiny_checkpoint(arch), dtype=torch.float32)
     config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0,
                              init_lora_weights=False, use_rslora=use_rslora)
     model = peft.get_peft_model(base, config)
@@ -37,7 +37,7 @@ def adapter(seed: int, targets: tuple[str, ...] = tuple(ALL), rank: int = 8, alp
         for name, p in model.named_parameters():
             if "lora_" in name:
                 p.normal_(0.0, 0.3)
-    path = scratch_folder(f"lora-{seed}-")
+    path = scratch_folder(f"lora-{arch}-{seed}-")
     model.save_pretrained(path)
     return path
 

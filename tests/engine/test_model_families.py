@@ -69,20 +69,11 @@ def test_lora_on_families_that_scale_or_norm_around_the_projections(arch):
     import transformers
 
     from jaxpaged import LoRARequest
-    from tests.tiny_models import scratch_folder
+    from tests.engine.test_lora import adapter as random_adapter
 
-    path = tiny_checkpoint(arch)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
-                                peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets, lora_dropout=0.0,
-                                                init_lora_weights=False)).eval()
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0.0, 0.3)
-    adapter = scratch_folder(f"lora-{arch}-")
-    model.save_pretrained(adapter)
+    path, adapter = tiny_checkpoint(arch), random_adapter(0, arch=arch)
+    model = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32), adapter).eval()
     tokens = np.random.default_rng(1).integers(3, 320, 12).tolist()
     with torch.no_grad():
         for _ in range(MAX_TOKENS):
