@@ -260,8 +260,9 @@ def _decoder_layer(cfg: ModelConfig, plan: ShardPlan, attention, matmul, moe_imp
     attention, `local` (bool) whether it rotates with `local_rope` rather than `rope` (each a (cos, sin)
     pair), `rotates` (bool) whether its q/k rotate at all (not a NoPE layer), `kv_scale` (f32[2]) its K and
     V scales in an fp8 pool; `lora` this layer's LoRA stacks (None: no LoRA) and `onehot` [tokens, slots]
-    each token's adapter slot; `matmul(x, w, name)` multiplies by a weight (the model's `matmul`). The fused q/k/v and gate/up columns are shard-major (see jaxpaged.parallel):
-    viewed as [tokens, tp, per shard], each device splits its own columns.
+    each token's adapter slot; `matmul(x, w, name)` multiplies by a weight (the model's `matmul`). The fused
+    q/k/v and gate/up columns are shard-major (see jaxpaged.parallel): viewed as [tokens, tp, per shard],
+    each device splits its own columns.
     """
     num_tokens, tp = hidden.shape[0], plan.size
     eps, offset = cfg.rms_norm_eps, cfg.norm_offset
