@@ -209,11 +209,7 @@ class ShardPlan:
             return fn
         heads = P(None, MODEL_AXIS)
 
-        def call(kv_pool, q, k, v, sinks, *rest):
-            if sinks is None:
-                return jax.shard_map(lambda *a: fn(*a[:4], None, *a[4:]), mesh=self.mesh,
-                                     in_specs=(POOL_SPEC, heads, heads, heads) + (P(),) * len(rest),
-                                     out_specs=(POOL_SPEC, heads), check_vma=False)(kv_pool, q, k, v, *rest)
+        def call(kv_pool, q, k, v, sinks, *rest):   # (a None sinks is an empty tree: its spec covers nothing)
             return jax.shard_map(fn, mesh=self.mesh,
                                  in_specs=(POOL_SPEC, heads, heads, heads, P(MODEL_AXIS)) + (P(),) * len(rest),
                                  out_specs=(POOL_SPEC, heads), check_vma=False)(kv_pool, q, k, v, sinks, *rest)

@@ -43,9 +43,7 @@ class AttentionFn(Protocol):
         soft_cap: float | jax.Array = 0.0,    # 0 = off, else logits -> cap * tanh(logits / cap)
         *,
         sm_scale: float,          # the logits' scale (1 / sqrt(head_dim) unless the model says otherwise)
-        # [num_heads] attention sinks (gpt-oss): a logit per head in each softmax's sum; passed only where the
-        # model has them
-        sinks: jax.Array | None = None,
+        sinks: jax.Array | None = None,   # [num_heads] attention sinks (gpt-oss): a logit per head in each sum
     ) -> jax.Array:               # [num_tokens, num_heads, head_dim], the dtype of q
         ...
 

@@ -33,6 +33,7 @@ import triton.language as tl
 from jaxpaged.kernels.layout import fp8_type, is_fp8
 from jaxpaged.kernels.metadata import AttentionMetadata
 from jaxpaged.kernels.reference import tile_layout, num_query_tiles, validate_inputs
+from jaxpaged.kernels.tiling import sink_rows
 
 _MASKED = tl.constexpr(-1e30)
 _TARGET_PROGRAMS = 264  # two waves of an H100/H200's 132 SMs: below that, split the KV walk
@@ -292,8 +293,8 @@ def combine_splits(acc, m, l, launch: TritonLaunch, tokens, dtype, sinks=None) -
     acc = acc.reshape(*shape, -1)[..., :live, :launch.head_dim]
     m, l = m.reshape(shape)[..., :live], l.reshape(shape)[..., :live]
     m_all = m.max(axis=2, keepdims=True)
-    if sinks is not None:   # row r of a kv head holds its head r % group
-        sink = jnp.tile(sinks.astype(jnp.float32).reshape(kv_heads, launch.group), (1, launch.q_tile))[:, None, :]
+    if sinks is not None:
+        sink = sink_rows(sinks, kv_heads, live)[:, None, :]   # [kv_heads, 1 split, rows]
         m_all = jnp.maximum(m_all, sink)
     weight = jnp.exp(m - m_all)  # an empty split has m = -1e30: weight 0
     l = (weight * l).sum(axis=2)

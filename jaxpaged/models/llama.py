@@ -297,9 +297,8 @@ def _decoder_layer(cfg: ModelConfig, plan: ShardPlan, attention, matmul, moe_imp
 
     def write_and_attend(kv_pool, q, k, v, sinks, slot_mapping, md, layer, window, kv_scale):
         kv_pool = write_kv(kv_pool, layer, k, v, slot_mapping, kv_scale)
-        extra = {} if sinks is None else {"sinks": sinks}   # (gpt-oss)
         return kv_pool, scaled_attention(attention, q, kv_pool, layer, md, window, kv_scale, soft_cap=cfg.attn_softcap,
-                                         sm_scale=cfg.attn_scale or cfg.head_dim ** -0.5, **extra)
+                                         sm_scale=cfg.attn_scale or cfg.head_dim ** -0.5, sinks=sinks)
 
     kv_pool, attn = plan.attention(write_and_attend)(kv_pool, q, k, v, w.get("sinks"), batch.slot_mapping, batch.attn,
                                                       layer, window, kv_scale)
