@@ -15,6 +15,7 @@ Layout (global view, our [in, out] weights):
     embed [V, d]      rows     (vocabulary-parallel)
     lm_head [d, V]    columns  (vocabulary-parallel)
     norms, bo, b_down replicated (routers and shared-expert gates too)
+    latent attention  wq, wq_b columns, w_uk / w_uv heads, wkv_a replicated (jaxpaged.models.mla)
     w_experts_*       axis 0 (experts, whole: expert parallelism, see jaxpaged.models.moe)
     kv_pool           axis 3 (KV heads)
 
@@ -52,6 +53,10 @@ LAYER_SPECS = {
     "w_experts_gate_up": P(MODEL_AXIS, None, None), "w_experts_down": P(MODEL_AXIS, None, None),
     "router_bias": P(), "b_experts_gate_up": P(MODEL_AXIS, None), "b_experts_down": P(MODEL_AXIS, None),
     "sinks": P(MODEL_AXIS),   # one per query head (gpt-oss), split as the heads are
+    "router_correction": P(),
+    # latent attention (jaxpaged.models.mla): the heads split, the latent's projection replicated
+    "wq": P(None, MODEL_AXIS), "wq_a": P(), "q_a_norm": P(), "wq_b": P(None, MODEL_AXIS), "wkv_a": P(),
+    "kv_a_norm": P(), "w_uk": P(MODEL_AXIS, None, None), "w_uv": P(MODEL_AXIS, None, None),
 }
 TOP_SPECS = {"embed": P(MODEL_AXIS, None), "lm_head": P(None, MODEL_AXIS), "final_norm": P(), "classifier": P()}
 POOL_SPEC = P(None, None, None, MODEL_AXIS)      # [layers, 2, blocks, kv_heads, block_size, head_dim]

@@ -72,19 +72,20 @@ def _has_jax_triton() -> bool:
     return True
 
 
-def gpu_candidates(device=None, dtype=jnp.bfloat16) -> list[str]:
-    """The backends `auto` measures on this GPU for a model of this dtype, best guess first.
+def gpu_candidates(device=None, dtype=jnp.bfloat16, head_dim: int | None = None) -> list[str]:
+    """The backends `auto` measures on this GPU for a model of this dtype and head_dim, best guess first.
 
-    The Mosaic GPU kernel needs Hopper and a 16-bit dtype; the Triton kernels lower on older GPUs
-    (A100, L4); below Ampere (T4) the reference joins them, so that something always runs."""
+    The Mosaic GPU kernel needs Hopper, a 16-bit dtype and head_dim <= 256; the Triton kernels lower on
+    older GPUs (A100, L4); below Ampere (T4), or for heads wider than 256 (latent attention's 576: no
+    kernel here was built or measured for them), the reference joins them, so that something always runs."""
     capability = compute_capability(device) or (0, 0)
     candidates = []
-    if has_wgmma(device) and jnp.dtype(dtype) != jnp.float32:
+    if has_wgmma(device) and jnp.dtype(dtype) != jnp.float32 and (head_dim or 0) <= 256:
         candidates.append("pallas")
     if _has_jax_triton():
         candidates.append("triton")
     candidates.append("pallas_triton")
-    if capability < AMPERE:
+    if capability < AMPERE or (head_dim or 0) > 256:
         candidates.append("reference")
     return candidates
 
@@ -99,7 +100,7 @@ def resolve_backend(name: str, platform: str | None = None, head_shape: tuple[in
     if name == "auto":
         if platform != "gpu":
             return "reference"
-        candidates = gpu_candidates(device, dtype)
+        candidates = gpu_candidates(device, dtype, head_shape and head_shape[2])
         if head_shape is None or len(candidates) == 1:
             return candidates[0]
         return measure_fastest({c: get_attention(c, platform) for c in candidates}, *head_shape, dtype)

@@ -13,12 +13,13 @@ import tempfile
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 # the families beyond Llama's (phi3-longrope: long-rope scaling and a partial rotary, short and long prompts)
 FAMILIES = ("phi3", "gemma", "gemma2", "gemma3", "granite", "olmo2", "olmo3", "smollm3", "mixtral", "qwen2_moe",
-            "qwen3_moe", "gpt_oss", "exaone4", "ernie4_5")
+            "qwen3_moe", "gpt_oss", "exaone4", "ernie4_5", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite")
 _CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
             "gemma": "Gemma", "gemma2": "Gemma2", "gemma3": "Gemma3", "granite": "Granite", "olmo2": "Olmo2",
             "olmo3": "Olmo3", "smollm3": "SmolLM3", "mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe",
             "qwen3_moe": "Qwen3Moe", "gpt_oss": "GptOss", "exaone4": "Exaone4",
-            "ernie4_5": "Ernie4_5"}
+            "ernie4_5": "Ernie4_5", "deepseek_v2": "DeepseekV2", "deepseek_v3": "DeepseekV3", "glm4_moe": "Glm4Moe",
+            "glm4_moe_lite": "Glm4MoeLite"}
 _ROOT = tempfile.mkdtemp(prefix="jaxpaged-tiny-")   # this process's checkpoints, removed when it exits
 atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)
 
@@ -119,6 +120,30 @@ def _config(arch: str, **overrides):
                                            "sliding_window": 12, "swiglu_limit": 1.0, "rope_parameters": rope,
                                            "layer_types": ["sliding_attention", "full_attention",
                                                            "sliding_attention"], **overrides})
+    elif arch in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite"):   # latent attention (v: 12 dims, not nope's 16)
+        mla = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                   n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, tie_word_embeddings=False)
+        if arch == "deepseek_v2":   # no query bottleneck (V2-Lite), softmax routing: both experts in the best group
+            cfg = transformers.DeepseekV2Config(**{**common, **mla, "q_lora_rank": None, "n_group": 4,
+                                                   "topk_group": 1, "topk_method": "group_limited_greedy",
+                                                   "routed_scaling_factor": 1.5, "n_shared_experts": 1,
+                                                   "first_k_dense_replace": 1, **overrides})
+        elif arch == "deepseek_v3":   # sigmoid routing in groups, yarn with both mscales
+            rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+                    "mscale": 0.8, "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}
+            cfg = transformers.DeepseekV3Config(**{**common, **mla, "q_lora_rank": 24, "n_group": 4, "topk_group": 2,
+                                                   "routed_scaling_factor": 2.5, "n_shared_experts": 2,
+                                                   "first_k_dense_replace": 1, "max_position_embeddings": 128,
+                                                   "rope_parameters": rope, **overrides})
+        else:   # GLM-4.7-Flash: dense / sparse layers by name, no groups
+            cfg = transformers.Glm4MoeLiteConfig(**{**common, **mla, "q_lora_rank": 24, "routed_scaling_factor": 1.8,
+                                                    "mlp_layer_types": ["dense", "sparse", "sparse"], **overrides})
+    elif arch == "glm4_moe":   # partial rotary, q/k/v bias, q/k norms, sigmoid routing in groups, layer 0 dense
+        cfg = transformers.Glm4MoeConfig(**{**common, "head_dim": 32, "partial_rotary_factor": 0.5,
+                                            "attention_bias": True, "use_qk_norm": True, "n_routed_experts": 8,
+                                            "num_experts_per_tok": 2, "moe_intermediate_size": 48, "n_group": 2,
+                                            "topk_group": 1, "n_shared_experts": 1, "routed_scaling_factor": 1.5,
+                                            "first_k_dense_replace": 1, **overrides})
     else:
         raise ValueError(arch)
     return cfg
@@ -146,6 +171,9 @@ def tiny_checkpoint(arch: str, head: str = "ForCausalLM", **overrides) -> str:
                 p.normal_(0.0, 0.1)
             else:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):   # DeepSeek-V3's choice bias: enough to change choices
+                b.normal_(0.0, 0.1)
     suffix = "-".join(f"{k}={v}" for k, v in sorted(overrides.items())) + ("-".join(labels) if labels else "")
     path = os.path.join(_ROOT, f"{arch}{'' if head == 'ForCausalLM' else head}{suffix}")
     model.save_pretrained(path, safe_serialization=True)

@@ -1,28 +1,7 @@
 """The model's own config: what the Flax model needs, read once from a Hugging Face config.
 
-Every supported architecture is the same pre-norm decoder with a few switches, so they all
-become one `ModelConfig`:
-
-- Llama, Mistral, Qwen2, Qwen3: q/k/v bias, q/k norm, sliding windows, head_dim, rope scaling.
-- Phi-3: fused qkv and gate_up tensors in the checkpoint (split by the loader), long-rope
-  scaling (short and long per-frequency factors), partial rotary dimensions.
-- Gemma 2 / Gemma 3 (text): (1 + w) norms, norms after attention and after the MLP as well,
-  the embedding scaled by sqrt(hidden), GeGLU, attention and final logit soft-capping,
-  query_pre_attn_scalar, alternating sliding-window and global layers, a separate rope base
-  for the local layers (Gemma 3).
-- Gemma (1): the Gemma 2 switches without sandwich norms, soft-capping or sliding windows.
-- Granite: scaled embedding, residual branches and logits, its own attention scale.
-- OLMo 2 / OLMo 3: norms after attention and after the MLP only (no pre-norms), q/k norms over
-  all heads at once, and (OLMo 3) sliding-window layers with their own rope.
-- SmolLM3: layers without rope among the rotating ones (NoPE, `nope_layers`).
-- EXAONE 4: OLMo 2's norms with per-head q/k norms, sliding-window layers, the global ones without rope.
-- ERNIE 4.5: biases everywhere (`use_bias`), an interleaved rope (`rope_interleaved`: the loader reorders
-  q/k's dims so that the model's rotate-half rope turns the same pairs).
-- Mixtral, Qwen2-MoE, Qwen3-MoE: a routed mixture of experts in place of the MLP (top-k of
-  `num_experts`, probabilities renormalized or not), Qwen2-MoE's shared expert with its
-  sigmoid gate, and dense layers among the sparse ones (`dense_layers`).
-- gpt-oss: experts with biases (router too) and a clamped SwiGLU, attention sinks (a learned
-  logit per head in every softmax's denominator), alternating sliding / global layers, yarn.
+Every supported architecture is the same decoder with a few switches, so they all become one
+`ModelConfig`; which switches each family sets is `jaxpaged.models.families`' to say.
 
 Rope types and their fields are read by `jaxpaged.models.rope`.
 """
@@ -32,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxpaged.models import rope
+from jaxpaged.models import families, rope
+from jaxpaged.models.families import hf_get as _get
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -53,6 +33,10 @@ SUPPORTED_ARCHITECTURES = (
     "GptOssForCausalLM",
     "Exaone4ForCausalLM",
     "Ernie4_5ForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "Glm4MoeForCausalLM",
+    "Glm4MoeLiteForCausalLM",
 )
 # A bare transformer without its LM head (an embedding checkpoint: e5-mistral's MistralModel, weights
 # without the "model." prefix) runs as its *ForCausalLM family, the input embedding standing in for
@@ -80,9 +64,6 @@ def is_classifier(hf_config) -> bool:
 
 
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
-_MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM")
-_GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
-_OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +127,15 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False      # renormalize the top-k probabilities to sum to 1
-    shared_expert_size: int = 0       # Qwen2-MoE: a dense expert every token takes, sigmoid-gated; 0 = none
+    shared_expert_size: int = 0       # Qwen2-MoE, DeepSeek: a dense expert (or several fused) every token takes
+    shared_expert_gated: bool = False # Qwen2-MoE: the shared expert's output times a sigmoid gate
+    # the router (jaxpaged.models.moe.Routing): "softmax" | "sigmoid" scores (DeepSeek-V3, GLM-4.5: plus a
+    # correction bias that steers the choice only), (groups, groups kept) and how a group is scored ("max" |
+    # "top2"), and the factor the chosen weights are scaled by
+    router_scoring: str = "softmax"
+    router_groups: tuple[int, int] = (1, 1)
+    router_group_score: str = "max"
+    routed_scaling_factor: float = 1.0
     dense_layers: tuple[int, ...] = ()   # layers of an MoE model with a dense MLP (intermediate_size) instead
     moe_bias: bool = False            # gpt-oss: the router and each expert's projections add biases
     # gpt-oss's clamped SwiGLU in the experts: gate <= limit, |up| <= limit, (up + 1) * gate * sigmoid(alpha *
@@ -154,6 +143,12 @@ class ModelConfig:
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.0
     num_labels: int = 0               # a sequence classifier's classes (its `score` head's rows); 0 = none
+    # multi-head latent attention (DeepSeek-V2/V3, jaxpaged.models.mla); 0 = none. With it head_dim is
+    # kv_lora_rank + rotary_dim (the latent and the rotating key: what the pool holds) and num_kv_heads 1
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0              # queries through a low-rank, normed bottleneck; 0 = one projection
+    qk_nope_head_dim: int = 0         # each query head's dims that do not rotate (the rest: rotary_dim)
+    v_head_dim: int = 0
 
     @property
     def q_size(self) -> int:
@@ -162,6 +157,10 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
     @property
     def is_moe(self) -> bool:
@@ -194,6 +193,13 @@ class ModelConfig:
         """Parameters that take part in a token's matmuls (for FLOP counts, the experts it is routed to
         only): 2 x this per token."""
         attention = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
+        if self.is_mla:   # the query's projections, the latent's, then the latent's two per head and o_proj
+            qk_dim = self.qk_nope_head_dim + self.rotary_dim
+            q = (self.q_lora_rank * (self.hidden_size + self.num_heads * qk_dim) if self.q_lora_rank
+                 else self.hidden_size * self.num_heads * qk_dim)
+            per_head = (self.kv_lora_rank * (self.qk_nope_head_dim + self.v_head_dim)
+                        + self.v_head_dim * self.hidden_size)
+            attention = q + self.hidden_size * self.head_dim + self.num_heads * per_head
         dense = 3 * self.hidden_size * self.intermediate_size
         routed = 3 * self.hidden_size * (self.num_experts_per_tok * self.moe_intermediate_size
                                          + self.shared_expert_size) + self.hidden_size * self.num_experts
@@ -226,81 +232,6 @@ class ModelConfig:
         return rope.inv_freq(self, long, local)
 
 
-def _get(hf_config: Any, name: str, default: Any = None) -> Any:
-    value = getattr(hf_config, name, default)
-    return default if value is None else value
-
-
-def _sliding_windows(hf_config: Any, architecture: str, num_layers: int) -> tuple[int, ...]:
-    window = getattr(hf_config, "sliding_window", None)
-    if not window:
-        return (0,) * num_layers
-    layer_types = getattr(hf_config, "layer_types", None)
-    if architecture == "MistralForCausalLM" or not layer_types:
-        return (int(window),) * num_layers
-    return tuple(int(window) if kind == "sliding_attention" else 0 for kind in layer_types)
-
-
-def _moe_fields(hf_config: Any, architecture: str, num_layers: int) -> dict:
-    if architecture not in _MOE:
-        return {}
-    if architecture in ("MixtralForCausalLM", "GptOssForCausalLM"):
-        gpt_oss = dict(moe_bias=True, swiglu_limit=float(_get(hf_config, "swiglu_limit", 7.0)),
-                       swiglu_alpha=float(_get(hf_config, "swiglu_alpha", 1.702)))
-        return dict(num_experts=int(hf_config.num_local_experts), num_experts_per_tok=int(hf_config.num_experts_per_tok),
-                    moe_intermediate_size=int(hf_config.intermediate_size), norm_topk_prob=True,
-                    **(gpt_oss if architecture == "GptOssForCausalLM" else {}))
-    step = int(_get(hf_config, "decoder_sparse_step", 1))
-    only = set(_get(hf_config, "mlp_only_layers", []) or [])
-    dense = tuple(i for i in range(num_layers) if i in only or step < 1 or (i + 1) % step)
-    return dict(num_experts=int(hf_config.num_experts), num_experts_per_tok=int(hf_config.num_experts_per_tok),
-                moe_intermediate_size=int(hf_config.moe_intermediate_size),
-                norm_topk_prob=bool(_get(hf_config, "norm_topk_prob", False)),
-                shared_expert_size=int(_get(hf_config, "shared_expert_intermediate_size", 0) or 0)
-                if architecture == "Qwen2MoeForCausalLM" else 0,
-                dense_layers=dense)
-
-
-def _gemma_fields(hf_config: Any, architecture: str) -> dict:
-    if architecture not in _GEMMA:
-        return {}
-    if getattr(hf_config, "use_bidirectional_attention", False):
-        raise ValueError("use_bidirectional_attention=True (an embedding model) is not supported; jaxpaged runs "
-                         "causal language models")
-    gemma1 = architecture == "GemmaForCausalLM"
-    return dict(norm_offset=1.0, embed_scale=float(hf_config.hidden_size) ** 0.5, sandwich_norms=not gemma1,
-                attn_scale=float(_get(hf_config, "query_pre_attn_scalar", hf_config.head_dim)) ** -0.5,
-                attn_softcap=float(_get(hf_config, "attn_logit_softcapping", 0.0)),
-                final_softcap=float(_get(hf_config, "final_logit_softcapping", 0.0)),
-                qk_norm=architecture == "Gemma3ForCausalLM")
-
-
-def _family_fields(hf_config: Any, architecture: str, num_layers: int) -> dict:
-    """The switches of Granite, OLMo 2/3, EXAONE 4, ERNIE 4.5, SmolLM3 and gpt-oss's attention (Gemma's
-    and the experts' have their own readers)."""
-    if architecture == "GraniteForCausalLM":
-        return dict(embed_scale=float(_get(hf_config, "embedding_multiplier", 1.0)),
-                    residual_scale=float(_get(hf_config, "residual_multiplier", 1.0)),
-                    logits_scaling=float(_get(hf_config, "logits_scaling", 1.0)),
-                    attn_scale=float(_get(hf_config, "attention_multiplier", 0.0)))
-    if architecture in _OLMO:
-        return dict(pre_norms=False, sandwich_norms=True, qk_norm=True, qk_norm_full=True)
-    if architecture == "GptOssForCausalLM":
-        return dict(attn_sinks=True)
-    if architecture == "Ernie4_5ForCausalLM":
-        bias = bool(_get(hf_config, "use_bias", False))
-        return dict(rope_interleaved=True, qkv_bias=bias, o_bias=bias, mlp_bias=bias)
-    if architecture == "Exaone4ForCausalLM":   # with sliding windows, the global layers do not rotate
-        windowed = bool(getattr(hf_config, "sliding_window", None))
-        kinds = getattr(hf_config, "layer_types", None) or ["full_attention"] * num_layers
-        return dict(pre_norms=False, sandwich_norms=True, qk_norm=True,
-                    nope_layers=tuple(i for i, kind in enumerate(kinds) if windowed and kind != "sliding_attention"))
-    if architecture == "SmolLM3ForCausalLM":
-        uses_rope = _get(hf_config, "no_rope_layers", [1] * num_layers)   # transformers' name: 1 = rotates
-        return dict(nope_layers=tuple(i for i, rotates in enumerate(uses_rope) if not rotates))
-    return {}
-
-
 def model_config_from_hf(hf_config: Any) -> ModelConfig:
     """Read a transformers config; raises ValueError for an architecture or feature we don't run."""
     architectures = getattr(hf_config, "architectures", None) or []
@@ -316,7 +247,7 @@ def model_config_from_hf(hf_config: Any) -> ModelConfig:
     num_labels = int(getattr(hf_config, "num_labels", 0) or 0) if classifier else 0
     if classifier and num_labels < 1:
         raise ValueError(f"{given} needs num_labels >= 1 in its config (id2label), got {num_labels}")
-    act_field = "hidden_activation" if architecture in _GEMMA[1:] else "hidden_act"
+    act_field = "hidden_activation" if architecture in families.GEMMA[1:] else "hidden_act"
     act = _get(hf_config, act_field, "silu")
     if act not in _ACTIVATIONS:
         raise ValueError(f"{act_field} {act!r} is not supported; supported: {', '.join(_ACTIVATIONS)}")
@@ -364,7 +295,7 @@ def model_config_from_hf(hf_config: Any) -> ModelConfig:
         o_bias=o_bias,
         mlp_bias=bool(_get(hf_config, "mlp_bias", False)),
         qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
-        sliding_windows=_sliding_windows(hf_config, architecture, num_layers),
+        sliding_windows=families.sliding_windows(hf_config, architecture, num_layers),
         rope_theta=float(rope_cfg["rope_theta"]),
         rope_type=rope_cfg["rope_type"],
         rope_factor=float(rope_cfg.get("factor", 1.0) or 1.0),
@@ -383,7 +314,8 @@ def model_config_from_hf(hf_config: Any) -> ModelConfig:
         fields.update(rope.longrope_fields(hf_config, rope_cfg, max_pos, rotary_dim))
     elif rope_cfg["rope_type"] == "yarn":
         fields.update(rope.yarn_fields(hf_config, rope_cfg, max_pos))
-    fields.update(_moe_fields(hf_config, architecture, num_layers))
-    fields.update(_gemma_fields(hf_config, architecture))
-    fields.update(_family_fields(hf_config, architecture, num_layers))
+    fields.update(families.moe_fields(hf_config, architecture, num_layers))
+    fields.update(families.gemma_fields(hf_config, architecture))
+    fields.update(families.family_fields(hf_config, architecture, num_layers))
+    fields.update(families.mla_fields(hf_config, architecture))
     return ModelConfig(**fields)

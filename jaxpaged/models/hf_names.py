@@ -8,6 +8,7 @@ from typing import Callable
 
 import numpy as np
 
+from jaxpaged.models import mla
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.prequantized import mxfp4_dequantize
 from jaxpaged.models.quantization import HostQuantized
@@ -22,14 +23,18 @@ def _hf_layer_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
     p = f"model.layers.{i}."
     attn, mlp = p + "self_attn.", p + "mlp."
     moe = cfg.is_moe_layer(i)
-    dense = mlp + "shared_expert." if moe else mlp
+    # Qwen2-MoE's gated shared_expert, DeepSeek's and GLM's shared_experts (several fused in one MLP)
+    dense = (mlp + ("shared_expert." if cfg.shared_expert_gated else "shared_experts.")) if moe else mlp
     sources = {}
     if cfg.pre_norms:   # (OLMo has only the sandwich norms after attention and the MLP)
         sources["input_norm"] = [p + "input_layernorm.weight"]
         sources["post_norm"] = [p + ("pre_feedforward_layernorm.weight" if cfg.sandwich_norms
                                      else "post_attention_layernorm.weight")]
-    sources["wqkv"] = [attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"]
-    sources["wo"] = [attn + "o_proj.weight"]
+    if cfg.is_mla:
+        sources.update({name: [attn + mla.SOURCES[name]] for name in mla.weight_shapes(cfg)})
+    else:
+        sources["wqkv"] = [attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"]
+        sources["wo"] = [attn + "o_proj.weight"]
     if not moe or cfg.shared_expert_size:
         sources["w_gate_up"] = [dense + "gate_proj.weight", dense + "up_proj.weight"]
         sources["w_down"] = [dense + "down_proj.weight"]
@@ -37,8 +42,10 @@ def _hf_layer_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
         sources["router"] = [mlp + "gate.weight"]
         sources["w_experts_gate_up"] = [mlp + "experts.gate_proj.weight", mlp + "experts.up_proj.weight"]
         sources["w_experts_down"] = [mlp + "experts.down_proj.weight"]
-        if cfg.shared_expert_size:
+        if cfg.shared_expert_gated:
             sources["shared_gate"] = [mlp + "shared_expert_gate.weight"]
+        if cfg.router_scoring == "sigmoid":
+            sources["router_correction"] = [mlp + "gate.e_score_correction_bias"]
         if cfg.moe_bias:
             sources["router_bias"] = [mlp + "gate.bias"]
             sources["b_experts_gate_up"] = [mlp + "experts.gate_proj.bias", mlp + "experts.up_proj.bias"]
@@ -65,6 +72,9 @@ def _hf_layer_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
 # [experts, out] (gpt-oss) are stacks of vectors, never transposed
 EXPERT_BIASES = ("b_experts_gate_up", "b_experts_down")
 EXPERT_WEIGHTS = ("w_experts_gate_up", "w_experts_down") + EXPERT_BIASES
+# held in f32 whatever the model's dtype: DeepSeek's expert-choice bias (transformers and vLLM keep it in f32: its
+# entries differ in the third digit, which bfloat16 would round away)
+F32_WEIGHTS = ("router_correction",)
 # the matmul weights `quantization` applies to (routers and gates stay in the model dtype)
 QUANTIZABLE = ("wqkv", "wo", "w_gate_up", "w_down")
 _MIXTRAL_EXPERT = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
@@ -114,7 +124,7 @@ def hf_reader(cfg: ModelConfig, get: Callable[[str], np.ndarray],
         if rows is None:
             return tensor
         if isinstance(tensor, HostQuantized):   # a pre-quantized fused tensor: sliced in float
-            tensor = tensor.dequantize()
+            tensor = tensor.as_float()
         return tensor[rows[0]:rows[1]]
 
     def has_one(name: str) -> bool:
@@ -132,6 +142,9 @@ def hf_reader(cfg: ModelConfig, get: Callable[[str], np.ndarray],
     decoded: dict[str, np.ndarray] = {}   # the last MXFP4 tensor de-quantized (gpt-oss), by name
 
     def get_any(name: str) -> np.ndarray:
+        if cfg.is_mla and name.endswith(mla.KV_B_PARTS):   # kv_b_proj's per-head key or value half
+            tensor = get_one(name.rpartition(".")[0] + ".weight")   # (an FP8 checkpoint's: sliced in float)
+            return mla.split_kv_b(cfg, tensor.as_float() if isinstance(tensor, HostQuantized) else tensor, name)
         found = stack(name)
         if found is None:
             tensor = get_one(name)
@@ -156,9 +169,11 @@ def hf_reader(cfg: ModelConfig, get: Callable[[str], np.ndarray],
             return tensor[:, :inter] if part == "gate_proj" else tensor[:, inter:]
         experts = [get_one(f"{prefix}.{e}.{part}.weight") for e in range(cfg.num_experts)]
         # pre-quantized experts (an fp8 checkpoint's) are stacked in float: experts stay unquantized
-        return np.stack([p.dequantize() if isinstance(p, HostQuantized) else p for p in experts])
+        return np.stack([p.as_float() if isinstance(p, HostQuantized) else p for p in experts])
 
     def has_any(name: str) -> bool:
+        if cfg.is_mla and name.endswith(mla.KV_B_PARTS):
+            return has_one(name.rpartition(".")[0] + ".weight")
         found = stack(name)
         if found is None:
             return has_one(name)
@@ -175,12 +190,14 @@ _ROTATING = re.compile(r"self_attn\.(q|k)_(proj|norm)\.(weight|bias)$")
 def _rotate_half_order(cfg: ModelConfig, name: str, tensor):
     """q/k's dims of an interleaved rope's model (ERNIE: pairs (2i, 2i+1) turn together) reordered, head by
     head, as rotate-half's (pair (i, i + rotary / 2)): q . k is the same, and the model's rope turns the
-    same pairs by the same angles. Other tensors as they are."""
+    same pairs by the same angles (latent attention: `mla.rotate_half_order`). Other tensors as they are."""
+    if cfg.is_mla:
+        return mla.rotate_half_order(cfg, name, tensor)
     match = _ROTATING.search(name)
     if match is None:
         return tensor
     if isinstance(tensor, HostQuantized):
-        tensor = tensor.dequantize()
+        tensor = tensor.as_float()
     rot = cfg.rotary_dim or cfg.head_dim
     order = np.concatenate([np.arange(0, rot, 2), np.arange(1, rot, 2), np.arange(rot, cfg.head_dim)])
     heads = tensor.shape[0] // cfg.head_dim

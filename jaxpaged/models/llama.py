@@ -1,6 +1,7 @@
 """One Flax NNX decoder for every supported family (Llama, Mistral, Qwen2/3, Phi-3, Gemma 1/2/3, Granite,
 OLMo 2/3, SmolLM3, EXAONE 4, ERNIE 4.5, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE,
-gpt-oss): one layer body and its switches (`ModelConfig`); the rope in `jaxpaged.models.rope`.
+gpt-oss, DeepSeek-V2/V3, GLM-4.5): one layer body and its switches (`ModelConfig`); the rope in
+`jaxpaged.models.rope`, DeepSeek's latent attention in `jaxpaged.models.mla`.
 
 One layer body (`_decoder_layer`) and two loops over it, chosen when the model is loaded:
 
@@ -22,8 +23,8 @@ updated in place): no layer copies the pool.
 
 q/k/v and gate/up are fused into one matmul each: fewer, larger matmuls. Any matmul weight may
 be a `QuantizedWeight` (see `jaxpaged.models.quantization`): every matmul goes through `linear`.
-A mixture-of-experts layer replaces the MLP by `jaxpaged.models.moe.moe_mlp` (plus Qwen2-MoE's
-shared expert, which is the dense MLP's weights with a sigmoid gate).
+A mixture-of-experts layer replaces the MLP by `jaxpaged.models.moe.moe_mlp` (plus the shared
+experts of Qwen2-MoE, DeepSeek and GLM: the dense MLP's weights, Qwen2-MoE's behind a sigmoid gate).
 
 Multi-LoRA (`lora`): every adapter slot's A and B of each projection, stacked [num_layers, slots,
 ...] (jaxpaged.lora.peft's layout, zeros where a slot or module is empty), and each token's slot in
@@ -42,7 +43,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpaged.models.batch import ForwardBatch
 from jaxpaged.models.config import ModelConfig
-from jaxpaged.models.moe import activation, moe_mlp, resolve_moe_impl
+from jaxpaged.models import mla
+from jaxpaged.models.moe import Routing, activation, moe_mlp, resolve_moe_impl
 from jaxpaged.models.quantization import QuantizedWeight, embedding_lookup, linear, matmul_kernel
 from jaxpaged.models.rope import apply_rotary, rotary_cos_sin
 from jaxpaged.parallel import MODEL_AXIS, ShardPlan
@@ -58,7 +60,7 @@ def layer_weight_shapes(cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int
     moe = cfg.is_moe_layer(layer)
     inter = cfg.shared_expert_size if moe else cfg.intermediate_size   # the dense MLP's (or shared expert's)
     shapes = {"input_norm": (d,), "post_norm": (d,)} if cfg.pre_norms else {}
-    shapes.update(wqkv=(d, q + 2 * kv), wo=(q, d))
+    shapes.update(mla.weight_shapes(cfg) if cfg.is_mla else dict(wqkv=(d, q + 2 * kv), wo=(q, d)))
     if inter:
         shapes["w_gate_up"] = (d, 2 * inter)
         shapes["w_down"] = (inter, d)
@@ -67,8 +69,10 @@ def layer_weight_shapes(cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int
         shapes["router"] = (d, e)
         shapes["w_experts_gate_up"] = (e, d, 2 * mi)
         shapes["w_experts_down"] = (e, mi, d)
-        if cfg.shared_expert_size:
+        if cfg.shared_expert_gated:
             shapes["shared_gate"] = (d, 1)
+        if cfg.router_scoring == "sigmoid":
+            shapes["router_correction"] = (e,)
         if cfg.moe_bias:
             shapes["router_bias"] = (e,)
             shapes["b_experts_gate_up"] = (e, 2 * mi)
@@ -264,9 +268,47 @@ def _decoder_layer(cfg: ModelConfig, plan: ShardPlan, attention, matmul, moe_imp
     q/k/v and gate/up columns are shard-major (see jaxpaged.parallel): viewed as [tokens, tp, per shard],
     each device splits its own columns.
     """
-    num_tokens, tp = hidden.shape[0], plan.size
     eps, offset = cfg.rms_norm_eps, cfg.norm_offset
     x = rms_norm(hidden, w["input_norm"], eps, offset) if cfg.pre_norms else hidden
+    cos, sin = (jnp.where(local, a, b) for a, b in zip(local_rope, rope)) if cfg.local_rope_theta else rope
+    if cfg.nope_layers:   # a NoPE layer turns by angle 0
+        cos, sin = jnp.where(rotates, cos, 1.0), jnp.where(rotates, sin, 0.0)
+
+    def attend(q, k, v):   # k / v written into this layer's plane of the pool (kv_pool updated), q attends over it
+        nonlocal kv_pool, kv_scale
+        if is_fp8(kv_pool.dtype):   # outside the shard_map: the largest |K| of every device's heads
+            kv_scale = calibrated_kv_scale(kv_scale, k, v, batch.slot_mapping, kv_pool.dtype)
+
+        def write_and_attend(kv_pool, q, k, v, sinks, slot_mapping, md, layer, window, kv_scale):
+            kv_pool = write_kv(kv_pool, layer, k, v, slot_mapping, kv_scale)
+            return kv_pool, scaled_attention(attention, q, kv_pool, layer, md, window, kv_scale,
+                                             soft_cap=cfg.attn_softcap, sm_scale=cfg.attn_scale or cfg.head_dim ** -0.5,
+                                             sinks=sinks)
+
+        kv_pool, attn = plan.attention(write_and_attend)(kv_pool, q, k, v, w.get("sinks"), batch.slot_mapping,
+                                                          batch.attn, layer, window, kv_scale)
+        return attn
+
+    if cfg.is_mla:
+        out = mla.mla_attention(cfg, plan, matmul, lambda a, weight: rms_norm(a, weight, eps, offset), w, x, cos,
+                                   sin, attend)
+    else:
+        out = _attention(cfg, plan, matmul, w, x, cos, sin, attend, lora, onehot)
+    if cfg.sandwich_norms:
+        out = rms_norm(out, w["attn_out_norm"], eps, offset)
+    hidden = hidden + _residual_scaled(cfg, out)
+    x = rms_norm(hidden, w["post_norm"], eps, offset) if cfg.pre_norms else hidden
+    mlp = _mlp(cfg, plan, matmul, w, x, moe, moe_impl, lora, onehot)
+    if cfg.sandwich_norms:
+        mlp = rms_norm(mlp, w["mlp_out_norm"], eps, offset)
+    return hidden + _residual_scaled(cfg, mlp), kv_pool, kv_scale
+
+
+def _attention(cfg: ModelConfig, plan: ShardPlan, matmul, w, x, cos, sin, attend, lora, onehot) -> jax.Array:
+    """The attention block of every family but latent attention's: fused q/k/v (plus LoRA), q/k norms, rope,
+    `attend` (the layer's pool write and attention), o_proj. x [tokens, hidden] -> [tokens, hidden]."""
+    num_tokens, tp = x.shape[0], plan.size
+    eps, offset = cfg.rms_norm_eps, cfg.norm_offset
     qkv = matmul(x, w["wqkv"], "wqkv")
     if cfg.qkv_bias:
         qkv = qkv + w["bqkv"]
@@ -286,36 +328,12 @@ def _decoder_layer(cfg: ModelConfig, plan: ShardPlan, attention, matmul, moe_imp
     elif cfg.qk_norm:
         q = rms_norm(q, w["q_norm"], eps, offset)
         k = rms_norm(k, w["k_norm"], eps, offset)
-    cos, sin = (jnp.where(local, a, b) for a, b in zip(local_rope, rope)) if cfg.local_rope_theta else rope
-    if cfg.nope_layers:   # a NoPE layer turns by angle 0
-        cos, sin = jnp.where(rotates, cos, 1.0), jnp.where(rotates, sin, 0.0)
-    q = apply_rotary(q, cos, sin)
-    k = apply_rotary(k, cos, sin)
-
-    if is_fp8(kv_pool.dtype):   # outside the shard_map: the largest |K| of every device's heads
-        kv_scale = calibrated_kv_scale(kv_scale, k, v, batch.slot_mapping, kv_pool.dtype)
-
-    def write_and_attend(kv_pool, q, k, v, sinks, slot_mapping, md, layer, window, kv_scale):
-        kv_pool = write_kv(kv_pool, layer, k, v, slot_mapping, kv_scale)
-        return kv_pool, scaled_attention(attention, q, kv_pool, layer, md, window, kv_scale, soft_cap=cfg.attn_softcap,
-                                         sm_scale=cfg.attn_scale or cfg.head_dim ** -0.5, sinks=sinks)
-
-    kv_pool, attn = plan.attention(write_and_attend)(kv_pool, q, k, v, w.get("sinks"), batch.slot_mapping, batch.attn,
-                                                      layer, window, kv_scale)
+    attn = attend(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
     attn = attn.reshape(num_tokens, cfg.q_size)
     out = matmul(attn, w["wo"], "wo")
     if lora is not None:
         out = out + lora_delta(attn, lora, "o", onehot)
-    if cfg.o_bias:
-        out = out + w["bo"]
-    if cfg.sandwich_norms:
-        out = rms_norm(out, w["attn_out_norm"], eps, offset)
-    hidden = hidden + _residual_scaled(cfg, out)
-    x = rms_norm(hidden, w["post_norm"], eps, offset) if cfg.pre_norms else hidden
-    mlp = _mlp(cfg, plan, matmul, w, x, moe, moe_impl, lora, onehot)
-    if cfg.sandwich_norms:
-        mlp = rms_norm(mlp, w["mlp_out_norm"], eps, offset)
-    return hidden + _residual_scaled(cfg, mlp), kv_pool, kv_scale
+    return out + w["bo"] if cfg.o_bias else out
 
 
 def _residual_scaled(cfg: ModelConfig, x: jax.Array) -> jax.Array:
@@ -328,9 +346,9 @@ def _mlp(cfg: ModelConfig, plan: ShardPlan, matmul, w, x, moe: bool, moe_impl: s
     num_tokens, tp = x.shape[0], plan.size
     out = None
     if moe:
-        out = moe_mlp(x, w["router"], w["w_experts_gate_up"], w["w_experts_down"], top_k=cfg.num_experts_per_tok,
-                      normalize=cfg.norm_topk_prob, act=cfg.expert_act, impl=moe_impl, plan=plan,
-                      router_bias=w.get("router_bias"), b_gate_up=w.get("b_experts_gate_up"),
+        out = moe_mlp(x, w["router"], w["w_experts_gate_up"], w["w_experts_down"], routing=Routing.of(cfg),
+                      act=cfg.expert_act, impl=moe_impl, plan=plan, router_bias=w.get("router_bias"),
+                      router_correction=w.get("router_correction"), b_gate_up=w.get("b_experts_gate_up"),
                       b_down=w.get("b_experts_down"))
     if "w_gate_up" not in w:
         return out
@@ -353,5 +371,7 @@ def _mlp(cfg: ModelConfig, plan: ShardPlan, matmul, w, x, moe: bool, moe_impl: s
         dense = dense + w["b_down"]
     if out is None:
         return dense
+    if "shared_gate" not in w:   # DeepSeek's shared experts add as they are
+        return out + dense
     gate = jax.nn.sigmoid((x @ w["shared_gate"]).astype(jnp.float32)).astype(dense.dtype)
     return out + gate * dense

@@ -20,8 +20,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxpaged.models.config import ModelConfig, model_config_from_hf
-from jaxpaged.models.hf_names import (EXPERT_WEIGHTS, QUANTIZABLE, _hf_layer_sources, hf_part_shape, hf_reader,
-                                        hf_tensor, hf_to_ours)
+from jaxpaged.models.hf_names import (EXPERT_WEIGHTS, F32_WEIGHTS, QUANTIZABLE, _hf_layer_sources, hf_part_shape,
+                                        hf_reader, hf_tensor, hf_to_ours)
 from jaxpaged.models.registry import model_class_for
 from jaxpaged.models.llama import layer_weight_shapes, weight_shapes
 from jaxpaged.models.orbax_io import FORMAT_FILE, is_converted, load_converted
@@ -117,7 +117,7 @@ def _as_layer_weight(name: str, value, quantization: str | None, np_dtype, tp: i
         return value.packed()
     if quantization is not None and name in QUANTIZABLE:
         return quantize(value, quantization, tp).packed()
-    return value.astype(np_dtype)
+    return value.astype(np.float32 if name in F32_WEIGHTS else np_dtype)
 
 
 def convert_hf_weights(get: Callable[[str], np.ndarray], has: Callable[[str], bool], cfg: ModelConfig,

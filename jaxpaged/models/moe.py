@@ -1,6 +1,7 @@
 """Mixture-of-experts feed-forward: each token runs through its top-k experts only.
 
-    router   logits = x @ router [tokens, experts]; softmax in f32; top-k; renormalized or not
+    router   logits = x @ router [tokens, experts]; scores (softmax, or DeepSeek-V3's sigmoid) in f32; top-k
+             (of the best expert groups where the router has groups); renormalized or not; scaled (`Routing`)
     sort     the tokens x k (token, expert) pairs ordered by expert: each expert's rows are contiguous
     experts  act(rows @ gate_up[e]) * ... @ down[e] for exactly those rows (`expert_mlp`)
     combine  each pair's output times its routing weight, added back onto its token
@@ -25,6 +26,7 @@ first axis); routing is replicated, each device runs the pairs routed to its own
 sort past its groups and add nothing) and the partial outputs are summed over the devices.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -50,19 +52,54 @@ def activation(name: str, x: jax.Array) -> jax.Array:
     return jax.nn.silu(x32) if name == "silu" else jax.nn.gelu(x32, approximate=True)
 
 
-def route(x: jax.Array, router: jax.Array, k: int, normalize: bool,
-          bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """(weights [tokens, k] in x's dtype, expert ids i32[tokens, k]) as transformers routes: softmax of
-    the router logits (plus `bias`, gpt-oss) in f32, the k largest, renormalized to sum to 1 when
-    `normalize` (the same as gpt-oss's softmax over the k largest logits)."""
-    logits = (x @ router).astype(jnp.float32)
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """How a token chooses its experts, as transformers' routers do (static: part of the compiled step).
+
+    scores: softmax of the router logits, or their sigmoid (DeepSeek-V3, GLM-4.5: a correction bias added
+    to the scores steers which experts are chosen, not their weights). groups (n, kept): the experts in n
+    equal groups, each scored by its best expert ("max", DeepSeek-V2) or its two best summed ("top2", V3),
+    and only the `kept` best groups' experts are chosen from. The k chosen scores are renormalized to sum
+    to 1 where `normalize`, then times `scale` (routed_scaling_factor)."""
+    top_k: int
+    normalize: bool = False
+    scoring: str = "softmax"
+    groups: tuple[int, int] = (1, 1)
+    group_score: str = "max"
+    scale: float = 1.0
+
+    @classmethod
+    def of(cls, cfg) -> "Routing":
+        """A ModelConfig's router."""
+        return cls(cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.router_scoring, cfg.router_groups,
+                   cfg.router_group_score, cfg.routed_scaling_factor)
+
+
+def route(x: jax.Array, router: jax.Array, routing: Routing, bias: jax.Array | None = None,
+          correction: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """(weights [tokens, k] in x's dtype, expert ids i32[tokens, k]) as `routing` says; `bias` (gpt-oss)
+    joins the logits, `correction` (DeepSeek-V3's e_score_correction_bias) the scores the choice is made on.
+    The logits come from f32 operands (transformers keeps DeepSeek's and GLM's gates in f32; a bfloat16
+    router matmul flips near-tied choices, and it is [hidden, experts] small)."""
+    logits = x.astype(jnp.float32) @ router.astype(jnp.float32)
     if bias is not None:
         logits = logits + bias.astype(jnp.float32)
-    probs = jax.nn.softmax(logits, axis=-1)
-    weights, ids = jax.lax.top_k(probs, k)
-    if normalize:
-        weights = weights / weights.sum(axis=-1, keepdims=True)
-    return weights.astype(x.dtype), ids.astype(jnp.int32)
+    scores = jax.nn.sigmoid(logits) if routing.scoring == "sigmoid" else jax.nn.softmax(logits, axis=-1)
+    choice = scores if correction is None else scores + correction.astype(jnp.float32)
+    groups, kept = routing.groups
+    if groups > 1:
+        grouped = choice.reshape(choice.shape[0], groups, -1)
+        group_scores = (grouped.max(-1) if routing.group_score == "max"
+                        else jax.lax.top_k(grouped, 2)[0].sum(-1))                    # [tokens, groups]
+        _, best = jax.lax.top_k(group_scores, kept)
+        keep = jnp.zeros(group_scores.shape, jnp.bool_).at[jnp.arange(choice.shape[0])[:, None], best].set(True)
+        # DeepSeek-V2 zeroes the other groups' scores, V3 sets them to -inf: the same choice among kept ones
+        choice = jnp.where(jnp.repeat(keep, choice.shape[1] // groups, axis=1), choice, -jnp.inf)
+    _, ids = jax.lax.top_k(choice, routing.top_k)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if routing.normalize:
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + (1e-20 if routing.scoring == "sigmoid" else 0.0))
+    return (weights * routing.scale).astype(x.dtype), ids.astype(jnp.int32)
 
 
 def _gated(h: jax.Array, act) -> jax.Array:
@@ -155,13 +192,15 @@ def _sparse_moe(x, weights, ids, w_gate_up, w_down, act, first_expert, *biases, 
     return jnp.zeros((num_tokens, x.shape[1]), jnp.float32).at[token].add(y).astype(x.dtype)
 
 
-def moe_mlp(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, *, top_k: int,
-            normalize: bool, act, impl: str, plan=None, router_bias: jax.Array | None = None,
-            b_gate_up: jax.Array | None = None, b_down: jax.Array | None = None) -> jax.Array:
+def moe_mlp(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, *, routing: Routing,
+            act, impl: str, plan=None, router_bias: jax.Array | None = None,
+            router_correction: jax.Array | None = None, b_gate_up: jax.Array | None = None,
+            b_down: jax.Array | None = None) -> jax.Array:
     """x [tokens, hidden] -> the routed experts' weighted sum [tokens, hidden]. `plan` (a ShardPlan
     with a mesh): the experts are sharded over its model axis (expert parallelism). `act`: see _gated;
-    the biases (gpt-oss): the router's [experts] and the experts' (module docstring), or None."""
-    weights, ids = route(x, router, top_k, normalize, router_bias)
+    the biases (gpt-oss): the router's [experts] and the experts' (module docstring), or None;
+    `router_correction` [experts]: DeepSeek-V3's choice bias (`route`), or None."""
+    weights, ids = route(x, router, routing, router_bias, router_correction)
     biases = () if b_gate_up is None else (b_gate_up, b_down)
     fn = _dense_moe if impl == "dense" else functools.partial(_sparse_moe, impl=impl)
     if plan is None or plan.mesh is None:

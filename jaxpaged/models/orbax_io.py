@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 from jax.sharding import SingleDeviceSharding
 
 from jaxpaged.models.config import ModelConfig
+from jaxpaged.models.hf_names import F32_WEIGHTS
 from jaxpaged.parallel import ShardPlan, kv_head_replicas
 
 FORMAT_FILE = "jaxpaged.json"
@@ -106,7 +107,7 @@ def load_converted(path: str, cfg: ModelConfig, dtype: str, scan_layers: bool, p
                 parts = [parts[0]] + [_repeat_heads(p, cfg.num_kv_heads, replicas, plan, name) for p in parts[1:]]
             stacks[name] = _fuse(parts, plan, P(None, *plan.weight_spec(name, False))).astype(jdtype)
         else:
-            stacks[name] = stored[name].astype(jdtype)
+            stacks[name] = stored[name].astype(jnp.float32 if name in F32_WEIGHTS else jdtype)
     if scan_layers:
         weights["layers"] = stacks
     else:

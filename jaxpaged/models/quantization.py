@@ -210,6 +210,10 @@ class HostQuantized:
         return dataclasses.replace(self, values=fn(self.values), scale=fn(self.scale),
                                    offset=None if self.offset is None else fn(self.offset))
 
+    def as_float(self) -> np.ndarray:
+        """f32 in the checkpoint's [out, in] orientation (a tensor as the reader returns it)."""
+        return self.T.dequantize().T
+
     def dequantize(self) -> np.ndarray:
         """f32 in this orientation; requires the [in, out] one (after `.T`)."""
         k, n = self.values.shape

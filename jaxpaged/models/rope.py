@@ -86,6 +86,14 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
+def softmax_mscale(rope: dict) -> float:
+    """What latent attention's softmax scale is multiplied by (DeepSeek): yarn's mscale for
+    mscale_all_dim, squared (it scales the dims of q . k that do not rotate too), 1 without one."""
+    if rope.get("rope_type", "default") == "default" or not rope.get("mscale_all_dim"):
+        return 1.0
+    return _yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"])) ** 2
+
+
 def yarn_fields(hf_config: Any, rope: dict, max_pos: int) -> dict:
     """yarn's ModelConfig fields: its factor (max_position_embeddings / the original length where
     the config gives none, as DeepSeek's), ramp and attention factor as transformers computes them."""
@@ -170,7 +178,7 @@ def rotary_cos_sin(cfg, positions: jax.Array, seq_lens: jax.Array | None,
         long = (seq_lens > cfg.rope_original_max_positions)[:, None]
         inv = jnp.where(long, jnp.asarray(cfg.inv_freq(long=True))[None, :], inv)
     elif cfg.rope_type == "dynamic":
-        dim = cfg.head_dim
+        dim = cfg.rotary_dim or cfg.head_dim
         max_pos = cfg.max_position_embeddings
         seq_len = jnp.maximum(seq_lens, max_pos).astype(jnp.float32)[:, None]
         base = cfg.rope_theta * (cfg.rope_factor * seq_len / max_pos - (cfg.rope_factor - 1)) ** (dim / (dim - 2))

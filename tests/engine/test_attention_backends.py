@@ -59,6 +59,15 @@ def test_auto_measures_only_kernels_that_lower_on_the_gpu(monkeypatch, device, d
     assert measured == ([expected] if len(expected) > 1 else [])   # one candidate: nothing to measure
 
 
+def test_auto_measures_the_reference_too_for_latent_attention_heads(monkeypatch):
+    """DeepSeek's latent attention attends over 576-dim heads: the Mosaic kernel (up to 256) is not a
+    candidate, and the reference joins the Triton kernels so that something runs."""
+    from jaxpaged.kernels import backends
+    monkeypatch.setattr(backends, "_has_jax_triton", lambda: True)
+    assert backends.gpu_candidates(H100, "bfloat16", 576) == ["triton", "pallas_triton", "reference"]
+    assert backends.gpu_candidates(H100, "bfloat16", 128) == ["pallas", "triton", "pallas_triton"]
+
+
 def test_pallas_needs_hopper_on_a_gpu():
     from jaxpaged.kernels.backends import resolve_backend
     assert resolve_backend("pallas", device=H100) == "pallas"

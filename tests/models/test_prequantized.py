@@ -28,13 +28,13 @@ CONFIGS = {
 }
 
 
-def quantize_fp8(w: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def quantize_fp8(w: np.ndarray, kind: str, block: int = 32) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(fp8 values [out, in], the scale tensor as the format stores it, the de-quantized weight)."""
     out_f, in_f = w.shape
     if kind == "fp8-blocks":
-        blocks = w.reshape(out_f // 32, 32, in_f // 32, 32)
-        scale = np.abs(blocks).max(axis=(1, 3)) / FP8_MAX                   # [out / 32, in / 32]
-        full = np.repeat(np.repeat(scale, 32, 0), 32, 1)
+        blocks = w.reshape(out_f // block, block, in_f // block, block)
+        scale = np.abs(blocks).max(axis=(1, 3)) / FP8_MAX                   # [out / block, in / block]
+        full = np.repeat(np.repeat(scale, block, 0), block, 1)
     else:
         scale = np.abs(w).max(axis=1, keepdims=True) / FP8_MAX               # [out, 1]
         full = np.repeat(scale, in_f, 1)
@@ -42,19 +42,26 @@ def quantize_fp8(w: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.n
     return values, scale.astype(np.float32), values.astype(np.float32) * full
 
 
+# DeepSeek's latent attention's linears (its released V3 / R1 weights are block-wise fp8)
+MLA_LINEARS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 @functools.cache
-def checkpoints(kind: str) -> tuple[str, str]:
-    """(the FP8 checkpoint, the same weights de-quantized as an fp32 one) from the tiny llama."""
+def checkpoints(kind: str, arch: str = "llama") -> tuple[str, str]:
+    """(the FP8 checkpoint, the same weights de-quantized as an fp32 one) from a tiny model (deepseek_v3:
+    blocks of 8, which its small projections divide into)."""
     from safetensors.numpy import load_file, save_file
 
-    src = tiny_checkpoint("llama")
+    src = tiny_checkpoint(arch)
     fp8, dequantized = src + f"-{kind}", src + f"-{kind}-dequantized"
+    block = 8 if arch == "deepseek_v3" else 32
+    linears = MLA_LINEARS if arch == "deepseek_v3" else LINEARS
     if not os.path.isdir(fp8):
         tensors = load_file(os.path.join(src, "model.safetensors"))
         quantized, plain = {}, {}
         for name, w in tensors.items():
-            if name.endswith(".weight") and name.split(".")[-2] in LINEARS:
-                values, scale, back = quantize_fp8(w, kind)
+            if name.endswith(".weight") and name.split(".")[-2] in linears:
+                values, scale, back = quantize_fp8(w, kind, block)
                 quantized[name] = values
                 suffix = "weight_scale_inv" if kind == "fp8-blocks" else "weight_scale"
                 quantized[name[:-len("weight")] + suffix] = scale
@@ -75,7 +82,8 @@ def checkpoints(kind: str) -> tuple[str, str]:
         save_file(plain, os.path.join(dequantized, "model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(fp8, "config.json")) as f:
             config = json.load(f)
-        config["quantization_config"] = CONFIGS[kind]
+        config["quantization_config"] = dict(CONFIGS[kind], **({"weight_block_size": [block, block]}
+                                                                 if kind == "fp8-blocks" else {}))
         with open(os.path.join(fp8, "config.json"), "w") as f:
             json.dump(config, f)
     return fp8, dequantized
@@ -98,6 +106,20 @@ def test_fp8_checkpoints_load_without_requantizing(kind):
     plain, loaded = forward_logits(fp8, tokens, quantization=None)
     assert loaded.quantization is None and not isinstance(loaded.model.layers["wqkv"].get_value(), qz.QuantizedWeight)
     assert_close(plain, hf_logits(dequantized, tokens))
+
+
+def test_deepseek_v3_fp8_checkpoint_loads_its_latent_attention():
+    """DeepSeek-V3's layout of a block-wise fp8 checkpoint: the latent's projection and the query's stay fp8 on
+    the device where the loader need not reorder them, kv_b_proj is split into its per-head halves and the
+    rope's rows reordered in float; the logits are transformers' on the de-quantized weights."""
+    fp8, dequantized = checkpoints("fp8-blocks", "deepseek_v3")
+    tokens = np.random.default_rng(4).integers(3, 320, 40).tolist()
+    ours, loaded = forward_logits(fp8, tokens)
+    assert loaded.quantization == "fp8"
+    layer = loaded.model.layers[1]
+    assert isinstance(layer["wq_a"].get_value(), qz.QuantizedWeight) and isinstance(layer["wo"].get_value(),
+                                                                                      qz.QuantizedWeight)
+    assert_close(ours, hf_logits(dequantized, tokens))
 
 
 def test_bad_combinations_with_prequantized_checkpoints_raise():

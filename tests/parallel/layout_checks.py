@@ -15,7 +15,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHARDED = ("wqkv", "wo", "w_gate_up", "w_down", "embed", "lm_head", "bqkv", "b_gate_up",   # and column biases
            "w_experts_gate_up", "w_experts_down", "b_experts_gate_up", "b_experts_down",   # experts: expert parallelism
-           "sinks")   # gpt-oss's attention sinks, with their query heads
+           "sinks",   # gpt-oss's attention sinks, with their query heads
+           "wq", "wq_b", "w_uk", "w_uv")   # latent attention's heads (its latent projection is replicated)
 
 # arch, config overrides, layouts (tp, dp): MHA, GQA with q/k/v bias, MQA with q/k norm
 # every layout for llama; the tensor-parallel ones for the others (data parallelism runs
@@ -34,6 +35,9 @@ CASES = {
     "qwen2_moe-ep": ("qwen2_moe", {}, [[1, 1], [2, 1]], [], []),
     # gpt-oss: each device's attention sinks with its query heads, the experts' biases with the experts
     "gpt_oss-ep": ("gpt_oss", {}, [[1, 1], [2, 1]], [], []),
+    # latent attention: query heads split, each device its copy of the latent (one KV head repeated);
+    # DeepSeek-V3's grouped sigmoid routing with its f32 correction bias, shared experts split by columns
+    "deepseek_v3-tp": ("deepseek_v3", {}, [[1, 1], [2, 1]], [], []),
 }
 
 

@@ -1,8 +1,9 @@
-"""Expert parallelism on the tiny mixtral, qwen2_moe (a shared expert and a dense layer) and gpt_oss
-(expert biases, attention sinks; experts split over the devices, routing replicated): see
+"""Expert parallelism on the tiny mixtral, qwen2_moe (a shared expert and a dense layer), gpt_oss
+(expert biases, attention sinks) and deepseek_v3 (latent attention, grouped sigmoid routing; experts split
+over the devices, routing replicated): see
 layout_checks.py. A few models per file so that the test processes share them (pytest-xdist distributes
 by file)."""
 
 from tests.parallel.layout_checks import layout_tests
 
-globals().update(layout_tests("mixtral-ep", "qwen2_moe-ep", "gpt_oss-ep"))
+globals().update(layout_tests("mixtral-ep", "qwen2_moe-ep", "gpt_oss-ep", "deepseek_v3-tp"))
