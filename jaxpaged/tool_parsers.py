@@ -12,10 +12,13 @@ answer always reassembles to the whole one.
     required      [{"name", "parameters"}, ...] (forced by grammar)      tool_choice "required"
     named         the arguments object itself (forced by grammar)        tool_choice {"function": ...}
 
-More formats: subclass ToolCallReader and decorate with `@register_tool_parser("name")`.
+Mistral's, the pythonic one (Llama 3.2 / 4), DeepSeek-V3's and V3.1's, GLM-4.5's and Qwen3-Coder's are in
+`jaxpaged.tool_formats`. More formats: subclass ToolCallReader and decorate with
+`@register_tool_parser("name")`.
 """
 
 import abc
+import importlib
 import json
 import logging
 import uuid
@@ -65,6 +68,9 @@ def _arguments(value) -> str:
 
 class ToolCallReader(abc.ABC):
     """One choice's reader; `feed` keeps what it has sent, so use a new reader per choice."""
+    # the format's tags are special tokens in its models' tokenizers: an "auto" tool-choice request's text
+    # keeps special tokens unless the request says otherwise (as vLLM's parsers' adjust_request)
+    keeps_special_tokens = False
 
     def __init__(self, tools: list[dict] | None = None):
         self.tools = tools or []
@@ -221,3 +227,6 @@ class NamedFunctionReader(ToolCallReader):
 
     def parse(self, text, done):
         return "", [(self.name, text)] if text else []
+
+
+importlib.import_module("jaxpaged.tool_formats")   # registers the formats it defines (it imports this module)

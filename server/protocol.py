@@ -63,6 +63,9 @@ class ParsedRequest:
     parallel_tool_calls: bool = True
     # chat: structured_outputs forcing the form of tool calls (tool_choice "required" or a named function)
     tool_constraint: dict | None = None
+    # chat: the output's text keeps special tokens unless the request sets skip_special_tokens (an "auto"
+    # tool-call parser whose tags are special tokens: tools.plan_tools)
+    keep_special_tokens: bool = False
 
 
 def brief_repr(value) -> str:
@@ -236,6 +239,8 @@ def build_sampling_params(req: ParsedRequest, prompt_len: int, max_model_len: in
                             f"{max_tokens} in the completion). Reduce the length of the {prompt_param} or "
                             f"{req.max_tokens_param}.", req.max_tokens_param, "context_length_exceeded")
     kwargs = {k: getattr(req.request, k) for k in _SAMPLING_KEYS if getattr(req.request, k) is not None}
+    if req.keep_special_tokens:
+        kwargs.setdefault("skip_special_tokens", False)
     structured = req.tool_constraint if req.tool_constraint is not None else _structured_outputs(req.request)
     if structured is not None:
         kwargs["structured_outputs"] = structured

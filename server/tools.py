@@ -10,7 +10,7 @@ engine, and how its output is read back as OpenAI tool calls.
 "required" and named choices are enforced by the grammar, so any model, whatever its chat
 template knows of tools, returns well-formed calls of the offered functions. "auto" needs
 `--enable-auto-tool-choice --tool-call-parser NAME` (as in vLLM): the parser reads the
-model's own format (Hermes' <tool_call> tags, Llama 3's JSON).
+model's own format (Hermes' <tool_call> tags, Llama 3's JSON, Mistral's, DeepSeek's, GLM's, ...).
 """
 
 import json
@@ -43,7 +43,8 @@ class ToolPlan:
 
 
 def plan_tools(req: P.ParsedRequest, settings: ToolSettings) -> ToolPlan | None:
-    """None when the request asks for no tool calls; APIError for a choice this server cannot honour."""
+    """None when the request asks for no tool calls; APIError for a choice this server cannot honour.
+    Sets `req.keep_special_tokens` where the "auto" parser reads tags that are special tokens."""
     tools, choice = req.tools or [], req.tool_choice
     if not tools:
         return None
@@ -57,6 +58,7 @@ def plan_tools(req: P.ParsedRequest, settings: ToolSettings) -> ToolPlan | None:
                                   '--tool-call-parser NAME; or send tool_choice "required", "none" or '
                                   '{"type": "function", "function": {"name": ...}}', "tool_choice", "invalid_value")
         parser = get_tool_parser(settings.tool_call_parser)
+        req.keep_special_tokens = parser.keeps_special_tokens
         return ToolPlan(None, lambda: parser(tools=tools))
     if _has_constraint(req.request):
         raise P.APIError(400, f"tool_choice {json.dumps(choice)} constrains the output itself: drop "

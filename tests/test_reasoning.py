@@ -19,6 +19,11 @@ from jaxpaged.reasoning import ReasoningParser
     ("deepseek_r1", {"enable_thinking": False}, "Hmm, no end", ("Hmm, no end", None)),   # R1 always thinks
     ("deepseek_r1", None, "a < b </thin k> </think>", ("a < b </thin k> ", None)),
     ("qwen3", None, "<thi", ("<thi", None)),   # not the tag after all: reasoning
+    ("deepseek_v3", None, "No thinking asked.", (None, "No thinking asked.")),
+    ("deepseek_v3", {"thinking": True}, "Hmm.</think>42", ("Hmm.", "42")),
+    ("glm45", None, "<think>Plan.</think>Done.", ("Plan.", "Done.")),
+    ("glm45", None, "Straight to it.</think>", (None, "Straight to it.</think>")),   # no <think>: all answer
+    ("glm45", None, "<think>cut short", ("cut short", None)),
 ])
 def test_whole_outputs_split_at_the_tags(name, kwargs, text, want):
     assert ReasoningParser(name, kwargs).extract(text) == want
@@ -27,7 +32,7 @@ def test_whole_outputs_split_at_the_tags(name, kwargs, text, want):
 @pytest.mark.parametrize("seed", range(30))
 def test_a_stream_in_random_pieces_reassembles_to_the_whole(seed):
     rng = random.Random(seed)
-    name = rng.choice(["qwen3", "deepseek_r1"])
+    name = rng.choice(["qwen3", "deepseek_r1", "glm45"])
     parts = [rng.choice(["", " ", "\n", "<think>"]), "reason < ing </", "thin", "k> " * rng.randint(0, 1),
              rng.choice(["</think>", "</th", ""]), "ans<wer", rng.choice(["</think>", "<", ""])]
     text = "".join(parts)
@@ -52,7 +57,8 @@ def test_a_partial_tag_is_held_back_until_it_is_known():
 
 
 def test_an_unknown_parser_is_named():
-    with pytest.raises(ValueError, match="reasoning_parser must be one of deepseek_r1, qwen3, got 'r2'"):
+    with pytest.raises(ValueError, match="reasoning_parser must be one of deepseek_r1, deepseek_v3, glm45, qwen3, "
+                                         "got 'r2'"):
         ReasoningParser("r2")
 
 

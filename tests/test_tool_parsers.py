@@ -42,6 +42,12 @@ def reassemble(fragments: list[dict]) -> tuple[str, list[tuple[str, str, str]]]:
 
 @pytest.mark.parametrize("reader, text, content, calls", CASES)
 def test_whole_and_streamed_outputs_read_the_same(reader, text, content, calls):
+    assert_whole_and_streamed_read_the_same(reader, text, content, calls)
+
+
+def assert_whole_and_streamed_read_the_same(reader, text: str, content: str | None, calls: list):
+    """`reader()` reads `text` whole as `content` and `calls` [(name, arguments dict)], and streamed in any
+    chunking into fragments that reassemble to the same."""
     whole = reader().extract(text)
     assert whole.content == content
     assert [(c.name, json.loads(c.arguments)) for c in whole.tool_calls] == calls

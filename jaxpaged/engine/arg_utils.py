@@ -88,7 +88,7 @@ class EngineArgs:
     max_cpu_loras: int | None = None          # adapters kept on the host (default: max_loras)
     enable_sleep_mode: bool = False           # vLLM's flag, accepted: sleep()/wake_up() work on every engine
     profiler_config: dict | str | None = None  # {"profiler": "jax", "profiler_dir": DIR}: start_profile() works
-    reasoning_parser: str | None = None       # "qwen3" | "deepseek_r1": structured outputs apply after </think>
+    reasoning_parser: str | None = None       # jaxpaged.reasoning's: structured outputs apply after </think>
 
     def batched_tokens(self, max_model_len: int) -> int:
         """The per-step token budget: given, or 2048 (at least max_model_len without chunked prefill)."""

@@ -188,6 +188,24 @@ def test_choices_the_server_cannot_honour_are_400s(client, urls):
                                          max_tokens=60).choices[0].message.tool_calls
 
 
+@pytest.mark.parametrize("parser, asked, kept", [("glm45", None, True), ("mistral", None, True),
+                                                 ("glm45", True, False), ("hermes", None, False)])
+def test_auto_parsers_whose_tags_are_special_tokens_keep_them_in_the_text(parser, asked, kept):
+    """GLM's, Mistral's, DeepSeek's tags are special tokens in their tokenizers: an "auto" request's text keeps
+    special tokens (or the reader would never see a call) unless the request sets skip_special_tokens."""
+    from jaxpaged.server import protocol as P
+    from jaxpaged.server.tools import plan_tools
+    body = {"model": MODEL, "messages": ASK, "tools": TOOLS}
+    if asked is not None:
+        body["skip_special_tokens"] = asked
+    req = P.parse_chat_request(body)
+    plan_tools(req, ToolSettings(True, parser))
+    assert P.build_sampling_params(req, 10, 100).skip_special_tokens is not kept
+    req = P.parse_chat_request(dict(body, tool_choice="none"))
+    plan_tools(req, ToolSettings(True, parser))
+    assert P.build_sampling_params(req, 10, 100).skip_special_tokens is (asked is not False)
+
+
 def test_server_settings_are_checked():
     with pytest.raises(ValueError, match="tool_call_parser"):
         ToolSettings(True, None)
