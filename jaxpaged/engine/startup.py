@@ -1,5 +1,6 @@
 """Engine start-up: load the model and tokenizer, size the KV pool, compile the step buckets."""
 
+import json
 import logging
 import os
 
@@ -39,7 +40,23 @@ def load_tokenizer(args: EngineArgs, loaded: LoadedModel):
     if not any(os.path.exists(os.path.join(loaded.source, n)) for n in names):
         logger.warning("no tokenizer in %s: only token-id prompts will work", loaded.source)
         return None
-    return AutoTokenizer.from_pretrained(loaded.source)
+    tokenizer = AutoTokenizer.from_pretrained(loaded.source)
+    if getattr(tokenizer, "chat_template", None) is None:   # a vision-language model's processor may hold it
+        tokenizer.chat_template = processor_chat_template(loaded.source)
+    return tokenizer
+
+
+def processor_chat_template(folder: str) -> str | None:
+    """The chat template a model folder gives beside its tokenizer: chat_template.jinja, or a processor's
+    chat_template.json ({"chat_template": ...}, as vision-language checkpoints ship it); None if neither."""
+    jinja, processor = os.path.join(folder, "chat_template.jinja"), os.path.join(folder, "chat_template.json")
+    if os.path.exists(jinja):
+        with open(jinja) as f:
+            return f.read()
+    if os.path.exists(processor):
+        with open(processor) as f:
+            return json.load(f).get("chat_template")
+    return None
 
 
 def engine_devices(args: EngineArgs, data_rank: int = 0) -> list:

@@ -6,6 +6,7 @@ Every supported architecture is the same decoder with a few switches, so they al
 Rope types and their fields are read by `jaxpaged.models.rope`.
 """
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -47,6 +48,37 @@ BASE_MODEL_ARCHITECTURES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "M
 # runs as its *ForCausalLM family, pooling runner only; its `score` head [num_labels, hidden] reads the
 # last token's final-normed hidden state (ModelConfig.num_labels > 0).
 CLASSIFIER_SUFFIX = "ForSequenceClassification"
+
+
+# A vision-language checkpoint runs its language model alone (text in, text out; no vision tower): its
+# text_config is read as the *ForCausalLM of its model_type, and the loader reads the language model's
+# tensors under either of their names (hf_names.hf_reader). Qwen's multimodal rope (mrope) is the plain rope
+# on text: its three position streams are the same positions.
+VISION_LANGUAGE_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration",
+                                 "LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
+                                 "Qwen2_5_VLForConditionalGeneration")
+_TEXT_MODELS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "qwen2_vl_text": "Qwen2ForCausalLM", "qwen2_5_vl_text": "Qwen2ForCausalLM",
+                "gemma3_text": "Gemma3ForCausalLM"}
+
+
+def language_model_config(hf_config: Any) -> Any:
+    """A vision-language config's text_config (a copy) naming its *ForCausalLM, with the ids and embedding
+    tying the top level gives (transformers ties a composite model's head by the top level's
+    tie_word_embeddings); any other config as it is. ValueError for a language model we don't run."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    if not architectures or architectures[0] not in VISION_LANGUAGE_ARCHITECTURES:
+        return hf_config
+    text = copy.deepcopy(hf_config.text_config)
+    model_type = getattr(text, "model_type", None)
+    if model_type not in _TEXT_MODELS:
+        raise ValueError(f"{architectures[0]}'s language model {model_type!r} is not supported; supported: "
+                         f"{', '.join(_TEXT_MODELS)}")
+    text.architectures = [_TEXT_MODELS[model_type]]
+    for name in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
+        if getattr(hf_config, name, None) is not None:
+            setattr(text, name, getattr(hf_config, name))
+    return text
 
 
 def causal_architecture(architecture: str | None) -> str | None:
@@ -233,7 +265,9 @@ class ModelConfig:
 
 
 def model_config_from_hf(hf_config: Any) -> ModelConfig:
-    """Read a transformers config; raises ValueError for an architecture or feature we don't run."""
+    """Read a transformers config (a vision-language model's: its language model's); raises ValueError for an
+    architecture or feature we don't run."""
+    hf_config = language_model_config(hf_config)
     architectures = getattr(hf_config, "architectures", None) or []
     architecture = architectures[0] if architectures else None
     classifier = is_classifier(hf_config)
@@ -242,8 +276,9 @@ def model_config_from_hf(hf_config: Any) -> ModelConfig:
     given, architecture = architecture, causal_architecture(architecture)
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"architecture {given!r} is not supported; supported architectures: "
-                         f"{', '.join(SUPPORTED_ARCHITECTURES + tuple(BASE_MODEL_ARCHITECTURES))}, and the "
-                         f"{CLASSIFIER_SUFFIX} of each *ForCausalLM")
+                         f"{', '.join(SUPPORTED_ARCHITECTURES + tuple(BASE_MODEL_ARCHITECTURES))}, the "
+                         f"{CLASSIFIER_SUFFIX} of each *ForCausalLM, and the language model (text only) of "
+                         f"{', '.join(VISION_LANGUAGE_ARCHITECTURES)}")
     num_labels = int(getattr(hf_config, "num_labels", 0) or 0) if classifier else 0
     if classifier and num_labels < 1:
         raise ValueError(f"{given} needs num_labels >= 1 in its config (id2label), got {num_labels}")

@@ -90,6 +90,7 @@ def hf_reader(cfg: ModelConfig, get: Callable[[str], np.ndarray],
     `experts.gate_up_proj` [experts, 2 x inter, hidden] / `experts.down_proj`; gpt-oss's fused
     [experts, in, out] with gate and up interleaved, its `mlp.router` and the experts' bias stacks)."""
     arch = cfg.architecture
+    get, has = _language_model_names(get, has)
 
     def source(name: str):
         """name -> (real tensor name, slice of its rows or None), or None where it has no other source."""
@@ -182,6 +183,20 @@ def hf_reader(cfg: ModelConfig, get: Callable[[str], np.ndarray],
                                                            for e in range(cfg.num_experts))
 
     return get_any, has_any
+
+
+def _language_model_names(get, has):
+    """(get, has) that serve a vision-language checkpoint's language model under a causal LM's names:
+    "model.language_model.X" (transformers 5's layout) or "language_model.model.X" with its
+    "language_model.lm_head" (earlier saves) for "model.X" and "lm_head"; other checkpoints as they are."""
+    for prefix, head in (("model.language_model.", "lm_head."), ("language_model.model.", "language_model.lm_head.")):
+        if not has("model.embed_tokens.weight") and has(prefix + "embed_tokens.weight"):
+            def rename(name: str, prefix=prefix, head=head) -> str:
+                if name.startswith("model."):
+                    return prefix + name[len("model."):]
+                return head + name[len("lm_head."):] if name.startswith("lm_head.") else name
+            return (lambda name: get(rename(name))), (lambda name: has(rename(name)))
+    return get, has
 
 
 _ROTATING = re.compile(r"self_attn\.(q|k)_(proj|norm)\.(weight|bias)$")
