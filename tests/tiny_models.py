@@ -13,13 +13,14 @@ import tempfile
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 # the families beyond Llama's (phi3-longrope: long-rope scaling and a partial rotary, short and long prompts)
 FAMILIES = ("phi3", "gemma", "gemma2", "gemma3", "granite", "olmo2", "olmo3", "smollm3", "mixtral", "qwen2_moe",
-            "qwen3_moe", "gpt_oss", "exaone4", "ernie4_5", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite")
+            "qwen3_moe", "gpt_oss", "exaone4", "ernie4_5", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "granitemoe",
+            "granitemoe_shared")
 _CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
             "gemma": "Gemma", "gemma2": "Gemma2", "gemma3": "Gemma3", "granite": "Granite", "olmo2": "Olmo2",
             "olmo3": "Olmo3", "smollm3": "SmolLM3", "mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe",
             "qwen3_moe": "Qwen3Moe", "gpt_oss": "GptOss", "exaone4": "Exaone4",
             "ernie4_5": "Ernie4_5", "deepseek_v2": "DeepseekV2", "deepseek_v3": "DeepseekV3", "glm4_moe": "Glm4Moe",
-            "glm4_moe_lite": "Glm4MoeLite"}
+            "glm4_moe_lite": "Glm4MoeLite", "granitemoe": "GraniteMoe", "granitemoe_shared": "GraniteMoeShared"}
 _ROOT = tempfile.mkdtemp(prefix="jaxpaged-tiny-")   # this process's checkpoints, removed when it exits
 atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)
 
@@ -84,6 +85,14 @@ def _config(arch: str, **overrides):
     elif arch == "granite":   # multipliers far enough from 1 to matter
         cfg = transformers.GraniteConfig(**{**common, "embedding_multiplier": 3.0, "residual_multiplier": 0.5,
                                             "attention_multiplier": 0.1, "logits_scaling": 2.5, **overrides})
+    elif arch in ("granitemoe", "granitemoe_shared"):   # Granite's multipliers; experts (and a shared MLP)
+        granite = dict(embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.1,
+                       logits_scaling=2.5, num_local_experts=8, num_experts_per_tok=2, intermediate_size=48)
+        if arch == "granitemoe":
+            cfg = transformers.GraniteMoeConfig(**{**common, **granite, **overrides})
+        else:
+            cfg = transformers.GraniteMoeSharedConfig(**{**common, **granite, "shared_intermediate_size": 96,
+                                                         **overrides})
     elif arch == "olmo2":
         cfg = transformers.Olmo2Config(**{**common, "tie_word_embeddings": False, **overrides})
     elif arch == "olmo3":   # layer 1 full attention with yarn, layers 0 and 2 a 12-token window with plain rope

@@ -28,6 +28,8 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "GemmaForCausalLM",
     "GraniteForCausalLM",
+    "GraniteMoeForCausalLM",
+    "GraniteMoeSharedForCausalLM",
     "Olmo2ForCausalLM",
     "Olmo3ForCausalLM",
     "SmolLM3ForCausalLM",

@@ -11,7 +11,8 @@ Every supported architecture is the same decoder with a few switches, so they al
   query_pre_attn_scalar, alternating sliding-window and global layers, a separate rope base
   for the local layers (Gemma 3).
 - Gemma (1): the Gemma 2 switches without sandwich norms, soft-capping or sliding windows.
-- Granite: scaled embedding, residual branches and logits, its own attention scale.
+- Granite: scaled embedding, residual branches and logits, its own attention scale; Granite MoE the same
+  with routed experts (and, GraniteMoeShared, an ungated shared MLP).
 - OLMo 2 / OLMo 3: norms after attention and after the MLP only (no pre-norms), q/k norms over
   all heads at once, and (OLMo 3) sliding-window layers with their own rope.
 - SmolLM3: layers without rope among the rotating ones (NoPE, `nope_layers`).
@@ -32,7 +33,8 @@ from typing import Any
 
 from jaxpaged.models import rope
 
-MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM")
+GRANITE_MOE = ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")
+MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM") + GRANITE_MOE
 GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 # multi-head latent attention (jaxpaged.models.mla), each with DeepSeek's mixture of experts
@@ -62,6 +64,10 @@ def moe_fields(hf_config: Any, architecture: str, num_layers: int) -> dict:
         return _deepseek_moe_fields(hf_config, architecture, num_layers)
     if architecture not in MOE:
         return {}
+    if architecture in GRANITE_MOE:   # softmax over the top-k logits: the top-k probabilities renormalized
+        return dict(num_experts=int(hf_config.num_local_experts), num_experts_per_tok=int(hf_config.num_experts_per_tok),
+                    moe_intermediate_size=int(hf_config.intermediate_size), norm_topk_prob=True,
+                    shared_expert_size=int(hf_get(hf_config, "shared_intermediate_size", 0)))
     if architecture in ("MixtralForCausalLM", "GptOssForCausalLM"):
         gpt_oss = dict(moe_bias=True, swiglu_limit=float(hf_get(hf_config, "swiglu_limit", 7.0)),
                        swiglu_alpha=float(hf_get(hf_config, "swiglu_alpha", 1.702)))
@@ -144,7 +150,7 @@ def gemma_fields(hf_config: Any, architecture: str) -> dict:
 def family_fields(hf_config: Any, architecture: str, num_layers: int) -> dict:
     """The switches of Granite, OLMo 2/3, EXAONE 4, ERNIE 4.5, SmolLM3, GLM-4.5 and gpt-oss's attention
     (Gemma's, the experts' and latent attention's have their own readers)."""
-    if architecture == "GraniteForCausalLM":
+    if architecture in ("GraniteForCausalLM",) + GRANITE_MOE:
         return dict(embed_scale=float(hf_get(hf_config, "embedding_multiplier", 1.0)),
                     residual_scale=float(hf_get(hf_config, "residual_multiplier", 1.0)),
                     logits_scaling=float(hf_get(hf_config, "logits_scaling", 1.0)),

@@ -80,6 +80,7 @@ QUANTIZABLE = ("wqkv", "wo", "w_gate_up", "w_down")
 _MIXTRAL_EXPERT = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
 _EXPERT_STACK = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)\.(weight|bias)$")
 GPT_OSS = "GptOssForCausalLM"
+GRANITE_MOE = ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")
 
 
 def hf_reader(cfg: ModelConfig, get: Callable[[str], np.ndarray],
@@ -107,6 +108,8 @@ def hf_reader(cfg: ModelConfig, get: Callable[[str], np.ndarray],
                     return name.replace(part, "gate_up_proj"), rows
         if arch == GPT_OSS and ".mlp.gate." in name:
             return name.replace(".mlp.gate.", ".mlp.router."), None
+        if arch in GRANITE_MOE:
+            return _granite_moe_source(cfg, name, has)
         if arch == "MixtralForCausalLM" and ".mlp." in name:
             moe = name.replace(".mlp.", ".block_sparse_moe.")
             for ours, theirs in _MIXTRAL_EXPERT.items():
@@ -138,6 +141,11 @@ def hf_reader(cfg: ModelConfig, get: Callable[[str], np.ndarray],
             return None
         prefix, part, kind = match.groups()
         fused = f"{prefix}.{'down_proj' if part == 'down_proj' else 'gate_up_proj'}"
+        if arch in GRANITE_MOE:   # block_sparse_moe.experts.*, or the released input_linear / output_linear
+            moe = prefix.replace(".mlp.experts", ".block_sparse_moe")
+            fused = fused.replace(".mlp.experts.", ".block_sparse_moe.experts.")
+            if not has(fused):
+                fused = f"{moe}.{'output_linear' if part == 'down_proj' else 'input_linear'}.weight"
         return prefix, part, fused + ("_bias" if kind == "bias" else "")
 
     decoded: dict[str, np.ndarray] = {}   # the last MXFP4 tensor de-quantized (gpt-oss), by name
@@ -183,6 +191,20 @@ def hf_reader(cfg: ModelConfig, get: Callable[[str], np.ndarray],
                                                            for e in range(cfg.num_experts))
 
     return get_any, has_any
+
+
+def _granite_moe_source(cfg: ModelConfig, name: str, has) -> tuple[str, tuple[int, int] | None] | None:
+    """Granite MoE's names for ours: the router (block_sparse_moe.router.weight, or router.layer.weight as
+    released) and GraniteMoeShared's shared MLP (shared_mlp.input_linear = gate | up, output_linear)."""
+    if ".mlp.gate." in name:
+        router = name.replace(".mlp.gate.", ".block_sparse_moe.router.")
+        return (router if has(router) else router.replace(".router.", ".router.layer.")), None
+    inter = cfg.shared_expert_size
+    for part, real, rows in (("gate_proj", "input_linear", (0, inter)), ("up_proj", "input_linear", (inter, 2 * inter)),
+                             ("down_proj", "output_linear", None)):
+        if name.endswith(f".mlp.shared_experts.{part}.weight"):
+            return name.replace(f".mlp.shared_experts.{part}.", f".shared_mlp.{real}."), rows
+    return None
 
 
 def _language_model_names(get, has):

@@ -123,3 +123,29 @@ def test_longrope_takes_its_long_factors_past_the_original_length(length):
     chunk = SeqChunk(tokens, 0, scattered_blocks(rng, 5), logits_positions=list(range(length)))
     _, logits = forward(empty_pool(cfg), build_forward_batch([chunk], BLOCK_SIZE, 8, EVERY_ROW_STEP))
     assert_close(np.asarray(logits)[:length], hf_logits(path, tokens))
+
+
+def test_granite_moe_reads_its_released_tensor_names():
+    """Granite MoE's hub checkpoints name their experts block_sparse_moe.input_linear / output_linear and their
+    router router.layer (transformers 5 renames them as it loads): read under those names too."""
+    import os
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+    from tests.tiny_models import scratch_folder
+
+    path = tiny_checkpoint("granitemoe_shared")
+    released = scratch_folder("granitemoe-released-")
+    shutil.copytree(path, released, dirs_exist_ok=True)
+    renames = {"experts.gate_up_proj": "input_linear.weight", "experts.down_proj": "output_linear.weight",
+               "router.weight": "router.layer.weight"}
+    tensors = {}
+    for name, w in load_file(os.path.join(path, "model.safetensors")).items():
+        for ours, theirs in renames.items():
+            name = name.replace(f"block_sparse_moe.{ours}", f"block_sparse_moe.{theirs}")
+        tensors[name] = np.ascontiguousarray(w)
+    assert any("input_linear" in name for name in tensors) and any("router.layer" in name for name in tensors)
+    save_file(tensors, os.path.join(released, "model.safetensors"), metadata={"format": "pt"})
+    from tests.models.test_quantization import forward_logits
+    tokens = np.random.default_rng(9).integers(3, 320, 30).tolist()
+    assert_close(forward_logits(released, tokens)[0], hf_logits(path, tokens))
