@@ -58,10 +58,10 @@ CLASSIFIER_SUFFIX = "ForSequenceClassification"
 # on text: its three position streams are the same positions.
 VISION_LANGUAGE_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration",
                                  "LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
-                                 "Qwen2_5_VLForConditionalGeneration")
+                                 "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
 _TEXT_MODELS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                 "qwen2_vl_text": "Qwen2ForCausalLM", "qwen2_5_vl_text": "Qwen2ForCausalLM",
-                "gemma3_text": "Gemma3ForCausalLM"}
+                "qwen3_vl_text": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 
 def language_model_config(hf_config: Any) -> Any:

@@ -1,5 +1,5 @@
 """Vision-language checkpoints run as their language model, text in and text out: Gemma 3 (4B and up),
-Mistral Small 3.1 (Mistral3), LLaVA and Qwen2.5-VL, each against transformers' own vision-language model
+Mistral Small 3.1 (Mistral3), LLaVA, Qwen2.5-VL and Qwen3-VL, each against transformers' own vision-language model
 on text-only input (fp32, tiny random checkpoints with a tiny vision tower the engine never reads), under
 transformers 5's tensor names and the earlier ones."""
 
@@ -37,6 +37,13 @@ def vision_language_config(kind: str):
                       num_attention_heads=2, image_size=32, patch_size=8, projection_dim=32)
         return transformers.LlavaConfig(text_config=dict(TEXT, model_type="llama"), vision_config=vision,
                                         image_token_index=300)
+    if kind == "qwen3_vl":   # Qwen3's q/k norms, an interleaved mrope (the plain rope on text)
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=8,
+                      deepstack_visual_indexes=[0])
+        text = dict(TEXT, head_dim=16, rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                                     "mrope_interleaved": True})
+        return transformers.Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=300,
+                                          tie_word_embeddings=False)
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=8,
                   window_size=16, fullatt_block_indexes=[0])
     text = dict(TEXT, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
@@ -50,7 +57,8 @@ def checkpoint(kind: str) -> tuple[str, object]:
     import torch
     import transformers
     cfg = vision_language_config(kind)
-    cls = {"gemma3": "Gemma3", "mistral3": "Mistral3", "llava": "Llava", "qwen2_5_vl": "Qwen2_5_VL"}[kind]
+    cls = {"gemma3": "Gemma3", "mistral3": "Mistral3", "llava": "Llava", "qwen2_5_vl": "Qwen2_5_VL",
+           "qwen3_vl": "Qwen3VL"}[kind]
     torch.manual_seed(sum(map(ord, kind)))
     model = getattr(transformers, f"{cls}ForConditionalGeneration")(cfg).to(torch.float32).eval()
     with torch.no_grad():
@@ -84,7 +92,7 @@ def earlier_names(path: str) -> str:
     return out
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "mistral3", "llava", "qwen2_5_vl"])
+@pytest.mark.parametrize("kind", ["gemma3", "mistral3", "llava", "qwen2_5_vl", "qwen3_vl"])
 def test_the_language_model_gives_transformers_logits_on_text(kind):
     import torch
     path, model = checkpoint(kind)
