@@ -191,18 +191,20 @@ class ShardPlan:
     def matmul(self, kernel, spec: P):
         """kernel(x, w) -> x @ w for a weight sharded as `spec`, run per shard (a pallas_call cannot be
         partitioned by XLA): column-parallel (P(None, model)) each device computes its output columns,
-        row-parallel (P(model, None)) its input rows' partial sums, added over the devices."""
+        row-parallel (P(model, None)) its input rows' partial sums, added over the devices, replicated (P():
+        latent attention's projections) the whole product on every device."""
         if self.mesh is None:
             return kernel
         column = tuple(spec) == (None, MODEL_AXIS)
+        replicated = all(axis is None for axis in tuple(spec))
+        x_spec = P() if column or replicated else P(None, MODEL_AXIS)
 
         def per_shard(x, w):
             y = kernel(x, w)
-            return y if column else jax.lax.psum(y, MODEL_AXIS)
+            return y if column or replicated else jax.lax.psum(y, MODEL_AXIS)
 
         def call(x, w):
-            return jax.shard_map(per_shard, mesh=self.mesh, in_specs=(P() if column else P(None, MODEL_AXIS),
-                                                                       w.specs(spec)),
+            return jax.shard_map(per_shard, mesh=self.mesh, in_specs=(x_spec, w.specs(spec)),
                                  out_specs=P(None, MODEL_AXIS) if column else P(), check_vma=False)(x, w)
         return call
 

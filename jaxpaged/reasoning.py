@@ -7,8 +7,8 @@ written between <think> and </think>, and its answer, whole (`extract`) or as it
                                                               (chat_template_kwargs enable_thinking=False)
     deepseek_v3   as deepseek_r1 with chat_template_kwargs    the answer without {"thinking": true}
                   {"thinking": true} (V3.1), else all answer  (V3.1's thinking is off by default)
-    glm45         <think> reasoning </think> answer           reasoning once <think> began it; an output
-                                                              not starting with <think> is all answer
+    glm45         as qwen3 (GLM-4.5 to 4.7; 4.7's template    as qwen3
+                  writes <think> into the prompt)
 
 The opening <think> may be the model's or the chat template's (in the prompt): a leading one is dropped.
 Both work on text, so the tags must survive decoding (they are not special tokens in these models'
@@ -27,11 +27,11 @@ class ReasoningParser:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {name!r}")
         self.name = name
         kwargs = chat_template_kwargs or {}
-        # Qwen3's template writes an empty <think></think> into the prompt when thinking is off: all is answer;
-        # DeepSeek-V3.1's thinks only when asked
-        self.thinking = {"qwen3": kwargs.get("enable_thinking", True) is not False,
+        # Qwen3's and GLM's templates write an empty <think></think> into the prompt when thinking is off: all
+        # is answer; DeepSeek-V3.1's thinks only when asked
+        enabled = kwargs.get("enable_thinking", True) is not False
+        self.thinking = {"qwen3": enabled, "glm45": enabled,
                          "deepseek_v3": kwargs.get("thinking", False) is True}.get(name, True)
-        self.needs_start = name == "glm45"   # GLM writes <think> itself: without it, no reasoning
 
     def extract(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, answer) of a whole output; None where a part is empty."""
@@ -40,16 +40,15 @@ class ReasoningParser:
         return reasoning or None, answer or None
 
     def stream(self) -> ReasoningStream:
-        return ReasoningStream(self.thinking, self.needs_start)
+        return ReasoningStream(self.thinking)
 
 
 class ReasoningStream:
     """One streamed output: `feed(new_text, done)` -> (new reasoning, new answer); text that may still
     become a tag is held back until the next feed (or `done`). `answer` is the answer so far."""
 
-    def __init__(self, thinking: bool, needs_start: bool = False):
+    def __init__(self, thinking: bool):
         self.in_reasoning = thinking
-        self.needs_start = needs_start   # reasoning only where the output begins with <think>
         self.began = not thinking   # past the point where a leading <think> is dropped
         self.held = ""
         self.answer = ""
@@ -66,7 +65,6 @@ class ReasoningStream:
                 return "", ""
             else:
                 self.began = True
-                self.in_reasoning = not self.needs_start
         if self.in_reasoning:
             end = text.find(END)
             if end >= 0:

@@ -12,9 +12,10 @@
 The content is the text before the first call. A call is reported once it is whole (its closing tag, or
 the end of the output), with its arguments as one JSON object; the XML formats' values are typed by the
 offered tool's parameter schema (a "string" stays text; anything else is read as JSON where it parses).
-Tags that are special tokens in the model's tokenizer ([TOOL_CALLS], GLM's and Qwen3-Coder's) reach the
+Tags that are special tokens in the model's tokenizer ([TOOL_CALLS], GLM's, DeepSeek's, Llama 4's) reach the
 reader because the server keeps special tokens in the text of "auto" tool-choice requests
-(`ToolCallReader.keeps_special_tokens`), as vLLM's parsers ask.
+(`ToolCallReader.keeps_special_tokens`), as vLLM's parsers ask; the EOS or stop token that ends an answer is
+left out of its text all the same (jaxpaged.engine.output_processor).
 """
 
 import ast
@@ -192,6 +193,7 @@ class Qwen3CoderReader(_TaggedReader):
     """Qwen3-Coder's XML: `<tool_call><function=name><parameter=k>v</parameter>...</function></tool_call>`
     (one newline around each value is the format's, not the value's)."""
     start, end = "<tool_call>", "</tool_call>"
+    keeps_special_tokens = False   # Qwen's <tool_call> is an ordinary added token
     function = re.compile(r"<function=([^>]*)>(.*?)(?:</function>|$)", re.DOTALL)
     parameter = re.compile(r"<parameter=([^>]*)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
 

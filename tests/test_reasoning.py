@@ -22,8 +22,8 @@ from jaxpaged.reasoning import ReasoningParser
     ("deepseek_v3", None, "No thinking asked.", (None, "No thinking asked.")),
     ("deepseek_v3", {"thinking": True}, "Hmm.</think>42", ("Hmm.", "42")),
     ("glm45", None, "<think>Plan.</think>Done.", ("Plan.", "Done.")),
-    ("glm45", None, "Straight to it.</think>", (None, "Straight to it.</think>")),   # no <think>: all answer
-    ("glm45", None, "<think>cut short", ("cut short", None)),
+    ("glm45", None, "Plan.</think>Done.", ("Plan.", "Done.")),   # GLM-4.7: <think> in the prompt
+    ("glm45", {"enable_thinking": False}, "Straight to it.", (None, "Straight to it.")),
 ])
 def test_whole_outputs_split_at_the_tags(name, kwargs, text, want):
     assert ReasoningParser(name, kwargs).extract(text) == want

@@ -174,6 +174,8 @@ def detokenize(seq: SequenceState) -> tuple[str, int] | None:
     never have been sampled without speculation."""
     params = seq.request.sampling_params
     new_ids = seq.token_ids[seq.num_detokenized:]
+    if new_ids and _ended_on_stop_token(seq):   # its text leaves the EOS or stop token out, as vLLM's
+        new_ids = new_ids[:-1]
     seq.num_dropped = 0
     # one token at a time: to find where a stop string completes, or (a sequence detokenized at its
     # end) to give the text the steps would have given
@@ -191,6 +193,16 @@ def detokenize(seq: SequenceState) -> tuple[str, int] | None:
     return _detokenize_ids(seq, new_ids)
 
 
+def _ended_on_stop_token(seq: SequenceState) -> bool:
+    """Whether the sequence finished on an EOS or stop_token_ids token (not include_stop_str_in_output): a
+    text that keeps special tokens would show the EOS's, and a stop token's text is not the output's."""
+    params = seq.request.sampling_params
+    if seq.finish_reason != "stop" or isinstance(seq.stop_reason, str) or params.include_stop_str_in_output:
+        return False
+    last = seq.token_ids[-1]
+    return last in (params.stop_token_ids or ()) or (not params.ignore_eos and last in seq.request.eos_token_ids)
+
+
 def _drop_last_tokens(seq: SequenceState, n: int) -> None:
     """Take back the last n output tokens (their logprobs too); the request is finishing."""
     if n == 0:
@@ -203,9 +215,9 @@ def _drop_last_tokens(seq: SequenceState, n: int) -> None:
 
 def _detokenize_ids(seq: SequenceState, new_ids: list[int], flush: bool = True) -> tuple[str, int] | None:
     params = seq.request.sampling_params
-    if seq.detokenizer is None or not new_ids:
+    if seq.detokenizer is None or not (new_ids or seq.finish_reason is not None):
         return None
-    delta = seq.detokenizer.add_tokens(new_ids)
+    delta = seq.detokenizer.add_tokens(new_ids) if new_ids else ""
     if seq.finish_reason is not None and flush:   # a finished request's last characters
         delta += seq.detokenizer.flush()
     seq.text += delta

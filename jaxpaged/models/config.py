@@ -64,13 +64,18 @@ _TEXT_MODELS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "q
                 "qwen3_vl_text": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 
+def is_vision_language(hf_config: Any) -> bool:
+    architectures = getattr(hf_config, "architectures", None) or []
+    return bool(architectures) and architectures[0] in VISION_LANGUAGE_ARCHITECTURES
+
+
 def language_model_config(hf_config: Any) -> Any:
     """A vision-language config's text_config (a copy) naming its *ForCausalLM, with the ids and embedding
     tying the top level gives (transformers ties a composite model's head by the top level's
     tie_word_embeddings); any other config as it is. ValueError for a language model we don't run."""
-    architectures = getattr(hf_config, "architectures", None) or []
-    if not architectures or architectures[0] not in VISION_LANGUAGE_ARCHITECTURES:
+    if not is_vision_language(hf_config):
         return hf_config
+    architectures = hf_config.architectures
     text = copy.deepcopy(hf_config.text_config)
     model_type = getattr(text, "model_type", None)
     if model_type not in _TEXT_MODELS:

@@ -290,8 +290,8 @@ def _decoder_layer(cfg: ModelConfig, plan: ShardPlan, attention, matmul, moe_imp
         return attn
 
     if cfg.is_mla:
-        out = mla.mla_attention(cfg, plan, matmul, lambda a, weight: rms_norm(a, weight, eps, offset), w, x, cos,
-                                   sin, attend)
+        out = mla.mla_attention(cfg, plan, matmul, lambda a, weight: rms_norm(a, weight, mla.LATENT_NORM_EPS), w, x,
+                                cos, sin, attend)
     else:
         out = _attention(cfg, plan, matmul, w, x, cos, sin, attend, lora, onehot)
     if cfg.sandwich_norms:

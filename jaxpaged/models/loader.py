@@ -19,7 +19,7 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxpaged.models.config import ModelConfig, model_config_from_hf
+from jaxpaged.models.config import ModelConfig, is_vision_language, model_config_from_hf
 from jaxpaged.models.hf_names import (EXPERT_WEIGHTS, F32_WEIGHTS, QUANTIZABLE, _hf_layer_sources, hf_part_shape,
                                         hf_reader, hf_tensor, hf_to_ours)
 from jaxpaged.models.registry import model_class_for
@@ -305,6 +305,11 @@ def load_model(model: str, dtype: str = "auto", revision: str | None = None,
         cfg = model_config_from_hf(hf_config)
         scan_layers = resolve_scan_layers(requested_scan, cfg)
         checkpoint = Checkpoint(folder)
+        if cfg.tie_word_embeddings and is_vision_language(hf_config) and \
+                hf_reader(cfg, checkpoint.get, checkpoint.__contains__)[1]("lm_head.weight"):
+            # a composite config's tie_word_embeddings defaults to True (Mistral3's) where its checkpoint has
+            # its own head: transformers keeps that head, and so do we
+            cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
         dtype = resolve_dtype(dtype, _CHECKPOINT_DTYPES[checkpoint.dtype_name()])
         get, method = checkpoint.get, checkpoint_quantization(hf_config)
         quantization = resolve_quantization(quantization, method)

@@ -37,6 +37,9 @@ SOURCES = {"wq": "q_proj.weight", "wq_a": "q_a_proj.weight", "q_a_norm": "q_a_la
            "wq_b": "q_b_proj.weight", "wkv_a": "kv_a_proj_with_mqa.weight", "kv_a_norm": "kv_a_layernorm.weight",
            "w_uk": "kv_b_proj.uk", "w_uv": "kv_b_proj.uv", "wo": "o_proj.weight"}
 KV_B_PARTS = ("kv_b_proj.uk", "kv_b_proj.uv")
+# the query's and the latent's norms' epsilon: transformers (and DeepSeek's own code) build q_a_layernorm and
+# kv_a_layernorm with the RMSNorm default whatever rms_norm_eps says (GLM-4.7-Flash's 1e-5)
+LATENT_NORM_EPS = 1e-6
 
 
 def weight_shapes(cfg) -> dict[str, tuple[int, ...]]:
@@ -77,7 +80,7 @@ def rotate_half_order(cfg, name: str, tensor: np.ndarray) -> np.ndarray:
 
 def mla_attention(cfg, plan, matmul, norm, w, x, cos, sin, attend):
     """x [tokens, hidden] -> the attention block's output [tokens, hidden]. `norm(x, weight)` is the model's
-    RMSNorm; `attend(q, k, v)` writes k / v into this layer's pool plane and attends q over it
+    RMSNorm at LATENT_NORM_EPS; `attend(q, k, v)` writes k / v into this layer's pool plane and attends q over it
     ([tokens, heads, dim] -> [tokens, heads, dim]); cos / sin: the layer's rope."""
     num_tokens = x.shape[0]
     heads, nope, lora = cfg.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank

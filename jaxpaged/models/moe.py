@@ -79,8 +79,9 @@ def route(x: jax.Array, router: jax.Array, routing: Routing, bias: jax.Array | N
           correction: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """(weights [tokens, k] in x's dtype, expert ids i32[tokens, k]) as `routing` says; `bias` (gpt-oss)
     joins the logits, `correction` (DeepSeek-V3's e_score_correction_bias) the scores the choice is made on.
-    The logits come from f32 operands (transformers keeps DeepSeek's and GLM's gates in f32; a bfloat16
-    router matmul flips near-tied choices, and it is [hidden, experts] small)."""
+    The logits come from f32 operands for every family: transformers keeps DeepSeek's and GLM's gates in
+    f32, and runs Mixtral's, Qwen's and gpt-oss's in the model dtype (in bfloat16 a near-tied choice may then
+    differ from transformers'; the f32 one is the more exact, and the matmul is [hidden, experts] small)."""
     logits = x.astype(jnp.float32) @ router.astype(jnp.float32)
     if bias is not None:
         logits = logits + bias.astype(jnp.float32)

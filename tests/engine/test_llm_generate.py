@@ -102,6 +102,31 @@ def test_a_top_k_past_the_vocabulary_keeps_every_token_however_large():
     assert outs[0] == outs[1] == outs[2]
 
 
+def test_the_text_leaves_out_the_token_that_stopped_it():
+    """As vLLM's: an EOS (even with skip_special_tokens=False) or a stop_token_ids token that ends a sequence
+    is not in its text, unless include_stop_str_in_output; its id stays in token_ids."""
+    llm = tiny_llm()
+    tokenizer = llm.get_tokenizer()
+    free = llm.generate("Hello world", SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    stop_id = free.token_ids[3]
+    cut = free.token_ids.index(stop_id)
+    for keep in (False, True):
+        out = llm.generate("Hello world", SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                                                         stop_token_ids=[stop_id], include_stop_str_in_output=keep),
+                           use_tqdm=False)[0].outputs[0]
+        assert out.token_ids[-1] == stop_id and out.stop_reason == stop_id
+        assert out.text == tokenizer.decode(free.token_ids[:cut + keep], skip_special_tokens=True)
+    eos = tokenizer.eos_token_id
+    for keep in (False, True):   # the EOS forced as the third token, special tokens kept in the text
+        out = llm.generate("Hello world", SamplingParams(temperature=0.0, max_tokens=6, min_tokens=2,
+                                                         logit_bias={eos: 100.0}, skip_special_tokens=False,
+                                                         include_stop_str_in_output=keep),
+                           use_tqdm=False)[0].outputs[0]
+        assert out.token_ids[-1] == eos and out.finish_reason == "stop" and len(out.token_ids) == 3
+        assert out.text.endswith(tokenizer.eos_token) is keep
+
+
 def test_stop_strings_stop_token_ids_and_min_tokens():
     llm = tiny_llm()
     base = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

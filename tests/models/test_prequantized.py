@@ -47,15 +47,17 @@ MLA_LINEARS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_pro
 
 
 @functools.cache
-def checkpoints(kind: str, arch: str = "llama") -> tuple[str, str]:
-    """(the FP8 checkpoint, the same weights de-quantized as an fp32 one) from a tiny model (deepseek_v3:
-    blocks of 8, which its small projections divide into)."""
+def checkpoints(kind: str, arch: str = "llama", linears: tuple[str, ...] | None = None, block: int | None = None,
+                **overrides) -> tuple[str, str]:
+    """(the FP8 checkpoint, the same weights de-quantized as an fp32 one) from a tiny model, its `linears`
+    quantized in blocks of `block` (deepseek_v3: 8 by default, which its small projections divide into)."""
     from safetensors.numpy import load_file, save_file
 
-    src = tiny_checkpoint(arch)
-    fp8, dequantized = src + f"-{kind}", src + f"-{kind}-dequantized"
-    block = 8 if arch == "deepseek_v3" else 32
-    linears = MLA_LINEARS if arch == "deepseek_v3" else LINEARS
+    src = tiny_checkpoint(arch, **overrides)
+    block = block or (8 if arch == "deepseek_v3" else 32)
+    linears = linears or (MLA_LINEARS if arch == "deepseek_v3" else LINEARS)
+    variant = f"-{kind}" + ("" if arch == "llama" else f"-{block}-{'-'.join(linears)}")
+    fp8, dequantized = src + variant, src + variant + "-dequantized"
     if not os.path.isdir(fp8):
         tensors = load_file(os.path.join(src, "model.safetensors"))
         quantized, plain = {}, {}

@@ -27,11 +27,12 @@ def vision_language_config(kind: str):
                       image_size=32, patch_size=8)
         return transformers.Gemma3Config(text_config=_config("gemma3").to_dict(), vision_config=vision,
                                          mm_tokens_per_image=4, image_token_index=300)
-    if kind == "mistral3":
+    if kind.startswith("mistral3"):   # "mistral3-untied": its own LM head, and no tie flag in its config
         vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=2, image_size=32, patch_size=8, head_dim=16)
         text = dict(TEXT, model_type="mistral", head_dim=32, sliding_window=None)
-        return transformers.Mistral3Config(text_config=text, vision_config=vision, image_token_index=300)
+        return transformers.Mistral3Config(text_config=text, vision_config=vision, image_token_index=300,
+                                           tie_word_embeddings=kind == "mistral3")
     if kind == "llava":
         vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=2, image_size=32, patch_size=8, projection_dim=32)
@@ -57,8 +58,8 @@ def checkpoint(kind: str) -> tuple[str, object]:
     import torch
     import transformers
     cfg = vision_language_config(kind)
-    cls = {"gemma3": "Gemma3", "mistral3": "Mistral3", "llava": "Llava", "qwen2_5_vl": "Qwen2_5_VL",
-           "qwen3_vl": "Qwen3VL"}[kind]
+    cls = {"gemma3": "Gemma3", "mistral3": "Mistral3", "mistral3-untied": "Mistral3", "llava": "Llava",
+           "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL"}[kind]
     torch.manual_seed(sum(map(ord, kind)))
     model = getattr(transformers, f"{cls}ForConditionalGeneration")(cfg).to(torch.float32).eval()
     with torch.no_grad():
@@ -73,6 +74,13 @@ def checkpoint(kind: str) -> tuple[str, object]:
         with open(os.path.join(path, "chat_template.json"), "w") as f:
             json.dump({"chat_template": template}, f)
     tokenizer.save_pretrained(path)
+    if kind == "mistral3-untied":   # as Mistral Small 3.1's config.json: no tie flag (Mistral3Config's default ties)
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+        config.pop("tie_word_embeddings", None)
+        config["text_config"].pop("tie_word_embeddings", None)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(config, f)
     return path, model
 
 
@@ -92,7 +100,7 @@ def earlier_names(path: str) -> str:
     return out
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "mistral3", "llava", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("kind", ["gemma3", "mistral3", "mistral3-untied", "llava", "qwen2_5_vl", "qwen3_vl"])
 def test_the_language_model_gives_transformers_logits_on_text(kind):
     import torch
     path, model = checkpoint(kind)

@@ -1,7 +1,8 @@
 """The W8A16 / W4A16 kernel under tensor parallelism (8 forced CPU devices, in a subprocess; the
 kernel in interpret mode): per shard under shard_map, column-parallel weights give their output
-columns and row-parallel ones partial sums added over the devices; the logits are the single
-device's de-quantizing path's."""
+columns, row-parallel ones partial sums added over the devices, and replicated ones (an FP8 DeepSeek
+checkpoint's latent-attention projections) the whole product; the logits are the single device's
+de-quantizing path's."""
 
 import json
 import os
@@ -22,19 +23,25 @@ from tests.parallel.worker import allow_concurrent_gpu_interpret
 from tests.tiny_models import tiny_checkpoint
 allow_concurrent_gpu_interpret()
 tokens = np.random.default_rng(5).integers(3, 320, 40).tolist()
-path = tiny_checkpoint("llama")
 out = {}
 for mode in sys.argv[1:]:
-    ref, _ = forward_logits(path, tokens, quantized_matmul="reference", quantization=mode)
+    if mode == "deepseek_v3-fp8":   # q_a_proj kept FP8 (blocks of 32, as the kernel takes) and replicated
+        from tests.models.test_prequantized import checkpoints
+        path = checkpoints("fp8-blocks", "deepseek_v3", ("q_a_proj",), 32, q_lora_rank=32)[0]
+        quantization = "auto"
+    else:
+        path, quantization = tiny_checkpoint("llama"), mode
+    ref, _ = forward_logits(path, tokens, quantized_matmul="reference", quantization=quantization)
     for tp in (1, 2):
         plan = ShardPlan.for_devices(jax.devices()[:tp]) if tp > 1 else ShardPlan()
-        got, loaded = forward_logits(path, tokens, quantized_matmul="pallas", quantization=mode, shard_plan=plan)
+        got, loaded = forward_logits(path, tokens, quantized_matmul="pallas", quantization=quantization,
+                                     shard_plan=plan)
         out[f"{mode} tp={tp}"] = float(np.abs(got - ref).max() / np.abs(ref).max())
 print("RESULT " + json.dumps(out))
 """
 
 
-MODES = ["int8", "int4"]
+MODES = ["int8", "int4", "deepseek_v3-fp8"]
 
 
 @pytest.fixture(scope="module")
