@@ -14,13 +14,14 @@ ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 # the families beyond Llama's (phi3-longrope: long-rope scaling and a partial rotary, short and long prompts)
 FAMILIES = ("phi3", "gemma", "gemma2", "gemma3", "granite", "olmo2", "olmo3", "smollm3", "mixtral", "qwen2_moe",
             "qwen3_moe", "gpt_oss", "exaone4", "ernie4_5", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "granitemoe",
-            "granitemoe_shared")
+            "granitemoe_shared", "ernie4_5_moe")
 _CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
             "gemma": "Gemma", "gemma2": "Gemma2", "gemma3": "Gemma3", "granite": "Granite", "olmo2": "Olmo2",
             "olmo3": "Olmo3", "smollm3": "SmolLM3", "mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe",
             "qwen3_moe": "Qwen3Moe", "gpt_oss": "GptOss", "exaone4": "Exaone4",
             "ernie4_5": "Ernie4_5", "deepseek_v2": "DeepseekV2", "deepseek_v3": "DeepseekV3", "glm4_moe": "Glm4Moe",
-            "glm4_moe_lite": "Glm4MoeLite", "granitemoe": "GraniteMoe", "granitemoe_shared": "GraniteMoeShared"}
+            "glm4_moe_lite": "Glm4MoeLite", "granitemoe": "GraniteMoe", "granitemoe_shared": "GraniteMoeShared",
+            "ernie4_5_moe": "Ernie4_5_Moe"}
 _ROOT = tempfile.mkdtemp(prefix="jaxpaged-tiny-")   # this process's checkpoints, removed when it exits
 atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)
 
@@ -108,6 +109,11 @@ def _config(arch: str, **overrides):
             "sliding_attention", "full_attention", "sliding_attention"], **overrides})
     elif arch == "ernie4_5":   # an interleaved rope, biases on every projection
         cfg = transformers.Ernie4_5Config(**{**common, "head_dim": 16, "use_bias": True, **overrides})
+    elif arch == "ernie4_5_moe":   # interleaved rope, softmax routing steered by a choice bias, a shared expert
+        cfg = transformers.Ernie4_5_MoeConfig(**{**common, "head_dim": 16, "moe_num_experts": 8, "moe_k": 2,
+                                                 "moe_intermediate_size": 48, "moe_num_shared_experts": 1,
+                                                 "moe_layer_start_index": 1, "tie_word_embeddings": False,
+                                                 **overrides})
     elif arch == "smollm3":   # layer 1 without rope (NoPE)
         cfg = transformers.SmolLM3Config(**{**common, "no_rope_layers": [1, 0, 1], **overrides})
     elif arch == "mixtral":

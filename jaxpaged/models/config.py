@@ -36,6 +36,7 @@ SUPPORTED_ARCHITECTURES = (
     "GptOssForCausalLM",
     "Exaone4ForCausalLM",
     "Ernie4_5ForCausalLM",
+    "Ernie4_5_MoeForCausalLM",
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
     "Glm4MoeForCausalLM",
@@ -175,6 +176,9 @@ class ModelConfig:
     router_groups: tuple[int, int] = (1, 1)
     router_group_score: str = "max"
     routed_scaling_factor: float = 1.0
+    # a bias added to the scores the choice is made on, not to the weights (e_score_correction_bias: DeepSeek-V3,
+    # GLM-4.5, ERNIE 4.5 MoE)
+    router_choice_bias: bool = False
     dense_layers: tuple[int, ...] = ()   # layers of an MoE model with a dense MLP (intermediate_size) instead
     moe_bias: bool = False            # gpt-oss: the router and each expert's projections add biases
     # gpt-oss's clamped SwiGLU in the experts: gate <= limit, |up| <= limit, (up + 1) * gate * sigmoid(alpha *

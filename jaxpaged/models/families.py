@@ -18,7 +18,8 @@ Every supported architecture is the same decoder with a few switches, so they al
 - SmolLM3: layers without rope among the rotating ones (NoPE, `nope_layers`).
 - EXAONE 4: OLMo 2's norms with per-head q/k norms, sliding-window layers, the global ones without rope.
 - ERNIE 4.5: biases everywhere (`use_bias`), an interleaved rope (`rope_interleaved`: the loader reorders
-  q/k's dims so that the model's rotate-half rope turns the same pairs).
+  q/k's dims so that the model's rotate-half rope turns the same pairs); its MoE: softmax routing steered by a
+  choice bias, ungated shared experts, dense layers outside moe_layer_start_index..end_index / interval.
 - Mixtral, Qwen2-MoE, Qwen3-MoE: a routed mixture of experts in place of the MLP (top-k of
   `num_experts`, probabilities renormalized or not), Qwen2-MoE's shared expert with its
   sigmoid gate, and dense layers among the sparse ones (`dense_layers`).
@@ -34,7 +35,8 @@ from typing import Any
 from jaxpaged.models import rope
 
 GRANITE_MOE = ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")
-MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM") + GRANITE_MOE
+ERNIE_MOE = "Ernie4_5_MoeForCausalLM"
+MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM", ERNIE_MOE) + GRANITE_MOE
 GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 # multi-head latent attention (jaxpaged.models.mla), each with DeepSeek's mixture of experts
@@ -62,16 +64,31 @@ def sliding_windows(hf_config: Any, architecture: str, num_layers: int) -> tuple
 def moe_fields(hf_config: Any, architecture: str, num_layers: int) -> dict:
     if architecture in DEEPSEEK_MOE:
         return _deepseek_moe_fields(hf_config, architecture, num_layers)
+    if architecture == ERNIE_MOE:
+        if hf_get(hf_config, "use_bias", False):
+            raise ValueError("Ernie4_5_MoeForCausalLM with use_bias=True (a biased LM head) is not supported; the "
+                             "released ERNIE 4.5 MoE checkpoints have none")
+        start, end = (int(hf_get(hf_config, name, default)) for name, default in
+                      (("moe_layer_start_index", 0), ("moe_layer_end_index", -1)))
+        interval, end = int(hf_get(hf_config, "moe_layer_interval", 1)), num_layers - 1 if end == -1 else end
+        inter = int(hf_config.moe_intermediate_size)
+        return dict(num_experts=int(hf_config.moe_num_experts), num_experts_per_tok=int(hf_config.moe_k),
+                    moe_intermediate_size=inter, norm_topk_prob=True, router_choice_bias=True,
+                    shared_expert_size=inter * int(hf_get(hf_config, "moe_num_shared_experts", 0)),
+                    dense_layers=tuple(i for i in range(num_layers)
+                                       if (i + 1) % interval or not start <= i <= end))
     if architecture not in MOE:
         return {}
     if architecture in GRANITE_MOE:   # softmax over the top-k logits: the top-k probabilities renormalized
-        return dict(num_experts=int(hf_config.num_local_experts), num_experts_per_tok=int(hf_config.num_experts_per_tok),
+        return dict(num_experts=int(hf_config.num_local_experts),
+                    num_experts_per_tok=int(hf_config.num_experts_per_tok),
                     moe_intermediate_size=int(hf_config.intermediate_size), norm_topk_prob=True,
                     shared_expert_size=int(hf_get(hf_config, "shared_intermediate_size", 0)))
     if architecture in ("MixtralForCausalLM", "GptOssForCausalLM"):
         gpt_oss = dict(moe_bias=True, swiglu_limit=float(hf_get(hf_config, "swiglu_limit", 7.0)),
                        swiglu_alpha=float(hf_get(hf_config, "swiglu_alpha", 1.702)))
-        return dict(num_experts=int(hf_config.num_local_experts), num_experts_per_tok=int(hf_config.num_experts_per_tok),
+        return dict(num_experts=int(hf_config.num_local_experts),
+                    num_experts_per_tok=int(hf_config.num_experts_per_tok),
                     moe_intermediate_size=int(hf_config.intermediate_size), norm_topk_prob=True,
                     **(gpt_oss if architecture == "GptOssForCausalLM" else {}))
     step = int(hf_get(hf_config, "decoder_sparse_step", 1))
@@ -110,7 +127,8 @@ def _deepseek_moe_fields(hf_config: Any, architecture: str, num_layers: int) -> 
     return dict(num_experts=experts, num_experts_per_tok=int(hf_config.num_experts_per_tok),
                 moe_intermediate_size=int(hf_config.moe_intermediate_size), norm_topk_prob=normalize,
                 shared_expert_size=int(hf_config.moe_intermediate_size) * int(hf_get(hf_config, "n_shared_experts", 0)),
-                dense_layers=dense, router_scoring=scoring, router_groups=(groups, topk_groups),
+                dense_layers=dense, router_scoring=scoring, router_choice_bias=scoring == "sigmoid",
+                router_groups=(groups, topk_groups),
                 router_group_score=group_score,
                 routed_scaling_factor=float(hf_get(hf_config, "routed_scaling_factor", 1.0)))
 
@@ -161,7 +179,7 @@ def family_fields(hf_config: Any, architecture: str, num_layers: int) -> dict:
         return dict(attn_sinks=True)
     if architecture == "Glm4MoeForCausalLM":   # biased q/k/v (not o), per-head q/k norms where use_qk_norm
         return dict(o_bias=False, qk_norm=bool(hf_get(hf_config, "use_qk_norm", False)))
-    if architecture == "Ernie4_5ForCausalLM":
+    if architecture in ("Ernie4_5ForCausalLM", ERNIE_MOE):
         bias = bool(hf_get(hf_config, "use_bias", False))
         return dict(rope_interleaved=True, qkv_bias=bias, o_bias=bias, mlp_bias=bias)
     if architecture == "Exaone4ForCausalLM":   # with sliding windows, the global layers do not rotate

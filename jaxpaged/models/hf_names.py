@@ -44,7 +44,7 @@ def _hf_layer_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
         sources["w_experts_down"] = [mlp + "experts.down_proj.weight"]
         if cfg.shared_expert_gated:
             sources["shared_gate"] = [mlp + "shared_expert_gate.weight"]
-        if cfg.router_scoring == "sigmoid":
+        if cfg.router_choice_bias:
             sources["router_correction"] = [mlp + "gate.e_score_correction_bias"]
         if cfg.moe_bias:
             sources["router_bias"] = [mlp + "gate.bias"]
@@ -81,6 +81,7 @@ _MIXTRAL_EXPERT = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
 _EXPERT_STACK = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)\.(weight|bias)$")
 GPT_OSS = "GptOssForCausalLM"
 GRANITE_MOE = ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")
+ERNIE_MOE = "Ernie4_5_MoeForCausalLM"
 
 
 def hf_reader(cfg: ModelConfig, get: Callable[[str], np.ndarray],
@@ -110,6 +111,9 @@ def hf_reader(cfg: ModelConfig, get: Callable[[str], np.ndarray],
             return name.replace(".mlp.gate.", ".mlp.router."), None
         if arch in GRANITE_MOE:
             return _granite_moe_source(cfg, name, has)
+        if arch == ERNIE_MOE and name.endswith(".mlp.gate.e_score_correction_bias"):   # [1, experts] as released
+            released = name.replace(".mlp.gate.", ".mlp.moe_statics.")
+            return (released if has(released) else name.replace(".gate.", ".gate.moe_statics.")), None
         if arch == "MixtralForCausalLM" and ".mlp." in name:
             moe = name.replace(".mlp.", ".block_sparse_moe.")
             for ours, theirs in _MIXTRAL_EXPERT.items():
@@ -157,6 +161,8 @@ def hf_reader(cfg: ModelConfig, get: Callable[[str], np.ndarray],
         found = stack(name)
         if found is None:
             tensor = get_one(name)
+            if name.endswith("e_score_correction_bias"):   # ERNIE's [1, experts]
+                return tensor.reshape(-1)
             return _rotate_half_order(cfg, name, tensor) if cfg.rope_interleaved else tensor
         prefix, part, fused = found
         if arch == GPT_OSS and not has(fused) and has(fused + "_blocks"):   # MXFP4: [experts, out, in]

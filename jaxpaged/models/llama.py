@@ -71,7 +71,7 @@ def layer_weight_shapes(cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int
         shapes["w_experts_down"] = (e, mi, d)
         if cfg.shared_expert_gated:
             shapes["shared_gate"] = (d, 1)
-        if cfg.router_scoring == "sigmoid":
+        if cfg.router_choice_bias:
             shapes["router_correction"] = (e,)
         if cfg.moe_bias:
             shapes["router_bias"] = (e,)
