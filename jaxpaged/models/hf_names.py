@@ -1,6 +1,7 @@
 """Hugging Face tensor names -> our layer weights: which checkpoint tensors make each engine weight
 (`_hf_layer_sources`, Llama-style names for every family), the reader that serves those names from
-a family's own layout (`hf_reader`: Phi-3's fused tensors, Mixtral's names, expert stacks), and the
+a family's own layout (`hf_reader`: Phi-3's fused tensors, Mixtral's, Granite MoE's and ERNIE MoE's names,
+expert stacks, DeepSeek's kv_b_proj halves, a vision-language checkpoint's language model), and the
 shape and orientation of each part (PyTorch [out, in] -> our [in, out])."""
 
 import re
@@ -72,8 +73,8 @@ def _hf_layer_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
 # [experts, out] (gpt-oss) are stacks of vectors, never transposed
 EXPERT_BIASES = ("b_experts_gate_up", "b_experts_down")
 EXPERT_WEIGHTS = ("w_experts_gate_up", "w_experts_down") + EXPERT_BIASES
-# held in f32 whatever the model's dtype: DeepSeek's expert-choice bias (transformers and vLLM keep it in f32: its
-# entries differ in the third digit, which bfloat16 would round away)
+# held in f32 whatever the model's dtype: the expert-choice bias of DeepSeek-V3, GLM and ERNIE MoE (transformers
+# and vLLM keep it in f32: its entries differ in the third digit, which bfloat16 would round away)
 F32_WEIGHTS = ("router_correction",)
 # the matmul weights `quantization` applies to (routers and gates stay in the model dtype)
 QUANTIZABLE = ("wqkv", "wo", "w_gate_up", "w_down")
@@ -90,7 +91,10 @@ def hf_reader(cfg: ModelConfig, get: Callable[[str], np.ndarray],
     fused qkv_proj and gate_up_proj (sliced), Mixtral's block_sparse_moe names, and expert stacks
     [experts, out, in] (stacked from per-expert tensors, or sliced from transformers 5's fused
     `experts.gate_up_proj` [experts, 2 x inter, hidden] / `experts.down_proj`; gpt-oss's fused
-    [experts, in, out] with gate and up interleaved, its `mlp.router` and the experts' bias stacks)."""
+    [experts, in, out] with gate and up interleaved, its `mlp.router` and the experts' bias stacks; Granite
+    MoE's block_sparse_moe, router and shared_mlp; ERNIE MoE's moe_statics), kv_b_proj's per-head halves for
+    latent attention (`mla.split_kv_b`), an interleaved rope's q/k rows reordered (`_rotate_half_order`), and a
+    vision-language checkpoint's language model under a causal LM's names (`_language_model_names`)."""
     arch = cfg.architecture
     get, has = _language_model_names(get, has)
 
