@@ -42,6 +42,15 @@ class _TaggedReader(ToolCallReader):
     def calls(self, body: str, done: bool) -> list[tuple[str, str]]:
         raise NotImplementedError
 
+    def blocks(self, body: str, done: bool):
+        """Each call's text between `start` and `end` (an XML format's), in turn: the closed ones, and at the
+        end of the output an unclosed last one."""
+        for block in (self.start + body).split(self.start)[1:]:
+            inner, closed, _ = block.partition(self.end)
+            if not closed and not done:
+                return
+            yield inner
+
     def schema_type(self, function: str, parameter: str) -> str | None:
         """The offered tool's JSON-schema type of `parameter` (None if not given)."""
         for tool in self.tools:
@@ -177,10 +186,7 @@ class Glm45Reader(_TaggedReader):
 
     def calls(self, body, done):
         calls = []
-        for block in (self.start + body).split(self.start)[1:]:
-            inner, closed, _ = block.partition(self.end)
-            if not closed and not done:
-                break
+        for inner in self.blocks(body, done):
             name = inner.split("<arg_key>", 1)[0].strip()
             if name:
                 calls.append((name, json.dumps({k.strip(): self.typed(name, k.strip(), v)
@@ -199,10 +205,7 @@ class Qwen3CoderReader(_TaggedReader):
 
     def calls(self, body, done):
         calls = []
-        for block in (self.start + body).split(self.start)[1:]:
-            inner, closed, _ = block.partition(self.end)
-            if not closed and not done:
-                break
+        for inner in self.blocks(body, done):
             for name, params in self.function.findall(inner):
                 name = name.strip()
                 arguments = {k.strip(): self.typed(name, k.strip(), _strip_newline(v))
