@@ -18,6 +18,7 @@ reader because the server keeps special tokens in the text of "auto" tool-choice
 left out of its text all the same (jaxpaged.engine.output_processor).
 """
 
+import abc
 import ast
 import json
 import logging
@@ -39,8 +40,9 @@ class _TaggedReader(ToolCallReader):
             return text[:len(text) - (0 if done else _held_back(text, self.start))], []
         return text[:first], self.calls(text[first + len(self.start):], done)
 
+    @abc.abstractmethod
     def calls(self, body: str, done: bool) -> list[tuple[str, str]]:
-        raise NotImplementedError
+        """[(name, arguments JSON)] of the calls whole so far in `body` (the text after `start`)."""
 
     def blocks(self, body: str, done: bool):
         """Each call's text between `start` and `end` (an XML format's), in turn: the closed ones, and at the

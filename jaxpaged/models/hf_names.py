@@ -11,6 +11,7 @@ import numpy as np
 
 from jaxpaged.models import mla
 from jaxpaged.models.config import ModelConfig
+from jaxpaged.models.families import ERNIE_MOE, GRANITE_MOE
 from jaxpaged.models.prequantized import mxfp4_dequantize
 from jaxpaged.models.quantization import HostQuantized
 
@@ -81,8 +82,6 @@ QUANTIZABLE = ("wqkv", "wo", "w_gate_up", "w_down")
 _MIXTRAL_EXPERT = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
 _EXPERT_STACK = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)\.(weight|bias)$")
 GPT_OSS = "GptOssForCausalLM"
-GRANITE_MOE = ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")
-ERNIE_MOE = "Ernie4_5_MoeForCausalLM"
 
 
 def hf_reader(cfg: ModelConfig, get: Callable[[str], np.ndarray],

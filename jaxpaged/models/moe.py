@@ -98,8 +98,8 @@ def route(x: jax.Array, router: jax.Array, routing: Routing, bias: jax.Array | N
         choice = jnp.where(jnp.repeat(keep, choice.shape[1] // groups, axis=1), choice, -jnp.inf)
     _, ids = jax.lax.top_k(choice, routing.top_k)
     weights = jnp.take_along_axis(scores, ids, axis=-1)
-    if routing.normalize:
-        weights = weights / (weights.sum(axis=-1, keepdims=True) + (1e-20 if routing.scoring == "sigmoid" else 0.0))
+    if routing.normalize:   # (the epsilon: transformers' DeepSeek-V3 and GLM, below f32's resolution of other sums)
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
     return (weights * routing.scale).astype(x.dtype), ids.astype(jnp.int32)
 
 
@@ -200,7 +200,7 @@ def moe_mlp(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.A
     """x [tokens, hidden] -> the routed experts' weighted sum [tokens, hidden]. `plan` (a ShardPlan
     with a mesh): the experts are sharded over its model axis (expert parallelism). `act`: see _gated;
     the biases (gpt-oss): the router's [experts] and the experts' (module docstring), or None;
-    `router_correction` [experts]: DeepSeek-V3's choice bias (`route`), or None."""
+    `router_correction` [experts]: the choice bias of DeepSeek-V3, GLM or ERNIE MoE (`route`), or None."""
     weights, ids = route(x, router, routing, router_bias, router_correction)
     biases = () if b_gate_up is None else (b_gate_up, b_down)
     fn = _dense_moe if impl == "dense" else functools.partial(_sparse_moe, impl=impl)
