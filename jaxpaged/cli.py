@@ -78,7 +78,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                         help="a thinking model's <think> ... </think>: the server's chat answers carry it as "
                              "`reasoning` (and `reasoning_content`), and structured outputs constrain what "
-                             "follows it: deepseek_r1 (R1 and its distills, QwQ), qwen3")
+                             "follows it: deepseek_r1 (R1 and its distills, QwQ), qwen3, ...; openai_gptoss "
+                             "(harmony's channels) is gpt-oss' default")
     parser.add_argument("--profiler-config", default=None, metavar="JSON",
                         help='{"profiler": "jax", "profiler_dir": DIR}: the server gets POST /start_profile and '
                              "/stop_profile, which trace the engine with JAX's profiler into DIR")

@@ -9,16 +9,28 @@ written between <think> and </think>, and its answer, whole (`extract`) or as it
                   {"thinking": true} (V3.1), else all answer  (V3.1's thinking is off by default)
     glm45         as qwen3 (GLM-4.5 to 4.7; 4.7's template    as qwen3
                   writes <think> into the prompt)
+    openai_gptoss harmony's channels (gpt-oss; the default     what it wrote: analysis is reasoning, final
+                  for its checkpoints): jaxpaged.harmony       and preambles are content
 
 The opening <think> may be the model's or the chat template's (in the prompt): a leading one is dropped.
-Both work on text, so the tags must survive decoding (they are not special tokens in these models'
-tokenizers). A streamed output always reassembles to the whole one: `extract` is the stream fed at once.
+All work on text, so the tags must survive decoding (they are not special tokens in the <think> models'
+tokenizers; harmony's are, and the server keeps them in a chat answer's text: READS_SPECIAL_TOKENS).
+A streamed output always reassembles to the whole one: `extract` is the stream fed at once.
 """
 
 from __future__ import annotations
 
-REASONING_PARSERS = ("deepseek_r1", "deepseek_v3", "glm45", "qwen3")
+from jaxpaged import harmony
+
+REASONING_PARSERS = ("deepseek_r1", "deepseek_v3", "glm45", "openai_gptoss", "qwen3")
 START, END = "<think>", "</think>"
+READS_SPECIAL_TOKENS = {"openai_gptoss"}
+
+
+def reasoning_tags(name: str) -> tuple[str, str]:
+    """The text that opens and the text that closes a parser's reasoning (structured outputs wait for the
+    second; a prompt where it comes last starts with the answer)."""
+    return harmony.REASONING_TAGS if name == "openai_gptoss" else (START, END)
 
 
 class ReasoningParser:
@@ -39,8 +51,8 @@ class ReasoningParser:
         reasoning, answer = stream.feed(text, done=True)
         return reasoning or None, answer or None
 
-    def stream(self) -> ReasoningStream:
-        return ReasoningStream(self.thinking)
+    def stream(self) -> ReasoningStream | harmony.HarmonyStream:
+        return harmony.HarmonyStream() if self.name == "openai_gptoss" else ReasoningStream(self.thinking)
 
 
 class ReasoningStream:
@@ -52,6 +64,11 @@ class ReasoningStream:
         self.began = not thinking   # past the point where a leading <think> is dropped
         self.held = ""
         self.answer = ""
+
+    @property
+    def final(self) -> str:
+        """What structured outputs constrained (the answer; harmony's final channel): forced calls are read here."""
+        return self.answer
 
     def feed(self, text: str, done: bool) -> tuple[str, str]:
         text, self.held = self.held + text, ""

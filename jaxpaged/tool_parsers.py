@@ -13,8 +13,8 @@ answer always reassembles to the whole one.
     named         the arguments object itself (forced by grammar)        tool_choice {"function": ...}
 
 Mistral's, the pythonic one (Llama 3.2 / 4), DeepSeek-V3's and V3.1's, GLM-4.5's and Qwen3-Coder's are in
-`jaxpaged.tool_formats`. More formats: subclass ToolCallReader and decorate with
-`@register_tool_parser("name")`.
+`jaxpaged.tool_formats`; gpt-oss' (`openai`, harmony's channels) in `jaxpaged.harmony`. More formats:
+subclass ToolCallReader and decorate with `@register_tool_parser("name")`.
 """
 
 import abc
@@ -71,6 +71,9 @@ class ToolCallReader(abc.ABC):
     # the format's tags are special tokens in its models' tokenizers: an "auto" tool-choice request's text
     # keeps special tokens unless the request says otherwise (as vLLM's parsers' adjust_request)
     keeps_special_tokens = False
+    # the reader takes the whole output, reasoning included, and says what of it is content (harmony's); else
+    # it reads what a reasoning parser left as the answer, and an output without calls is all content
+    reads_whole_output = False
 
     def __init__(self, tools: list[dict] | None = None):
         self.tools = tools or []
@@ -84,7 +87,7 @@ class ToolCallReader(abc.ABC):
 
     def _read(self, text: str, done: bool) -> tuple[str, list[tuple[str, str]]]:
         content, calls = self.parse(text, done)
-        if done and not calls:   # nothing was called: all of it is content
+        if done and not calls and not self.reads_whole_output:   # nothing was called: all of it is content
             content = text
         self.called_tools = self.called_tools or bool(calls)
         return content, calls
@@ -93,7 +96,7 @@ class ToolCallReader(abc.ABC):
         """The whole output read at once."""
         content, calls = self._read(text, done=True)
         if not calls:
-            return ExtractedToolCalls(text, [])
+            return ExtractedToolCalls(content, [])
         return ExtractedToolCalls(content or None, [ToolCall(name, arguments) for name, arguments in calls])
 
     def feed(self, text: str, done: bool) -> list[dict]:
@@ -229,4 +232,5 @@ class NamedFunctionReader(ToolCallReader):
         return "", [(self.name, text)] if text else []
 
 
-importlib.import_module("jaxpaged.tool_formats")   # registers the formats it defines (it imports this module)
+for _module in ("jaxpaged.tool_formats", "jaxpaged.harmony"):   # register the formats they define (they import this)
+    importlib.import_module(_module)

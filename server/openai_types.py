@@ -201,6 +201,8 @@ class ChatCompletionRequest(_Request):
     add_generation_prompt: bool | None = None   # vLLM's
     chat_template_kwargs: dict[str, Any] | None = None   # vLLM's: more variables for the template (enable_thinking)
     include_reasoning: bool | None = None   # vLLM's: false drops the reasoning (--reasoning-parser) from the answer
+    # to the template as `reasoning_effort` (gpt-oss' "Reasoning: low"), over chat_template_kwargs' (as vLLM)
+    reasoning_effort: Literal["none", "low", "medium", "high"] | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description='"none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
@@ -217,7 +219,6 @@ class ChatCompletionRequest(_Request):
     audio: None = _unsupported()
     modalities: list[Literal["text"]] | None = _unsupported('["text"]')
     prediction: None = _unsupported()
-    reasoning_effort: Literal["none"] | None = _unsupported('"none"')
     verbosity: Literal["medium"] | None = _unsupported('"medium" (the default)')
     service_tier: Literal["auto", "default"] | None = _unsupported('"auto" or "default"')
     store: Literal[False] | None = _unsupported("false")

@@ -66,6 +66,8 @@ class ParsedRequest:
     # chat: the output's text keeps special tokens unless the request sets skip_special_tokens (an "auto"
     # tool-call parser whose tags are special tokens: tools.plan_tools)
     keep_special_tokens: bool = False
+    # chat: the reasoning parser reads special tokens (harmony's): kept whatever skip_special_tokens says
+    read_special_tokens: bool = False
 
 
 def brief_repr(value) -> str:
@@ -185,6 +187,9 @@ def parse_chat_request(body: dict) -> ParsedRequest:
     choice = request.tool_choice
     req.tool_choice = choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
     req.parallel_tool_calls = request.parallel_tool_calls is not False
+    effort = request.reasoning_effort
+    if effort is not None:   # a template variable (gpt-oss' "Reasoning: high"), as vLLM passes it
+        request.chat_template_kwargs = {**(request.chat_template_kwargs or {}), "reasoning_effort": effort}
     return req
 
 
@@ -210,8 +215,10 @@ def _message_dict(message: Message) -> dict:
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
     reasoning = message.reasoning_content if message.reasoning_content is not None else message.reasoning
-    if reasoning is not None:
-        out["reasoning_content"] = reasoning
+    if reasoning is not None:   # under the names templates read: Qwen3's, and gpt-oss' (which refuses text and
+        out["reasoning_content"] = reasoning   # thinking both beside tool calls: the text is kept, as it shows)
+        if not (message.tool_calls and content):
+            out["thinking"] = reasoning
     return out
 
 
@@ -239,7 +246,9 @@ def build_sampling_params(req: ParsedRequest, prompt_len: int, max_model_len: in
                             f"{max_tokens} in the completion). Reduce the length of the {prompt_param} or "
                             f"{req.max_tokens_param}.", req.max_tokens_param, "context_length_exceeded")
     kwargs = {k: getattr(req.request, k) for k in _SAMPLING_KEYS if getattr(req.request, k) is not None}
-    if req.keep_special_tokens:
+    if req.read_special_tokens:
+        kwargs["skip_special_tokens"] = False
+    elif req.keep_special_tokens:
         kwargs.setdefault("skip_special_tokens", False)
     structured = req.tool_constraint if req.tool_constraint is not None else _structured_outputs(req.request)
     if structured is not None:

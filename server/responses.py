@@ -109,12 +109,17 @@ class Reply:
 
     def answer(self, text: str) -> tuple[str | None, str | None, list, object]:
         """A whole chat answer as (reasoning, content, tool calls, the reader that read them or None)."""
-        reasoning, content = self.reasoning.extract(text) if self.reasoning is not None else (None, text)
+        thought, reasoning, content = None, None, text
+        if self.reasoning is not None:
+            thought = self.reasoning.stream()
+            reasoning, content = (part or None for part in thought.feed(text, done=True))
         if self.tool_reader is None:
             return reasoning, content, [], None
         reader = self.tool_reader()
-        extracted = reader.extract(content or "")
+        extracted = reader.extract(_tool_text(reader, text, thought))
         calls = extracted.tool_calls[:self.max_calls]
+        if reader.reads_whole_output:   # its content is the answer's (harmony's: without the calls' messages)
+            return reasoning, extracted.content or None, calls, reader
         return reasoning, extracted.content if calls else content, calls, reader
 
     def answer_fragments(self, cursor: _Cursor, text: str, done: bool) -> tuple[str | None, list[dict]]:
@@ -124,8 +129,8 @@ class Reply:
             cursor.reader = self.tool_reader()
         reasoning, _ = self._thought(cursor, text[cursor.chars:], done)
         cursor.chars = len(text)
-        content = text if cursor.thought is None else cursor.thought.answer   # the calls are read in the content
-        return reasoning, [f for f in cursor.reader.feed(content, done) if self.max_calls is None
+        fragments = cursor.reader.feed(_tool_text(cursor.reader, text, cursor.thought), done)
+        return reasoning, [f for f in fragments if self.max_calls is None
                            or all(t["index"] < self.max_calls for t in f.get("tool_calls", []))]
 
     def _reasoning_fields(self, reasoning: str | None) -> dict:
@@ -284,3 +289,10 @@ class Reply:
 
 def internal_error(exc: Exception) -> P.APIError:
     return P.APIError(500, f"internal error: {type(exc).__name__}: {exc}", None, "internal_error", "server_error")
+
+
+def _tool_text(reader, text: str, thought) -> str:
+    """What a tool-call reader reads of an answer so far: all of it (harmony's reader, or no reasoning parser),
+    else what the reasoning parser left: the text its structured outputs constrained (after </think>;
+    harmony's final channel, without preambles), where a forced call's grammar wrote it."""
+    return text if reader.reads_whole_output or thought is None else thought.final

@@ -17,7 +17,7 @@ import copy
 import threading
 import uuid
 
-from jaxpaged.reasoning import END
+from jaxpaged.reasoning import reasoning_tags
 from jaxpaged.server import protocol as P
 from jaxpaged.server.openai_types import _Request
 from jaxpaged.server.responses import Reply, _Cursor, event, internal_error, logger, merge
@@ -97,7 +97,8 @@ def chat_body(req: ResponsesRequest, messages: list[dict]) -> dict:
     if req.instructions is not None:
         messages = [{"role": "system", "content": req.instructions}, *messages]
     body.update(messages=messages, model=req.model, stream=req.stream, max_completion_tokens=req.max_output_tokens,
-                temperature=req.temperature, top_p=req.top_p, parallel_tool_calls=req.parallel_tool_calls)
+                temperature=req.temperature, top_p=req.top_p, parallel_tool_calls=req.parallel_tool_calls,
+                reasoning_effort=req.reasoning.effort if req.reasoning is not None else None)
     if req.tools is not None:
         body["tools"] = [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
                          for tool in req.tools]
@@ -161,7 +162,8 @@ class ResponsesReply(Reply):
         self.responses, self.history = responses, history
         self.id = "resp_" + request_id.split("-", 1)[-1]
         tokenizer = server.tokenizer
-        self.end_ids = list(tokenizer.encode(END, add_special_tokens=False)) if tokenizer and self.reasoning else None
+        self.end_ids = list(tokenizer.encode(reasoning_tags(self.reasoning.name)[1], add_special_tokens=False)) \
+            if tokenizer and self.reasoning else None
         self.sequence = 0
 
     # ---- the response object ----
@@ -186,11 +188,13 @@ class ResponsesReply(Reply):
                 "parallel_tool_calls": r.parallel_tool_calls is not False,
                 "text": r.text.model_dump(by_alias=True, exclude_none=True) if r.text else {"format": {"type": "text"}},
                 "previous_response_id": r.previous_response_id, "store": r.store is not False,
-                "metadata": r.metadata, "user": r.user}
+                "metadata": r.metadata, "user": r.user,
+                "reasoning": r.reasoning.model_dump() if r.reasoning is not None else None}
         return ResponseObject.model_validate(body).model_dump(mode="json")
 
     def _reasoning_tokens(self, token_ids: list[int]) -> int:
-        """The output's tokens up to and including </think> (all of them when it never ended)."""
+        """The output's tokens up to and including </think> (harmony's final header; all of them when it never
+        ended)."""
         if not self.end_ids:
             return 0
         n = len(self.end_ids)

@@ -99,6 +99,13 @@ class TextConfig(_Strict):
     verbosity: Literal["medium"] | None = _unsupported('"medium"')
 
 
+class ReasoningConfig(_Strict):
+    """How much to think: `effort` goes to the template as `reasoning_effort` (gpt-oss' "Reasoning: low");
+    no summary is written (a reasoning item's `summary` stays empty), whatever `summary` asks."""
+    effort: Literal["none", "low", "medium", "high"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+
+
 class ResponsesRequest(_Strict):
     """POST /v1/responses. Besides OpenAI's fields, vLLM's sampling fields pass through to the engine as on
     /v1/chat/completions (top_k, seed, stop, logit_bias, structured_outputs, chat_template_kwargs, ...)."""
@@ -129,7 +136,7 @@ class ResponsesRequest(_Strict):
     truncation: Literal["disabled"] | None = _unsupported('"disabled"')
     background: Literal[False] | None = _unsupported("false")
     include: Annotated[list[Any], Field(max_length=0)] | None = _unsupported("[]")
-    reasoning: None = _unsupported()
+    reasoning: ReasoningConfig | None = None
     max_tool_calls: None = _unsupported()
     top_logprobs: Literal[0] | None = _unsupported("0")
     prompt: None = _unsupported()
@@ -224,3 +231,4 @@ class ResponseObject(_Out):
     store: bool
     metadata: dict[str, str] | None
     user: str | None
+    reasoning: dict[str, Any] | None = None

@@ -10,7 +10,7 @@ engine, and how its output is read back as OpenAI tool calls.
 "required" and named choices are enforced by the grammar, so any model, whatever its chat
 template knows of tools, returns well-formed calls of the offered functions. "auto" needs
 `--enable-auto-tool-choice --tool-call-parser NAME` (as in vLLM): the parser reads the
-model's own format (Hermes' <tool_call> tags, Llama 3's JSON, Mistral's, DeepSeek's, GLM's, ...).
+model's own format (Hermes' <tool_call> tags, Llama 3's JSON, Mistral's, DeepSeek's, GLM's, gpt-oss' harmony, ...).
 """
 
 import json

@@ -57,8 +57,8 @@ def test_a_partial_tag_is_held_back_until_it_is_known():
 
 
 def test_an_unknown_parser_is_named():
-    with pytest.raises(ValueError, match="reasoning_parser must be one of deepseek_r1, deepseek_v3, glm45, qwen3, "
-                                         "got 'r2'"):
+    with pytest.raises(ValueError, match="reasoning_parser must be one of deepseek_r1, deepseek_v3, glm45, "
+                                         "openai_gptoss, qwen3, got 'r2'"):
         ReasoningParser("r2")
 
 

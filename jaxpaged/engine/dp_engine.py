@@ -39,9 +39,9 @@ def make_engine(args: EngineArgs, use_tqdm: bool = True):
 
 class DataParallelEngine:
     def __init__(self, args: EngineArgs, use_tqdm: bool = True):
-        self.args = args
         self.engines = [LLMEngine(args, use_tqdm=use_tqdm, data_rank=r) for r in range(args.data_parallel_size)]
         first = self.engines[0]
+        self.args = first.args   # with what the replicas resolved (runner, reasoning_parser)
         self.model_config = first.model_config
         self.max_model_len = first.max_model_len
         self.num_blocks = first.num_blocks          # per replica

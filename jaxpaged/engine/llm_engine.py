@@ -42,6 +42,7 @@ from jaxpaged.engine.pooling import Pooling, no_pooling_params
 from jaxpaged.engine.profiler import Profiler, ProfilerConfig
 from jaxpaged.engine.startup import (build_draft_proposer, build_runner, build_scheduler, load_draft_model,
                                      load_model_and_tokenizer)
+from jaxpaged.harmony import speaks_harmony
 from jaxpaged.runner.structured_outputs import GrammarCompiler
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.pooling_params import resolve_runner
@@ -70,6 +71,9 @@ class LLMEngine(ResearchMixin):
         if runner != args.runner:
             args = self.args = dataclasses.replace(args, runner=runner)
         self.model_config = self.loaded.config
+        if args.reasoning_parser is None and self.model_config.architecture == "GptOssForCausalLM" \
+                and speaks_harmony(self.tokenizer):   # vLLM's default for gpt-oss
+            args = self.args = dataclasses.replace(args, reasoning_parser="openai_gptoss")
         self.paused = False            # pause_generation(): step() runs nothing
         self._weight_targets = None    # update_weights: Hugging Face name -> where it lives
         spec = SpeculativeConfig.parse(args.speculative_config)

@@ -12,9 +12,10 @@ A request's matcher advances on each of its tokens as the engine applies them; p
 keeps it (recompute re-prefills tokens the matcher already consumed; nothing rolls back).
 
 With a reasoning parser (EngineArgs.reasoning_parser, vLLM's), a thinking model thinks first: its
-matcher (AfterReasoning) allows every token until the output holds the end-of-reasoning tag's tokens,
-and the constraint applies to what follows; a prompt whose reasoning already ended (Qwen3's template
-with enable_thinking=False writes <think></think>) is constrained from its first token.
+matcher (AfterReasoning) allows every token until the output holds the end-of-reasoning tag's tokens
+(</think>; gpt-oss' final channel header), and the constraint applies to what follows; a prompt whose
+reasoning already ended (Qwen3's template with enable_thinking=False writes <think></think>) is
+constrained from its first token.
 
 Bad words of several tokens ride the same mask: the row of a request whose output ends with all but
 the last token of one has that token's bit cleared (a word of one token is banned on the device
@@ -42,8 +43,9 @@ class GrammarCompiler:
         self._ll_tokenizer = None
         self.reasoning_tags = None   # (start, end) token ids of the reasoning parser's tags
         if reasoning_parser is not None and tokenizer is not None:
-            from jaxpaged.reasoning import END, START
-            self.reasoning_tags = tuple(tuple(tokenizer.encode(tag, add_special_tokens=False)) for tag in (START, END))
+            from jaxpaged.reasoning import reasoning_tags
+            self.reasoning_tags = tuple(tuple(tokenizer.encode(tag, add_special_tokens=False))
+                                        for tag in reasoning_tags(reasoning_parser))
 
     def _ll(self):
         if self._ll_tokenizer is None:

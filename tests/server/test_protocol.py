@@ -70,7 +70,7 @@ def test_a_bad_chat_field_is_named_with_its_value_and_what_is_allowed(extra, par
 
 
 @pytest.mark.parametrize("name, value", [("functions", [{"name": "f"}]), ("function_call", "f"), ("audio", {}),
-                                         ("store", True), ("modalities", ["audio"]), ("reasoning_effort", "high")])
+                                         ("store", True), ("modalities", ["audio"]), ("verbosity", "high")])
 def test_an_unimplemented_openai_field_is_refused_unless_it_asks_for_nothing(name, value):
     error = refused(P.parse_chat_request, {"messages": HI, name: value})
     assert error.param == name and error.code == "unsupported_parameter"
