@@ -9,6 +9,9 @@ written between <think> and </think>, and its answer, whole (`extract`) or as it
                   {"thinking": true} (V3.1), else all answer  (V3.1's thinking is off by default)
     glm45         as qwen3 (GLM-4.5 to 4.7; 4.7's template    as qwen3
                   writes <think> into the prompt)
+    minimax_m2    as deepseek_r1 (MiniMax-M2)                 reasoning
+    seed_oss      as deepseek_r1, between <seed:think> and    reasoning
+                  </seed:think> (Seed-OSS)
     openai_gptoss harmony's channels (gpt-oss; the default     what it wrote: analysis is reasoning, final
                   for its checkpoints): jaxpaged.harmony       and preambles are content
 
@@ -22,15 +25,16 @@ from __future__ import annotations
 
 from jaxpaged import harmony
 
-REASONING_PARSERS = ("deepseek_r1", "deepseek_v3", "glm45", "openai_gptoss", "qwen3")
+REASONING_PARSERS = ("deepseek_r1", "deepseek_v3", "glm45", "minimax_m2", "openai_gptoss", "qwen3", "seed_oss")
 START, END = "<think>", "</think>"
+_TAGS = {"openai_gptoss": harmony.REASONING_TAGS, "seed_oss": ("<seed:think>", "</seed:think>")}
 READS_SPECIAL_TOKENS = {"openai_gptoss"}
 
 
 def reasoning_tags(name: str) -> tuple[str, str]:
     """The text that opens and the text that closes a parser's reasoning (structured outputs wait for the
     second; a prompt where it comes last starts with the answer)."""
-    return harmony.REASONING_TAGS if name == "openai_gptoss" else (START, END)
+    return _TAGS.get(name, (START, END))
 
 
 class ReasoningParser:
@@ -52,14 +56,17 @@ class ReasoningParser:
         return reasoning or None, answer or None
 
     def stream(self) -> ReasoningStream | harmony.HarmonyStream:
-        return harmony.HarmonyStream() if self.name == "openai_gptoss" else ReasoningStream(self.thinking)
+        if self.name == "openai_gptoss":
+            return harmony.HarmonyStream()
+        return ReasoningStream(self.thinking, *reasoning_tags(self.name))
 
 
 class ReasoningStream:
     """One streamed output: `feed(new_text, done)` -> (new reasoning, new answer); text that may still
     become a tag is held back until the next feed (or `done`). `answer` is the answer so far."""
 
-    def __init__(self, thinking: bool):
+    def __init__(self, thinking: bool, start: str = START, end: str = END):
+        self.start, self.end = start, end
         self.in_reasoning = thinking
         self.began = not thinking   # past the point where a leading <think> is dropped
         self.held = ""
@@ -75,19 +82,19 @@ class ReasoningStream:
         reasoning = ""
         if self.in_reasoning and not self.began:
             body = text.lstrip()
-            if body.startswith(START):
-                text, self.began = body[len(START):], True
-            elif START.startswith(body) and not done:   # whitespace, or "<thi": wait for more
+            if body.startswith(self.start):
+                text, self.began = body[len(self.start):], True
+            elif self.start.startswith(body) and not done:   # whitespace, or "<thi": wait for more
                 self.held = text
                 return "", ""
             else:
                 self.began = True
         if self.in_reasoning:
-            end = text.find(END)
+            end = text.find(self.end)
             if end >= 0:
-                reasoning, text, self.in_reasoning = text[:end], text[end + len(END):], False
+                reasoning, text, self.in_reasoning = text[:end], text[end + len(self.end):], False
             else:
-                keep = 0 if done else _partial_suffix(text, END)
+                keep = 0 if done else _partial_suffix(text, self.end)
                 reasoning, self.held, text = text[:len(text) - keep], text[len(text) - keep:], ""
         self.answer += text
         return reasoning, text

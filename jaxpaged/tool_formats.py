@@ -8,6 +8,8 @@
     deepseek_v31   <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>name<｜tool▁sep｜>{...}<｜tool▁call▁end｜>...
     glm45          <tool_call>name\\n<arg_key>k</arg_key>\\n<arg_value>v</arg_value>\\n</tool_call>
     qwen3_coder    <tool_call>\\n<function=name>\\n<parameter=k>\\nv\\n</parameter>\\n</function>\\n</tool_call>
+    seed_oss       qwen3_coder's between <seed:tool_call> and </seed:tool_call>
+    minimax_m2     <minimax:tool_call>\\n<invoke name="f">\\n<parameter name="k">v</parameter>\\n</invoke>\\n...
 
 The content is the text before the first call. A call is reported once it is whole (its closing tag, or
 the end of the output), with its arguments as one JSON object; the XML formats' values are typed by the
@@ -213,6 +215,31 @@ class Qwen3CoderReader(_TaggedReader):
                 arguments = {k.strip(): self.typed(name, k.strip(), _strip_newline(v))
                              for k, v in self.parameter.findall(params)}
                 calls.append((name, json.dumps(arguments, ensure_ascii=False)))
+        return calls
+
+
+@register_tool_parser("seed_oss")
+class SeedOssReader(Qwen3CoderReader):
+    """Seed-OSS's: Qwen3-Coder's XML between `<seed:tool_call>` and `</seed:tool_call>`."""
+    start, end = "<seed:tool_call>", "</seed:tool_call>"
+    keeps_special_tokens = True
+
+
+@register_tool_parser("minimax_m2")
+class MiniMaxM2Reader(_TaggedReader):
+    """MiniMax-M2's: `<minimax:tool_call>` then `<invoke name="f"><parameter name="k">v</parameter></invoke>`
+    per call, then `</minimax:tool_call>`."""
+    start, end = "<minimax:tool_call>", "</minimax:tool_call>"
+    invoke = re.compile(r'<invoke name="([^"]*)">(.*?)(?:</invoke>|$)', re.DOTALL)
+    parameter = re.compile(r'<parameter name="([^"]*)">(.*?)(?:</parameter>|(?=<parameter )|$)', re.DOTALL)
+
+    def calls(self, body, done):
+        calls = []
+        for inner in self.blocks(body, done):
+            for name, params in self.invoke.findall(inner):
+                arguments = {k.strip(): self.typed(name, k.strip(), _strip_newline(v))
+                             for k, v in self.parameter.findall(params)}
+                calls.append((name.strip(), json.dumps(arguments, ensure_ascii=False)))
         return calls
 
 

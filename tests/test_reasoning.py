@@ -24,6 +24,10 @@ from jaxpaged.reasoning import ReasoningParser
     ("glm45", None, "<think>Plan.</think>Done.", ("Plan.", "Done.")),
     ("glm45", None, "Plan.</think>Done.", ("Plan.", "Done.")),   # GLM-4.7: <think> in the prompt
     ("glm45", {"enable_thinking": False}, "Straight to it.", (None, "Straight to it.")),
+    ("minimax_m2", None, "Plan.</think>\n\nDone.", ("Plan.", "\n\nDone.")),
+    ("seed_oss", None, "<seed:think>Budget 512.</seed:think>Answer.", ("Budget 512.", "Answer.")),
+    ("seed_oss", None, "cut short <seed:th", ("cut short <seed:th", None)),
+    ("seed_oss", None, "a </think> is no end here", ("a </think> is no end here", None)),
 ])
 def test_whole_outputs_split_at_the_tags(name, kwargs, text, want):
     assert ReasoningParser(name, kwargs).extract(text) == want
@@ -32,9 +36,10 @@ def test_whole_outputs_split_at_the_tags(name, kwargs, text, want):
 @pytest.mark.parametrize("seed", range(30))
 def test_a_stream_in_random_pieces_reassembles_to_the_whole(seed):
     rng = random.Random(seed)
-    name = rng.choice(["qwen3", "deepseek_r1", "glm45"])
-    parts = [rng.choice(["", " ", "\n", "<think>"]), "reason < ing </", "thin", "k> " * rng.randint(0, 1),
-             rng.choice(["</think>", "</th", ""]), "ans<wer", rng.choice(["</think>", "<", ""])]
+    name = rng.choice(["qwen3", "deepseek_r1", "glm45", "seed_oss"])
+    start, end = ("<seed:think>", "</seed:think>") if name == "seed_oss" else ("<think>", "</think>")
+    parts = [rng.choice(["", " ", "\n", start]), "reason < ing </", "thin", "k> " * rng.randint(0, 1),
+             rng.choice([end, end[:4], ""]), "ans<wer", rng.choice([end, "<", ""])]
     text = "".join(parts)
     cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, min(8, len(text) - 1))))
     pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
@@ -58,7 +63,7 @@ def test_a_partial_tag_is_held_back_until_it_is_known():
 
 def test_an_unknown_parser_is_named():
     with pytest.raises(ValueError, match="reasoning_parser must be one of deepseek_r1, deepseek_v3, glm45, "
-                                         "openai_gptoss, qwen3, got 'r2'"):
+                                         "minimax_m2, openai_gptoss, qwen3, seed_oss, got 'r2'"):
         ReasoningParser("r2")
 
 

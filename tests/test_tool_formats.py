@@ -1,6 +1,6 @@
-"""The tool-call formats of Mistral, Llama 3.2 / 4 (pythonic), DeepSeek-V3 / V3.1, GLM-4.5 and Qwen3-Coder:
-what each reads out of a whole output, the same calls and content from any chunking of it as it streams,
-and the XML formats' values typed by the offered tool's schema."""
+"""The tool-call formats of Mistral, Llama 3.2 / 4 (pythonic), DeepSeek-V3 / V3.1, GLM-4.5, Qwen3-Coder,
+Seed-OSS and MiniMax-M2: what each reads out of a whole output, the same calls and content from any
+chunking of it as it streams, and the XML formats' values typed by the offered tool's schema."""
 
 import json
 
@@ -35,6 +35,12 @@ CASES = [
     ("qwen3_coder", "On it.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
                     "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
      "On it.\n", [("get_weather", {"city": "New York", "days": 3})]),
+    ("seed_oss", "<seed:tool_call>\n<function=get_weather>\n<parameter=city>Rome</parameter>\n<parameter=days>2"
+                 "</parameter>\n</function>\n</seed:tool_call>", None, [("get_weather", {"city": "Rome", "days": 2})]),
+    ("minimax_m2", 'Sure.\n<minimax:tool_call>\n<invoke name="get_weather">\n'
+                   '<parameter name="city">Paris</parameter>\n<parameter name="days">3</parameter>\n</invoke>\n<invoke name="get_time">\n</invoke>\n'
+                   "</minimax:tool_call>", "Sure.\n",
+     [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {})]),
 ]
 
 
@@ -44,6 +50,9 @@ def test_whole_and_streamed_outputs_read_the_same(name, text, content, calls):
 
 
 @pytest.mark.parametrize("name, text", [
+    ("minimax_m2", '<minimax:tool_call><invoke name="get_weather"><parameter name="units">42</parameter>'
+                   '<parameter name="days">4</parameter><parameter name="extra">{"a": [1]}</parameter></invoke>'
+                   "</minimax:tool_call>"),
     ("glm45", "<tool_call>get_weather\n<arg_key>units</arg_key>\n<arg_value>42</arg_value>\n"
               "<arg_key>days</arg_key>\n<arg_value>4</arg_value>\n<arg_key>extra</arg_key>\n"
               '<arg_value>{"a": [1]}</arg_value>\n</tool_call>'),
@@ -57,7 +66,7 @@ def test_xml_values_are_typed_by_the_tools_schema(name, text):
 
 
 def test_special_token_formats_ask_the_server_to_keep_special_tokens():
-    for name in ("mistral", "glm45", "deepseek_v3", "deepseek_v31", "pythonic"):
+    for name in ("mistral", "glm45", "deepseek_v3", "deepseek_v31", "pythonic", "seed_oss", "minimax_m2", "openai"):
         assert get_tool_parser(name).keeps_special_tokens, name
     for name in ("hermes", "qwen3_coder"):   # ordinary added tokens in Qwen's tokenizers
         assert not get_tool_parser(name).keeps_special_tokens, name

@@ -14,14 +14,15 @@ ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 # the families beyond Llama's (phi3-longrope: long-rope scaling and a partial rotary, short and long prompts)
 FAMILIES = ("phi3", "gemma", "gemma2", "gemma3", "granite", "olmo2", "olmo3", "smollm3", "mixtral", "qwen2_moe",
             "qwen3_moe", "gpt_oss", "exaone4", "ernie4_5", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "granitemoe",
-            "granitemoe_shared", "ernie4_5_moe")
+            "granitemoe_shared", "ernie4_5_moe", "glm", "glm4", "seed_oss", "minimax_m2", "ministral")
 _CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
             "gemma": "Gemma", "gemma2": "Gemma2", "gemma3": "Gemma3", "granite": "Granite", "olmo2": "Olmo2",
             "olmo3": "Olmo3", "smollm3": "SmolLM3", "mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe",
             "qwen3_moe": "Qwen3Moe", "gpt_oss": "GptOss", "exaone4": "Exaone4",
             "ernie4_5": "Ernie4_5", "deepseek_v2": "DeepseekV2", "deepseek_v3": "DeepseekV3", "glm4_moe": "Glm4Moe",
             "glm4_moe_lite": "Glm4MoeLite", "granitemoe": "GraniteMoe", "granitemoe_shared": "GraniteMoeShared",
-            "ernie4_5_moe": "Ernie4_5_Moe"}
+            "ernie4_5_moe": "Ernie4_5_Moe", "glm": "Glm", "glm4": "Glm4", "seed_oss": "SeedOss",
+            "minimax_m2": "MiniMaxM2", "ministral": "Ministral"}
 _ROOT = tempfile.mkdtemp(prefix="jaxpaged-tiny-")   # this process's checkpoints, removed when it exits
 atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)
 
@@ -159,6 +160,21 @@ def _config(arch: str, **overrides):
                                             "num_experts_per_tok": 2, "moe_intermediate_size": 48, "n_group": 2,
                                             "topk_group": 1, "n_shared_experts": 1, "routed_scaling_factor": 1.5,
                                             "first_k_dense_replace": 1, **overrides})
+    elif arch in ("glm", "glm4"):   # an interleaved rope over half of an explicit head_dim, q/k/v bias
+        half = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+        cls = transformers.GlmConfig if arch == "glm" else transformers.Glm4Config
+        cfg = cls(**{**common, "head_dim": 32, "attention_bias": True, "rope_parameters": half, **overrides})
+    elif arch == "seed_oss":   # biases on q/k/v and o
+        cfg = transformers.SeedOssConfig(**{**common, "head_dim": 32, "attention_bias": True,
+                                            "attention_out_bias": True, **overrides})
+    elif arch == "minimax_m2":   # q/k norms over all heads, a partial rope, sigmoid routing with a choice bias
+        half = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+        cfg = transformers.MiniMaxM2Config(**{**common, "head_dim": 32, "num_local_experts": 8,
+                                              "num_experts_per_tok": 2, "intermediate_size": 48,
+                                              "rope_parameters": half, **overrides})
+    elif arch == "ministral":   # sliding-window layers among full ones (transformers needs head_dim given)
+        cfg = transformers.MinistralConfig(**{**common, "head_dim": 16, "sliding_window": 12, "layer_types": [
+            "sliding_attention", "full_attention", "sliding_attention"], **overrides})
     else:
         raise ValueError(arch)
     return cfg

@@ -41,6 +41,11 @@ SUPPORTED_ARCHITECTURES = (
     "DeepseekV3ForCausalLM",
     "Glm4MoeForCausalLM",
     "Glm4MoeLiteForCausalLM",
+    "GlmForCausalLM",
+    "Glm4ForCausalLM",
+    "SeedOssForCausalLM",
+    "MiniMaxM2ForCausalLM",
+    "MinistralForCausalLM",
 )
 # A bare transformer without its LM head (an embedding checkpoint: e5-mistral's MistralModel, weights
 # without the "model." prefix) runs as its *ForCausalLM family, the input embedding standing in for

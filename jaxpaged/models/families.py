@@ -25,6 +25,12 @@ Every supported architecture is the same decoder with a few switches, so they al
   sigmoid gate, and dense layers among the sparse ones (`dense_layers`).
 - gpt-oss: experts with biases (router too) and a clamped SwiGLU, attention sinks (a learned
   logit per head in every softmax's denominator), alternating sliding / global layers, yarn.
+- GLM-4 (GlmForCausalLM, and Glm4ForCausalLM with GLM-4's norms after attention and the MLP as well): an
+  interleaved rope over half the head's dims, biased q/k/v, gate and up fused in the checkpoint.
+- Seed-OSS: Llama's layer with biased q/k/v (and o where attention_out_bias); Ministral: Mistral's with
+  sliding-window layers among full ones.
+- MiniMax-M2: q/k norms over all heads at once, a partial rope, and DeepSeek-V3's sigmoid router (a choice
+  bias, renormalized) without groups.
 - DeepSeek-V2 / V3, GLM-4.7-Flash: multi-head latent attention (`kv_lora_rank`, jaxpaged.models.mla),
   and with GLM-4.5 their routers (`moe.Routing`: sigmoid scores with a correction bias, expert groups,
   a routed scaling factor), ungated shared experts and the first layers dense.
@@ -36,8 +42,11 @@ from jaxpaged.models import rope
 
 GRANITE_MOE = ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")
 ERNIE_MOE = "Ernie4_5_MoeForCausalLM"
-MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM", ERNIE_MOE) + GRANITE_MOE
+MINIMAX_M2 = "MiniMaxM2ForCausalLM"
+MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM", ERNIE_MOE,
+       MINIMAX_M2) + GRANITE_MOE
 GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+GLM = ("GlmForCausalLM", "Glm4ForCausalLM")   # dense GLM-4: gate_up_proj fused in the checkpoint
 OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 # multi-head latent attention (jaxpaged.models.mla), each with DeepSeek's mixture of experts
 MLA = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
@@ -79,6 +88,11 @@ def moe_fields(hf_config: Any, architecture: str, num_layers: int) -> dict:
                                        if (i + 1) % interval or not start <= i <= end))
     if architecture not in MOE:
         return {}
+    if architecture == MINIMAX_M2:   # sigmoid scores steered by a choice bias, the chosen ones renormalized
+        return dict(num_experts=int(hf_config.num_local_experts),
+                    num_experts_per_tok=int(hf_config.num_experts_per_tok),
+                    moe_intermediate_size=int(hf_config.intermediate_size), norm_topk_prob=True,
+                    router_scoring="sigmoid", router_choice_bias=True)
     if architecture in GRANITE_MOE:   # softmax over the top-k logits: the top-k probabilities renormalized
         return dict(num_experts=int(hf_config.num_local_experts),
                     num_experts_per_tok=int(hf_config.num_experts_per_tok),
@@ -166,8 +180,8 @@ def gemma_fields(hf_config: Any, architecture: str) -> dict:
 
 
 def family_fields(hf_config: Any, architecture: str, num_layers: int) -> dict:
-    """The switches of Granite, OLMo 2/3, EXAONE 4, ERNIE 4.5, SmolLM3, GLM-4.5 and gpt-oss's attention
-    (Gemma's, the experts' and latent attention's have their own readers)."""
+    """The switches of Granite, OLMo 2/3, EXAONE 4, ERNIE 4.5, SmolLM3, GLM-4 and 4.5, Seed-OSS, MiniMax-M2 and
+    gpt-oss's attention (Gemma's, the experts' and latent attention's have their own readers)."""
     if architecture in ("GraniteForCausalLM",) + GRANITE_MOE:
         return dict(embed_scale=float(hf_get(hf_config, "embedding_multiplier", 1.0)),
                     residual_scale=float(hf_get(hf_config, "residual_multiplier", 1.0)),
@@ -177,6 +191,12 @@ def family_fields(hf_config: Any, architecture: str, num_layers: int) -> dict:
         return dict(pre_norms=False, sandwich_norms=True, qk_norm=True, qk_norm_full=True)
     if architecture == "GptOssForCausalLM":
         return dict(attn_sinks=True)
+    if architecture in GLM:   # biased q/k/v, not o; pairs (2i, 2i + 1) turn (over partial_rotary_factor's dims)
+        return dict(o_bias=False, rope_interleaved=True, sandwich_norms=architecture == "Glm4ForCausalLM")
+    if architecture == "SeedOssForCausalLM":
+        return dict(o_bias=bool(hf_get(hf_config, "attention_out_bias", False)))
+    if architecture == MINIMAX_M2:
+        return dict(qk_norm=True, qk_norm_full=True)
     if architecture == "Glm4MoeForCausalLM":   # biased q/k/v (not o), per-head q/k norms where use_qk_norm
         return dict(o_bias=False, qk_norm=bool(hf_get(hf_config, "use_qk_norm", False)))
     if architecture in ("Ernie4_5ForCausalLM", ERNIE_MOE):

@@ -11,7 +11,7 @@ import numpy as np
 
 from jaxpaged.models import mla
 from jaxpaged.models.config import ModelConfig
-from jaxpaged.models.families import ERNIE_MOE, GRANITE_MOE
+from jaxpaged.models.families import ERNIE_MOE, GLM, GRANITE_MOE, MINIMAX_M2
 from jaxpaged.models.prequantized import mxfp4_dequantize
 from jaxpaged.models.quantization import HostQuantized
 
@@ -28,9 +28,13 @@ def _hf_layer_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
     # Qwen2-MoE's gated shared_expert, DeepSeek's and GLM's shared_experts (several fused in one MLP)
     dense = (mlp + ("shared_expert." if cfg.shared_expert_gated else "shared_experts.")) if moe else mlp
     sources = {}
+    # the norms after attention and the MLP (sandwich_norms), and the one before the MLP: Gemma's names, or GLM-4's
+    glm4 = cfg.architecture == "Glm4ForCausalLM"
+    attn_out, mlp_out = ("post_self_attn_layernorm", "post_mlp_layernorm") if glm4 else \
+        ("post_attention_layernorm", "post_feedforward_layernorm")
     if cfg.pre_norms:   # (OLMo has only the sandwich norms after attention and the MLP)
         sources["input_norm"] = [p + "input_layernorm.weight"]
-        sources["post_norm"] = [p + ("pre_feedforward_layernorm.weight" if cfg.sandwich_norms
+        sources["post_norm"] = [p + ("pre_feedforward_layernorm.weight" if cfg.sandwich_norms and not glm4
                                      else "post_attention_layernorm.weight")]
     if cfg.is_mla:
         sources.update({name: [attn + mla.SOURCES[name]] for name in mla.weight_shapes(cfg)})
@@ -55,8 +59,8 @@ def _hf_layer_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
     if cfg.attn_sinks:
         sources["sinks"] = [attn + "sinks"]
     if cfg.sandwich_norms:
-        sources["attn_out_norm"] = [p + "post_attention_layernorm.weight"]
-        sources["mlp_out_norm"] = [p + "post_feedforward_layernorm.weight"]
+        sources["attn_out_norm"] = [p + attn_out + ".weight"]
+        sources["mlp_out_norm"] = [p + mlp_out + ".weight"]
     if cfg.qkv_bias:
         sources["bqkv"] = [attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"]
     if cfg.o_bias:
@@ -87,8 +91,8 @@ GPT_OSS = "GptOssForCausalLM"
 def hf_reader(cfg: ModelConfig, get: Callable[[str], np.ndarray],
               has: Callable[[str], bool]) -> tuple[Callable[[str], np.ndarray], Callable[[str], bool]]:
     """(get, has) that also serve `_hf_layer_sources`' names from the checkpoint's own layout: Phi-3's
-    fused qkv_proj and gate_up_proj (sliced), Mixtral's block_sparse_moe names, and expert stacks
-    [experts, out, in] (stacked from per-expert tensors, or sliced from transformers 5's fused
+    fused qkv_proj and gate_up_proj (sliced; GLM-4's gate_up_proj), Mixtral's and MiniMax-M2's block_sparse_moe
+    names, and expert stacks [experts, out, in] (stacked from per-expert tensors, or sliced from transformers 5's fused
     `experts.gate_up_proj` [experts, 2 x inter, hidden] / `experts.down_proj`; gpt-oss's fused
     [experts, in, out] with gate and up interleaved, its `mlp.router` and the experts' bias stacks; Granite
     MoE's block_sparse_moe, router and shared_mlp; ERNIE MoE's moe_statics), kv_b_proj's per-head halves for
@@ -106,6 +110,7 @@ def hf_reader(cfg: ModelConfig, get: Callable[[str], np.ndarray],
             for part, rows in (("q_proj", (0, q)), ("k_proj", (q, q + kv)), ("v_proj", (q + kv, q + 2 * kv))):
                 if name.endswith(f"self_attn.{part}.weight"):
                     return name.replace(part, "qkv_proj"), rows
+        if arch in ("Phi3ForCausalLM",) + GLM:
             inter = cfg.intermediate_size
             for part, rows in (("gate_proj", (0, inter)), ("up_proj", (inter, 2 * inter))):
                 if name.endswith(f"mlp.{part}.weight"):
@@ -117,7 +122,10 @@ def hf_reader(cfg: ModelConfig, get: Callable[[str], np.ndarray],
         if arch == ERNIE_MOE and name.endswith(".mlp.gate.e_score_correction_bias"):   # [1, experts] as released
             released = name.replace(".mlp.gate.", ".mlp.moe_statics.")
             return (released if has(released) else name.replace(".gate.", ".gate.moe_statics.")), None
-        if arch == "MixtralForCausalLM" and ".mlp." in name:
+        if arch == MINIMAX_M2 and name.endswith(".mlp.gate.e_score_correction_bias"):   # beside the router
+            saved = name.replace(".mlp.gate.", ".mlp.")   # transformers' name; as released, block_sparse_moe's
+            return (saved if has(saved) else saved.replace(".mlp.", ".block_sparse_moe.")), None
+        if arch in ("MixtralForCausalLM", MINIMAX_M2) and ".mlp." in name:
             moe = name.replace(".mlp.", ".block_sparse_moe.")
             for ours, theirs in _MIXTRAL_EXPERT.items():
                 moe = moe.replace(f".{ours}.", f".{theirs}.")

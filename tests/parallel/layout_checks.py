@@ -38,6 +38,10 @@ CASES = {
     # latent attention: query heads split, each device its copy of the latent (one KV head repeated);
     # DeepSeek-V3's grouped sigmoid routing with its f32 correction bias, shared experts split by columns
     "deepseek_v3-tp": ("deepseek_v3", {}, [[1, 1], [2, 1]], [], []),
+    # MiniMax-M2: q/k norms over all heads under tensor parallelism, sigmoid routing with its choice bias
+    "minimax_m2-ep": ("minimax_m2", {}, [[1, 1], [2, 1]], [], []),
+    # GLM-4: q/k rows reordered for its interleaved partial rope before they are split, its four norms
+    "glm4-tp": ("glm4", {}, [[1, 1], [2, 1]], [], []),
 }
 
 
