@@ -17,7 +17,8 @@ written between <think> and </think>, and its answer, whole (`extract`) or as it
 
 The opening <think> may be the model's or the chat template's (in the prompt): a leading one is dropped.
 All work on text, so the tags must survive decoding (they are not special tokens in the <think> models'
-tokenizers; harmony's are, and the server keeps them in a chat answer's text: READS_SPECIAL_TOKENS).
+tokenizers; harmony's are, and the server keeps them in a chat answer's text: READS_SPECIAL_TOKENS; Seed-OSS'
+may be, and its answers keep special tokens unless the request says otherwise: KEEPS_SPECIAL_TOKENS).
 A streamed output always reassembles to the whole one: `extract` is the stream fed at once.
 """
 
@@ -29,6 +30,7 @@ REASONING_PARSERS = ("deepseek_r1", "deepseek_v3", "glm45", "minimax_m2", "opena
 START, END = "<think>", "</think>"
 _TAGS = {"openai_gptoss": harmony.REASONING_TAGS, "seed_oss": ("<seed:think>", "</seed:think>")}
 READS_SPECIAL_TOKENS = {"openai_gptoss"}
+KEEPS_SPECIAL_TOKENS = {"seed_oss"}
 
 
 def reasoning_tags(name: str) -> tuple[str, str]:

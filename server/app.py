@@ -24,7 +24,6 @@ import jaxpaged
 from jaxpaged import AsyncLLM
 from jaxpaged.chat_utils import render_chat
 from jaxpaged.engine.async_llm import EngineOverloadedError
-from jaxpaged.reasoning import READS_SPECIAL_TOKENS
 from jaxpaged.sampling_params import truncate_prompt
 from jaxpaged.server import protocol as P
 from jaxpaged.server.adapters import load_lora_adapter, unload_lora_adapter
@@ -197,8 +196,7 @@ class _Server:
             cuts = [(prompt, truncate_prompt(ids, keep, self.engine.max_model_len)) for prompt, ids in inputs]
             inputs = [({"prompt_token_ids": cut} if len(cut) < len(prompt["prompt_token_ids"]) else prompt, cut)
                       for prompt, cut in cuts]
-        if req.kind == "chat" and self.engine.args.reasoning_parser in READS_SPECIAL_TOKENS:
-            req.read_special_tokens = True   # harmony's channels are special tokens
+        P.plan_reasoning(req, self.engine.args.reasoning_parser)
         params = [P.build_sampling_params(req, len(ids), self.engine.max_model_len) for _, ids in inputs]
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         salt = req.request.cache_salt   # checked by protocol.py; the engine hashes it into the first block

@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from jaxpaged.outputs import Logprob
+from jaxpaged.reasoning import KEEPS_SPECIAL_TOKENS, READS_SPECIAL_TOKENS
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.server.openai_types import (_UNSUPPORTED, ChatCompletionRequest, CompletionRequest, Message,
                                           NamedToolChoice, Tool, _Request)
@@ -68,6 +69,17 @@ class ParsedRequest:
     keep_special_tokens: bool = False
     # chat: the reasoning parser reads special tokens (harmony's): kept whatever skip_special_tokens says
     read_special_tokens: bool = False
+
+
+def plan_reasoning(req: ParsedRequest, reasoning_parser: str | None) -> None:
+    """A chat answer keeps the special tokens its reasoning parser reads: harmony's whatever the request
+    says, Seed-OSS' unless the request sets skip_special_tokens."""
+    if req.kind != "chat":
+        return
+    if reasoning_parser in READS_SPECIAL_TOKENS:
+        req.read_special_tokens = True
+    elif reasoning_parser in KEEPS_SPECIAL_TOKENS:
+        req.keep_special_tokens = True
 
 
 def brief_repr(value) -> str:

@@ -206,6 +206,22 @@ def test_auto_parsers_whose_tags_are_special_tokens_keep_them_in_the_text(parser
     assert P.build_sampling_params(req, 10, 100).skip_special_tokens is (asked is not False)
 
 
+@pytest.mark.parametrize("parser, asked, skip", [("openai_gptoss", True, False), ("seed_oss", None, False),
+                                                 ("seed_oss", True, True), ("qwen3", None, True)])
+def test_reasoning_parsers_whose_tags_may_be_special_tokens_keep_them_in_a_chat_answer(parser, asked, skip):
+    """harmony's markers are special tokens: kept whatever the request says; Seed-OSS' tags may be: kept
+    unless the request sets skip_special_tokens; <think> is text."""
+    from jaxpaged.server import protocol as P
+    body = {"model": MODEL, "messages": ASK} if asked is None else {"model": MODEL, "messages": ASK,
+                                                                    "skip_special_tokens": asked}
+    req = P.parse_chat_request(body)
+    P.plan_reasoning(req, parser)
+    assert P.build_sampling_params(req, 10, 100).skip_special_tokens is skip
+    completion = P.parse_completion_request({"model": MODEL, "prompt": "Hi"})
+    P.plan_reasoning(completion, parser)   # a completion's text is the model's, as asked
+    assert P.build_sampling_params(completion, 10, 100).skip_special_tokens
+
+
 def test_server_settings_are_checked():
     with pytest.raises(ValueError, match="tool_call_parser"):
         ToolSettings(True, None)
