@@ -2,13 +2,18 @@
 
     reader         the model writes
     mistral        [TOOL_CALLS][{"name", "arguments"}, ...]   or (v11+ tokenizers) [TOOL_CALLS]name[ARGS]{...} ...
-    pythonic       [get_weather(city="Paris"), get_time()]    (Llama 3.2, Llama 4; <|python_start|> optional)
+    pythonic       [get_weather(city="Paris"), get_time()]    (Llama 3.2, Llama 4; <|python_start|> optional;
+                                                               also llama4_pythonic)
     deepseek_v3    <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>name\\n```json\\n{...}\\n```
                    <｜tool▁call▁end｜>...
     deepseek_v31   <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>name<｜tool▁sep｜>{...}<｜tool▁call▁end｜>...
     glm45          <tool_call>name\\n<arg_key>k</arg_key>\\n<arg_value>v</arg_value>\\n</tool_call>
     qwen3_coder    <tool_call>\\n<function=name>\\n<parameter=k>\\nv\\n</parameter>\\n</function>\\n</tool_call>
-    seed_oss       qwen3_coder's between <seed:tool_call> and </seed:tool_call>
+    seed_oss       qwen3_coder's between <seed:tool_call> and </seed:tool_call> (qwen3_xml: qwen3_coder's name too)
+    granite        <|tool_call|>[{"name", "arguments"}, ...]   (Granite 3)
+    phi4_mini_json functools[{"name", "arguments"}, ...]      (Phi-4-mini)
+    kimi_k2        <|tool_calls_section_begin|><|tool_call_begin|>functions.name:0<|tool_call_argument_begin|>{...}
+                   <|tool_call_end|>...
     minimax_m2     <minimax:tool_call>\\n<invoke name="f">\\n<parameter name="k">v</parameter>\\n</invoke>\\n...
 
 The content is the text before the first call. A call is reported once it is whole (its closing tag, or
@@ -105,15 +110,52 @@ class MistralReader(_TaggedReader):
                 if found is not None:
                     calls.append((name.strip(), _arguments(found[0])))
                 continue
-            array = part.lstrip()
-            if array.startswith("["):
-                array = array[1:]
-            for value, _ in _json_values(array):
-                items = value if isinstance(value, list) else [value]
-                calls += [c for c in map(_call, items) if c is not None]
+            calls += _json_calls(part)
         return calls
 
 
+def _json_calls(body: str) -> list[tuple[str, str]]:
+    """The whole {"name", "arguments"} objects of a JSON array (or objects in turn) that `body` begins."""
+    array = body.lstrip()
+    if array.startswith("["):
+        array = array[1:]
+    calls = []
+    for value, _ in _json_values(array):
+        items = value if isinstance(value, list) else [value]
+        calls += [c for c in map(_call, items) if c is not None]
+    return calls
+
+
+@register_tool_parser("granite")
+class GraniteReader(_TaggedReader):
+    """Granite 3's: `<|tool_call|>` then a JSON array of {"name", "arguments"}."""
+    start = "<|tool_call|>"
+
+    def calls(self, body, done):
+        return _json_calls(body)
+
+
+@register_tool_parser("phi4_mini_json")
+class Phi4MiniReader(GraniteReader):
+    """Phi-4-mini's: `functools[{"name", "arguments"}, ...]`."""
+    start = "functools"
+    keeps_special_tokens = False
+
+
+@register_tool_parser("kimi_k2")
+class KimiK2Reader(_TaggedReader):
+    """Kimi K2's: `<|tool_calls_section_begin|>`, then each call `<|tool_call_begin|>functions.NAME:INDEX
+    <|tool_call_argument_begin|>{...}<|tool_call_end|>` (the call's own id is not kept: ids are the server's)."""
+    start = "<|tool_calls_section_begin|>"
+    call = re.compile(r"<\|tool_call_begin\|>\s*([^<]*?)\s*<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>",
+                      re.DOTALL)
+
+    def calls(self, body, done):
+        return [(ident.rsplit(":", 1)[0].removeprefix("functions."), _compact(arguments.strip()))
+                for ident, arguments in self.call.findall(body)]
+
+
+@register_tool_parser("llama4_pythonic")
 @register_tool_parser("pythonic")
 class PythonicReader(ToolCallReader):
     """A Python list of calls with literal arguments: `[f(a=1, b="x"), g()]` (maybe between Llama 4's
@@ -198,6 +240,7 @@ class Glm45Reader(_TaggedReader):
         return calls
 
 
+@register_tool_parser("qwen3_xml")
 @register_tool_parser("qwen3_coder")
 class Qwen3CoderReader(_TaggedReader):
     """Qwen3-Coder's XML: `<tool_call><function=name><parameter=k>v</parameter>...</function></tool_call>`

@@ -1,5 +1,5 @@
 """The tool-call formats of Mistral, Llama 3.2 / 4 (pythonic), DeepSeek-V3 / V3.1, GLM-4.5, Qwen3-Coder,
-Seed-OSS and MiniMax-M2: what each reads out of a whole output, the same calls and content from any
+Seed-OSS, MiniMax-M2, Granite 3, Phi-4-mini and Kimi K2: what each reads out of a whole output, the same calls and content from any
 chunking of it as it streams, and the XML formats' values typed by the offered tool's schema."""
 
 import json
@@ -37,6 +37,15 @@ CASES = [
      "On it.\n", [("get_weather", {"city": "New York", "days": 3})]),
     ("seed_oss", "<seed:tool_call>\n<function=get_weather>\n<parameter=city>Rome</parameter>\n<parameter=days>2"
                  "</parameter>\n</function>\n</seed:tool_call>", None, [("get_weather", {"city": "Rome", "days": 2})]),
+    ("granite", '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", '
+                '"arguments": {}}]', None, [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    ("phi4_mini_json", 'functools[{"name": "get_weather", "arguments": {"city": "Rome"}}]', None,
+     [("get_weather", {"city": "Rome"})]),
+    ("kimi_k2", "Let me see.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+                '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>functions.get_time:1'
+                "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>", "Let me see.",
+     [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    ("llama4_pythonic", '[get_weather(city="Oslo")]', None, [("get_weather", {"city": "Oslo"})]),
     ("minimax_m2", 'Sure.\n<minimax:tool_call>\n<invoke name="get_weather">\n'
                    '<parameter name="city">Paris</parameter>\n<parameter name="days">3</parameter>\n</invoke>\n<invoke name="get_time">\n</invoke>\n'
                    "</minimax:tool_call>", "Sure.\n",
@@ -66,7 +75,8 @@ def test_xml_values_are_typed_by_the_tools_schema(name, text):
 
 
 def test_special_token_formats_ask_the_server_to_keep_special_tokens():
-    for name in ("mistral", "glm45", "deepseek_v3", "deepseek_v31", "pythonic", "seed_oss", "minimax_m2", "openai"):
+    for name in ("mistral", "glm45", "deepseek_v3", "deepseek_v31", "pythonic", "seed_oss", "minimax_m2", "openai",
+                 "granite", "kimi_k2"):
         assert get_tool_parser(name).keeps_special_tokens, name
-    for name in ("hermes", "qwen3_coder"):   # ordinary added tokens in Qwen's tokenizers
+    for name in ("hermes", "qwen3_coder", "phi4_mini_json"):   # ordinary added tokens or text
         assert not get_tool_parser(name).keeps_special_tokens, name

@@ -74,5 +74,5 @@ def test_a_possible_call_start_is_held_back_while_streaming():
 
 def test_the_registry_names_its_parsers():
     assert {"hermes", "llama3_json"} <= set(TOOL_PARSERS)
-    with pytest.raises(ValueError, match="hermes, llama3_json"):
+    with pytest.raises(ValueError, match="hermes, kimi_k2, llama3_json"):
         get_tool_parser("mistral_v9")
