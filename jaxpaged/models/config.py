@@ -46,6 +46,8 @@ SUPPORTED_ARCHITECTURES = (
     "SeedOssForCausalLM",
     "MiniMaxM2ForCausalLM",
     "MinistralForCausalLM",
+    "CohereForCausalLM",
+    "Cohere2ForCausalLM",
 )
 # A bare transformer without its LM head (an embedding checkpoint: e5-mistral's MistralModel, weights
 # without the "model." prefix) runs as its *ForCausalLM family, the input embedding standing in for
@@ -161,6 +163,10 @@ class ModelConfig:
     logits_scaling: float = 1.0       # Granite: the output logits divided by this
     nope_layers: tuple[int, ...] = () # SmolLM3: the layers whose q/k do not rotate
     rope_interleaved: bool = False    # ERNIE: rope turns dims (2i, 2i+1), read as rotate-half (hf_names.hf_reader)
+    # Cohere: mean-centred LayerNorms without a bias (eps in rms_norm_eps), and attention and the MLP side by side
+    # on one normed input (no post_norm)
+    layer_norm: bool = False
+    parallel_block: bool = False
     attn_sinks: bool = False          # gpt-oss: a learned logit per head joins each softmax's denominator
     # yarn: beta_fast / beta_slow (the ramp's ends, in rotations over the original length), truncate
     rope_yarn_betas: tuple[float, float] = (32.0, 1.0)

@@ -29,6 +29,9 @@ Every supported architecture is the same decoder with a few switches, so they al
   interleaved rope over half the head's dims, biased q/k/v, gate and up fused in the checkpoint.
 - Seed-OSS: Llama's layer with biased q/k/v (and o where attention_out_bias); Ministral: Mistral's with
   sliding-window layers among full ones.
+- Cohere (Command R, Aya) and Cohere2 (Command R7B, Command A): LayerNorms without a bias, attention and the
+  MLP side by side on one normed input, an interleaved rope, scaled logits; Cohere2's sliding-window layers,
+  its global ones without rope.
 - MiniMax-M2: q/k norms over all heads at once, a partial rope, and DeepSeek-V3's sigmoid router (a choice
   bias, renormalized) without groups.
 - DeepSeek-V2 / V3, GLM-4.7-Flash: multi-head latent attention (`kv_lora_rank`, jaxpaged.models.mla),
@@ -47,6 +50,7 @@ MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptO
        MINIMAX_M2) + GRANITE_MOE
 GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 GLM = ("GlmForCausalLM", "Glm4ForCausalLM")   # dense GLM-4: gate_up_proj fused in the checkpoint
+COHERE = ("CohereForCausalLM", "Cohere2ForCausalLM")
 OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 # multi-head latent attention (jaxpaged.models.mla), each with DeepSeek's mixture of experts
 MLA = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
@@ -180,8 +184,8 @@ def gemma_fields(hf_config: Any, architecture: str) -> dict:
 
 
 def family_fields(hf_config: Any, architecture: str, num_layers: int) -> dict:
-    """The switches of Granite, OLMo 2/3, EXAONE 4, ERNIE 4.5, SmolLM3, GLM-4 and 4.5, Seed-OSS, MiniMax-M2 and
-    gpt-oss's attention (Gemma's, the experts' and latent attention's have their own readers)."""
+    """The switches of Granite, OLMo 2/3, EXAONE 4, ERNIE 4.5, SmolLM3, GLM-4 and 4.5, Seed-OSS, MiniMax-M2, Cohere
+    and gpt-oss's attention (Gemma's, the experts' and latent attention's have their own readers)."""
     if architecture in ("GraniteForCausalLM",) + GRANITE_MOE:
         return dict(embed_scale=float(hf_get(hf_config, "embedding_multiplier", 1.0)),
                     residual_scale=float(hf_get(hf_config, "residual_multiplier", 1.0)),
@@ -197,6 +201,16 @@ def family_fields(hf_config: Any, architecture: str, num_layers: int) -> dict:
         return dict(o_bias=bool(hf_get(hf_config, "attention_out_bias", False)))
     if architecture == MINIMAX_M2:
         return dict(qk_norm=True, qk_norm_full=True)
+    if architecture in COHERE:
+        if hf_get(hf_config, "use_qk_norm", False):
+            raise ValueError(f"{architecture} with use_qk_norm=True (Command R+'s per-head LayerNorms) is not "
+                             "supported")
+        kinds = getattr(hf_config, "layer_types", None) or []   # Cohere2: the global layers do not rotate
+        return dict(layer_norm=True, parallel_block=True, rope_interleaved=True,
+                    rms_norm_eps=float(hf_get(hf_config, "layer_norm_eps", 1e-5)),
+                    logits_scaling=1.0 / float(hf_get(hf_config, "logit_scale", 1.0)),
+                    nope_layers=tuple(i for i, kind in enumerate(kinds)
+                                      if architecture == "Cohere2ForCausalLM" and kind != "sliding_attention"))
     if architecture == "Glm4MoeForCausalLM":   # biased q/k/v (not o), per-head q/k norms where use_qk_norm
         return dict(o_bias=False, qk_norm=bool(hf_get(hf_config, "use_qk_norm", False)))
     if architecture in ("Ernie4_5ForCausalLM", ERNIE_MOE):

@@ -32,8 +32,9 @@ def _hf_layer_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
     glm4 = cfg.architecture == "Glm4ForCausalLM"
     attn_out, mlp_out = ("post_self_attn_layernorm", "post_mlp_layernorm") if glm4 else \
         ("post_attention_layernorm", "post_feedforward_layernorm")
-    if cfg.pre_norms:   # (OLMo has only the sandwich norms after attention and the MLP)
+    if cfg.pre_norms:   # (OLMo has only the sandwich norms after attention and the MLP; Cohere one before both)
         sources["input_norm"] = [p + "input_layernorm.weight"]
+    if cfg.pre_norms and not cfg.parallel_block:
         sources["post_norm"] = [p + ("pre_feedforward_layernorm.weight" if cfg.sandwich_norms and not glm4
                                      else "post_attention_layernorm.weight")]
     if cfg.is_mla:

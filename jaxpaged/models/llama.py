@@ -1,7 +1,7 @@
 """One Flax NNX decoder for every supported family (Llama, Mistral, Ministral, Qwen2/3, Phi-3, Gemma 1/2/3,
-Granite, OLMo 2/3, SmolLM3, EXAONE 4, ERNIE 4.5, GLM-4, Seed-OSS, and the mixtures of experts Mixtral,
-Qwen2-MoE, Qwen3-MoE, gpt-oss, DeepSeek-V2/V3, GLM-4.5, MiniMax-M2): one layer body and its switches (`ModelConfig`); the rope in
-`jaxpaged.models.rope`, DeepSeek's latent attention in `jaxpaged.models.mla`.
+Granite, OLMo 2/3, SmolLM3, EXAONE 4, ERNIE 4.5, GLM-4, Seed-OSS, Cohere 1/2, and the mixtures of experts
+Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss, DeepSeek-V2/V3, GLM-4.5, MiniMax-M2): one layer body and its switches
+(`ModelConfig`); the rope in `jaxpaged.models.rope`, DeepSeek's latent attention in `jaxpaged.models.mla`.
 
 One layer body (`_decoder_layer`) and two loops over it, chosen when the model is loaded:
 
@@ -60,6 +60,8 @@ def layer_weight_shapes(cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int
     moe = cfg.is_moe_layer(layer)
     inter = cfg.shared_expert_size if moe else cfg.intermediate_size   # the dense MLP's (or shared expert's)
     shapes = {"input_norm": (d,), "post_norm": (d,)} if cfg.pre_norms else {}
+    if cfg.parallel_block:   # one norm before attention and the MLP both
+        del shapes["post_norm"]
     shapes.update(mla.weight_shapes(cfg) if cfg.is_mla else dict(wqkv=(d, q + 2 * kv), wo=(q, d)))
     if inter:
         shapes["w_gate_up"] = (d, 2 * inter)
@@ -128,6 +130,19 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def layer_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """LayerNorm without a bias (Cohere's) in f32: mean-centred, then as `rms_norm`."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * (weight.astype(jnp.float32) + offset)).astype(x.dtype)
+
+
+def norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
+    """The model's norm: RMSNorm, or LayerNorm without a bias (`cfg.layer_norm`), eps and offset its own."""
+    return (layer_norm if cfg.layer_norm else rms_norm)(x, weight, cfg.rms_norm_eps, cfg.norm_offset)
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
     """RMSNorm in f32, times (offset + weight): Gemma's norms hold w with offset 1."""
     x32 = x.astype(jnp.float32)
@@ -176,7 +191,7 @@ class LlamaFamilyForCausalLM(nnx.Module):
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         cfg = self.config
-        hidden = rms_norm(hidden, self.final_norm[...], cfg.rms_norm_eps, cfg.norm_offset)
+        hidden = norm(cfg, hidden, self.final_norm[...])
         embed = self.embed.get_value()
         if self.lm_head is not None:
             logits = self.matmul(hidden, self.lm_head.get_value(), "lm_head")
@@ -189,7 +204,7 @@ class LlamaFamilyForCausalLM(nnx.Module):
     def compute_logits_transposed(self, hidden: jax.Array) -> jax.Array:
         """f32[vocab, rows]: the same logits as compute_logits, laid out vocabulary-major."""
         cfg = self.config
-        hidden = rms_norm(hidden, self.final_norm[...], cfg.rms_norm_eps, cfg.norm_offset)
+        hidden = norm(cfg, hidden, self.final_norm[...])
         head = self.embed.get_value() if self.lm_head is None else self.lm_head.get_value()
         if isinstance(head, QuantizedWeight):
             logits = self.matmul(hidden, head, "lm_head").T
@@ -268,8 +283,7 @@ def _decoder_layer(cfg: ModelConfig, plan: ShardPlan, attention, matmul, moe_imp
     q/k/v and gate/up columns are shard-major (see jaxpaged.parallel): viewed as [tokens, tp, per shard],
     each device splits its own columns.
     """
-    eps, offset = cfg.rms_norm_eps, cfg.norm_offset
-    x = rms_norm(hidden, w["input_norm"], eps, offset) if cfg.pre_norms else hidden
+    x = norm(cfg, hidden, w["input_norm"]) if cfg.pre_norms else hidden
     cos, sin = (jnp.where(local, a, b) for a, b in zip(local_rope, rope)) if cfg.local_rope_theta else rope
     if cfg.nope_layers:   # a NoPE layer turns by angle 0
         cos, sin = jnp.where(rotates, cos, 1.0), jnp.where(rotates, sin, 0.0)
@@ -295,12 +309,15 @@ def _decoder_layer(cfg: ModelConfig, plan: ShardPlan, attention, matmul, moe_imp
     else:
         out = _attention(cfg, plan, matmul, w, x, cos, sin, attend, lora, onehot)
     if cfg.sandwich_norms:
-        out = rms_norm(out, w["attn_out_norm"], eps, offset)
+        out = norm(cfg, out, w["attn_out_norm"])
+    if cfg.parallel_block:   # Cohere: the MLP reads the attention's input too, both add at once
+        mlp = _mlp(cfg, plan, matmul, w, x, moe, moe_impl, lora, onehot)
+        return hidden + _residual_scaled(cfg, out) + _residual_scaled(cfg, mlp), kv_pool, kv_scale
     hidden = hidden + _residual_scaled(cfg, out)
-    x = rms_norm(hidden, w["post_norm"], eps, offset) if cfg.pre_norms else hidden
+    x = norm(cfg, hidden, w["post_norm"]) if cfg.pre_norms else hidden
     mlp = _mlp(cfg, plan, matmul, w, x, moe, moe_impl, lora, onehot)
     if cfg.sandwich_norms:
-        mlp = rms_norm(mlp, w["mlp_out_norm"], eps, offset)
+        mlp = norm(cfg, mlp, w["mlp_out_norm"])
     return hidden + _residual_scaled(cfg, mlp), kv_pool, kv_scale
 
 
@@ -308,7 +325,6 @@ def _attention(cfg: ModelConfig, plan: ShardPlan, matmul, w, x, cos, sin, attend
     """The attention block of every family but latent attention's: fused q/k/v (plus LoRA), q/k norms, rope,
     `attend` (the layer's pool write and attention), o_proj. x [tokens, hidden] -> [tokens, hidden]."""
     num_tokens, tp = x.shape[0], plan.size
-    eps, offset = cfg.rms_norm_eps, cfg.norm_offset
     qkv = matmul(x, w["wqkv"], "wqkv")
     if cfg.qkv_bias:
         qkv = qkv + w["bqkv"]
@@ -323,11 +339,11 @@ def _attention(cfg: ModelConfig, plan: ShardPlan, matmul, w, x, cos, sin, attend
         k = k + lora_delta(x, lora, "k", onehot).reshape(k.shape)
         v = v + lora_delta(x, lora, "v", onehot).reshape(v.shape)
     if cfg.qk_norm_full:   # over every head at once: [tokens, heads x head_dim]
-        q = rms_norm(q.reshape(num_tokens, -1), w["q_norm"], eps, offset).reshape(q.shape)
-        k = rms_norm(k.reshape(num_tokens, -1), w["k_norm"], eps, offset).reshape(k.shape)
+        q = norm(cfg, q.reshape(num_tokens, -1), w["q_norm"]).reshape(q.shape)
+        k = norm(cfg, k.reshape(num_tokens, -1), w["k_norm"]).reshape(k.shape)
     elif cfg.qk_norm:
-        q = rms_norm(q, w["q_norm"], eps, offset)
-        k = rms_norm(k, w["k_norm"], eps, offset)
+        q = norm(cfg, q, w["q_norm"])
+        k = norm(cfg, k, w["k_norm"])
     attn = attend(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
     attn = attn.reshape(num_tokens, cfg.q_size)
     out = matmul(attn, w["wo"], "wo")

@@ -127,3 +127,15 @@ def test_gemma3s_max_position_embeddings_is_already_its_scaled_length():
     cfg.architectures = ["Gemma3ForCausalLM"]
     ours = model_config_from_hf(cfg)
     assert ours.rope_type == "linear" and ours.max_model_len == 2048   # as vLLM: not 8 x 2048
+
+
+def test_command_r_plus_per_head_layer_norms_are_refused_by_name():
+    import transformers
+
+    cfg = transformers.CohereConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, intermediate_size=64,
+                                    vocab_size=32, use_qk_norm=True, architectures=["CohereForCausalLM"])
+    with pytest.raises(ValueError, match="use_qk_norm=True"):
+        model_config_from_hf(cfg)
+    cfg.use_qk_norm = False
+    ours = model_config_from_hf(cfg)
+    assert ours.layer_norm and ours.parallel_block and ours.logits_scaling == 1.0 / cfg.logit_scale
