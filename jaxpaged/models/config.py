@@ -47,6 +47,7 @@ SUPPORTED_ARCHITECTURES = (
     "MiniMaxM2ForCausalLM",
     "MinistralForCausalLM",
     "CohereForCausalLM",
+    "OlmoeForCausalLM",
     "Cohere2ForCausalLM",
 )
 # A bare transformer without its LM head (an embedding checkpoint: e5-mistral's MistralModel, weights

@@ -33,7 +33,7 @@ Every supported architecture is the same decoder with a few switches, so they al
   MLP side by side on one normed input, an interleaved rope, scaled logits; Cohere2's sliding-window layers,
   its global ones without rope.
 - MiniMax-M2: q/k norms over all heads at once, a partial rope, and DeepSeek-V3's sigmoid router (a choice
-  bias, renormalized) without groups.
+  bias, renormalized) without groups. OLMoE: the same q/k norms before Qwen3-MoE's softmax router.
 - DeepSeek-V2 / V3, GLM-4.7-Flash: multi-head latent attention (`kv_lora_rank`, jaxpaged.models.mla),
   and with GLM-4.5 their routers (`moe.Routing`: sigmoid scores with a correction bias, expert groups,
   a routed scaling factor), ungated shared experts and the first layers dense.
@@ -47,7 +47,7 @@ GRANITE_MOE = ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")
 ERNIE_MOE = "Ernie4_5_MoeForCausalLM"
 MINIMAX_M2 = "MiniMaxM2ForCausalLM"
 MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM", ERNIE_MOE,
-       MINIMAX_M2) + GRANITE_MOE
+       MINIMAX_M2, "OlmoeForCausalLM") + GRANITE_MOE
 GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 GLM = ("GlmForCausalLM", "Glm4ForCausalLM")   # dense GLM-4: gate_up_proj fused in the checkpoint
 COHERE = ("CohereForCausalLM", "Cohere2ForCausalLM")
@@ -92,6 +92,10 @@ def moe_fields(hf_config: Any, architecture: str, num_layers: int) -> dict:
                                        if (i + 1) % interval or not start <= i <= end))
     if architecture not in MOE:
         return {}
+    if architecture == "OlmoeForCausalLM":   # softmax routing, renormalized or not; the experts' size intermediate
+        return dict(num_experts=int(hf_config.num_experts), num_experts_per_tok=int(hf_config.num_experts_per_tok),
+                    moe_intermediate_size=int(hf_config.intermediate_size),
+                    norm_topk_prob=bool(hf_get(hf_config, "norm_topk_prob", False)))
     if architecture == MINIMAX_M2:   # sigmoid scores steered by a choice bias, the chosen ones renormalized
         return dict(num_experts=int(hf_config.num_local_experts),
                     num_experts_per_tok=int(hf_config.num_experts_per_tok),
@@ -199,7 +203,9 @@ def family_fields(hf_config: Any, architecture: str, num_layers: int) -> dict:
         return dict(o_bias=False, rope_interleaved=True, sandwich_norms=architecture == "Glm4ForCausalLM")
     if architecture == "SeedOssForCausalLM":
         return dict(o_bias=bool(hf_get(hf_config, "attention_out_bias", False)))
-    if architecture == MINIMAX_M2:
+    if architecture in (MINIMAX_M2, "OlmoeForCausalLM"):
+        if hf_get(hf_config, "clip_qkv", None) is not None:
+            raise ValueError("OlmoeForCausalLM with clip_qkv set is not supported (the released OLMoE has none)")
         return dict(qk_norm=True, qk_norm_full=True)
     if architecture in COHERE:
         if hf_get(hf_config, "use_qk_norm", False):

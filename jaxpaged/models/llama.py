@@ -1,6 +1,6 @@
 """One Flax NNX decoder for every supported family (Llama, Mistral, Ministral, Qwen2/3, Phi-3, Gemma 1/2/3,
 Granite, OLMo 2/3, SmolLM3, EXAONE 4, ERNIE 4.5, GLM-4, Seed-OSS, Cohere 1/2, and the mixtures of experts
-Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss, DeepSeek-V2/V3, GLM-4.5, MiniMax-M2): one layer body and its switches
+Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, DeepSeek-V2/V3, GLM-4.5, MiniMax-M2): one layer body and its switches
 (`ModelConfig`); the rope in `jaxpaged.models.rope`, DeepSeek's latent attention in `jaxpaged.models.mla`.
 
 One layer body (`_decoder_layer`) and two loops over it, chosen when the model is loaded:
