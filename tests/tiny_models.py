@@ -15,7 +15,7 @@ ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 FAMILIES = ("phi3", "gemma", "gemma2", "gemma3", "granite", "olmo2", "olmo3", "smollm3", "mixtral", "qwen2_moe",
             "qwen3_moe", "gpt_oss", "exaone4", "ernie4_5", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite",
             "granitemoe", "granitemoe_shared", "ernie4_5_moe", "glm", "glm4", "seed_oss", "minimax_m2", "ministral",
-            "cohere", "cohere2", "olmoe")
+            "cohere", "cohere2", "olmoe", "granitemoehybrid", "granitemoehybrid_dense")
 _CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
             "gemma": "Gemma", "gemma2": "Gemma2", "gemma3": "Gemma3", "granite": "Granite", "olmo2": "Olmo2",
             "olmo3": "Olmo3", "smollm3": "SmolLM3", "mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe",
@@ -24,7 +24,7 @@ _CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "
             "glm4_moe_lite": "Glm4MoeLite", "granitemoe": "GraniteMoe", "granitemoe_shared": "GraniteMoeShared",
             "ernie4_5_moe": "Ernie4_5_Moe", "glm": "Glm", "glm4": "Glm4", "seed_oss": "SeedOss",
             "minimax_m2": "MiniMaxM2", "ministral": "Ministral", "cohere": "Cohere", "cohere2": "Cohere2",
-            "olmoe": "Olmoe"}
+            "olmoe": "Olmoe", "granitemoehybrid": "GraniteMoeHybrid", "granitemoehybrid_dense": "GraniteMoeHybrid"}
 _ROOT = tempfile.mkdtemp(prefix="jaxpaged-tiny-")   # this process's checkpoints, removed when it exits
 atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)
 
@@ -180,6 +180,13 @@ def _config(arch: str, **overrides):
     elif arch == "cohere":   # LayerNorms, the parallel block, an interleaved rope, biases, scaled logits
         cfg = transformers.CohereConfig(**{**common, "attention_bias": True, "logit_scale": 0.5, "layer_norm_eps": 1e-5,
                                            **overrides})
+    elif arch in ("granitemoehybrid", "granitemoehybrid_dense"):   # Granite 4 with attention layers only
+        experts = 0 if arch.endswith("dense") else 8   # the dense one without rope
+        cfg = transformers.GraniteMoeHybridConfig(**{
+            **common, "layer_types": ["attention"] * 3, "num_local_experts": experts, "num_experts_per_tok": 2,
+            "intermediate_size": 48, "shared_intermediate_size": 96, "embedding_multiplier": 2.0,
+            "residual_multiplier": 0.5, "logits_scaling": 2.0, "attention_multiplier": 0.2,
+            "position_embedding_type": None if experts == 0 else "rope", **overrides})
     elif arch == "olmoe":   # q/k norms over all heads, softmax routing without renormalization
         cfg = transformers.OlmoeConfig(**{**common, "num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 48,
                                           "norm_topk_prob": False, **overrides})

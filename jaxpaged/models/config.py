@@ -48,6 +48,7 @@ SUPPORTED_ARCHITECTURES = (
     "MinistralForCausalLM",
     "CohereForCausalLM",
     "OlmoeForCausalLM",
+    "GraniteMoeHybridForCausalLM",
     "Cohere2ForCausalLM",
 )
 # A bare transformer without its LM head (an embedding checkpoint: e5-mistral's MistralModel, weights

@@ -12,7 +12,8 @@ Every supported architecture is the same decoder with a few switches, so they al
   for the local layers (Gemma 3).
 - Gemma (1): the Gemma 2 switches without sandwich norms, soft-capping or sliding windows.
 - Granite: scaled embedding, residual branches and logits, its own attention scale; Granite MoE the same
-  with routed experts (and, GraniteMoeShared, an ungated shared MLP).
+  with routed experts (and, GraniteMoeShared, an ungated shared MLP); Granite 4 (GraniteMoeHybrid) the same
+  where every layer is attention (no Mamba layers), dense or not, with or without rope.
 - OLMo 2 / OLMo 3: norms after attention and after the MLP only (no pre-norms), q/k norms over
   all heads at once, and (OLMo 3) sliding-window layers with their own rope.
 - SmolLM3: layers without rope among the rotating ones (NoPE, `nope_layers`).
@@ -43,7 +44,8 @@ from typing import Any
 
 from jaxpaged.models import rope
 
-GRANITE_MOE = ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")
+GRANITE_HYBRID = "GraniteMoeHybridForCausalLM"   # Granite 4: its attention-only checkpoints (no Mamba layers)
+GRANITE_MOE = ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", GRANITE_HYBRID)
 ERNIE_MOE = "Ernie4_5_MoeForCausalLM"
 MINIMAX_M2 = "MiniMaxM2ForCausalLM"
 MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM", ERNIE_MOE,
@@ -101,6 +103,8 @@ def moe_fields(hf_config: Any, architecture: str, num_layers: int) -> dict:
                     num_experts_per_tok=int(hf_config.num_experts_per_tok),
                     moe_intermediate_size=int(hf_config.intermediate_size), norm_topk_prob=True,
                     router_scoring="sigmoid", router_choice_bias=True)
+    if architecture == GRANITE_HYBRID and not hf_get(hf_config, "num_local_experts", 0):   # dense: the shared MLP
+        return dict(intermediate_size=int(hf_config.shared_intermediate_size))
     if architecture in GRANITE_MOE:   # softmax over the top-k logits: the top-k probabilities renormalized
         return dict(num_experts=int(hf_config.num_local_experts),
                     num_experts_per_tok=int(hf_config.num_experts_per_tok),
@@ -190,8 +194,15 @@ def gemma_fields(hf_config: Any, architecture: str) -> dict:
 def family_fields(hf_config: Any, architecture: str, num_layers: int) -> dict:
     """The switches of Granite, OLMo 2/3, EXAONE 4, ERNIE 4.5, SmolLM3, GLM-4 and 4.5, Seed-OSS, MiniMax-M2, Cohere
     and gpt-oss's attention (Gemma's, the experts' and latent attention's have their own readers)."""
+    if architecture == GRANITE_HYBRID:
+        kinds = sorted(set(getattr(hf_config, "layer_types", None) or ()) - {"attention", "full_attention"})
+        if kinds:
+            raise ValueError(f"{architecture} with layers of type {', '.join(map(repr, kinds))} (Granite 4's Mamba "
+                             "layers) is not supported; its attention-only checkpoints are")
     if architecture in ("GraniteForCausalLM",) + GRANITE_MOE:
-        return dict(embed_scale=float(hf_get(hf_config, "embedding_multiplier", 1.0)),
+        rotates = architecture != GRANITE_HYBRID or hf_get(hf_config, "position_embedding_type", None) == "rope"
+        return dict(nope_layers=() if rotates else tuple(range(num_layers)),
+                    embed_scale=float(hf_get(hf_config, "embedding_multiplier", 1.0)),
                     residual_scale=float(hf_get(hf_config, "residual_multiplier", 1.0)),
                     logits_scaling=float(hf_get(hf_config, "logits_scaling", 1.0)),
                     attn_scale=float(hf_get(hf_config, "attention_multiplier", 0.0)))

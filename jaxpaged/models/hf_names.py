@@ -213,15 +213,17 @@ def hf_reader(cfg: ModelConfig, get: Callable[[str], np.ndarray],
 
 def _granite_moe_source(cfg: ModelConfig, name: str, has) -> tuple[str, tuple[int, int] | None] | None:
     """Granite MoE's names for ours: the router (block_sparse_moe.router.weight, or router.layer.weight as
-    released) and GraniteMoeShared's shared MLP (shared_mlp.input_linear = gate | up, output_linear)."""
+    released) and GraniteMoeShared's and Granite 4's shared MLP (shared_mlp.input_linear = gate | up,
+    output_linear; a dense Granite 4's MLP)."""
     if ".mlp.gate." in name:
         router = name.replace(".mlp.gate.", ".block_sparse_moe.router.")
         return (router if has(router) else router.replace(".router.", ".router.layer.")), None
-    inter = cfg.shared_expert_size
+    inter = cfg.shared_expert_size or cfg.intermediate_size   # (a dense Granite 4's MLP is its shared_mlp)
     for part, real, rows in (("gate_proj", "input_linear", (0, inter)), ("up_proj", "input_linear", (inter, 2 * inter)),
                              ("down_proj", "output_linear", None)):
-        if name.endswith(f".mlp.shared_experts.{part}.weight"):
-            return name.replace(f".mlp.shared_experts.{part}.", f".shared_mlp.{real}."), rows
+        for ours in (f".mlp.shared_experts.{part}.", f".mlp.{part}."):
+            if name.endswith(ours + "weight"):
+                return name.replace(ours, f".shared_mlp.{real}."), rows
     return None
 
 

@@ -139,3 +139,14 @@ def test_command_r_plus_per_head_layer_norms_are_refused_by_name():
     cfg.use_qk_norm = False
     ours = model_config_from_hf(cfg)
     assert ours.layer_norm and ours.parallel_block and ours.logits_scaling == 1.0 / cfg.logit_scale
+
+
+def test_granite_4_mamba_layers_are_refused_by_name():
+    import transformers
+
+    cfg = transformers.GraniteMoeHybridConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+                                              intermediate_size=64, vocab_size=32, mamba_n_heads=4,
+                                              layer_types=["linear_attention", "attention"],
+                                              architectures=["GraniteMoeHybridForCausalLM"])
+    with pytest.raises(ValueError, match="'linear_attention' \\(Granite 4's Mamba layers\\) is not supported"):
+        model_config_from_hf(cfg)
