@@ -145,14 +145,24 @@ class Phi4MiniReader(GraniteReader):
 @register_tool_parser("kimi_k2")
 class KimiK2Reader(_TaggedReader):
     """Kimi K2's: `<|tool_calls_section_begin|>`, then each call `<|tool_call_begin|>functions.NAME:INDEX
-    <|tool_call_argument_begin|>{...}<|tool_call_end|>` (the call's own id is not kept: ids are the server's)."""
+    <|tool_call_argument_begin|>{...}<|tool_call_end|>`. The call's id is the model's own `functions.NAME:INDEX`
+    (as vLLM keeps it: Kimi's template writes it back with the call's result)."""
     start = "<|tool_calls_section_begin|>"
     call = re.compile(r"<\|tool_call_begin\|>\s*([^<]*?)\s*<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>",
                       re.DOTALL)
 
+    def __init__(self, tools=None):
+        super().__init__(tools)
+        self._ids: list[str] = []
+
     def calls(self, body, done):
+        found = self.call.findall(body)
+        self._ids = [ident for ident, _ in found]
         return [(ident.rsplit(":", 1)[0].removeprefix("functions."), _compact(arguments.strip()))
-                for ident, arguments in self.call.findall(body)]
+                for ident, arguments in found]
+
+    def call_id(self, index):
+        return self._ids[index] if index < len(self._ids) and self._ids[index] else super().call_id(index)
 
 
 @register_tool_parser("llama4_pythonic")

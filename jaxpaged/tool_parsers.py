@@ -97,7 +97,12 @@ class ToolCallReader(abc.ABC):
         content, calls = self._read(text, done=True)
         if not calls:
             return ExtractedToolCalls(content, [])
-        return ExtractedToolCalls(content or None, [ToolCall(name, arguments) for name, arguments in calls])
+        return ExtractedToolCalls(content or None, [ToolCall(name, arguments, self.call_id(index))
+                                                    for index, (name, arguments) in enumerate(calls)])
+
+    def call_id(self, index: int) -> str:
+        """The id of the output's call `index` (a new one of the server's; a format may keep the model's)."""
+        return new_call_id()
 
     def feed(self, text: str, done: bool) -> list[dict]:
         """The new stream-delta fragments of the output so far (`text` is cumulative): {"content": ...}
@@ -109,7 +114,7 @@ class ToolCallReader(abc.ABC):
             self._sent_chars = len(content)
         for index, (name, arguments) in enumerate(calls):
             if index == len(self._sent_calls):
-                self._sent_calls.append((new_call_id(), len(arguments)))
+                self._sent_calls.append((self.call_id(index), len(arguments)))
                 call = {"index": index, "id": self._sent_calls[index][0], "type": "function",
                         "function": {"name": name, "arguments": arguments}}
             else:

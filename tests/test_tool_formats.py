@@ -1,6 +1,7 @@
 """The tool-call formats of Mistral, Llama 3.2 / 4 (pythonic), DeepSeek-V3 / V3.1, GLM-4.5, Qwen3-Coder,
-Seed-OSS, MiniMax-M2, Granite 3, Phi-4-mini and Kimi K2: what each reads out of a whole output, the same calls and content from any
-chunking of it as it streams, and the XML formats' values typed by the offered tool's schema."""
+Seed-OSS, MiniMax-M2, Granite 3, Phi-4-mini and Kimi K2: what each reads out of a whole output, the same calls
+and content from any chunking of it as it streams, and the XML formats' values typed by the offered tool's
+schema."""
 
 import json
 
@@ -47,7 +48,8 @@ CASES = [
      [("get_weather", {"city": "Paris"}), ("get_time", {})]),
     ("llama4_pythonic", '[get_weather(city="Oslo")]', None, [("get_weather", {"city": "Oslo"})]),
     ("minimax_m2", 'Sure.\n<minimax:tool_call>\n<invoke name="get_weather">\n'
-                   '<parameter name="city">Paris</parameter>\n<parameter name="days">3</parameter>\n</invoke>\n<invoke name="get_time">\n</invoke>\n'
+                   '<parameter name="city">Paris</parameter>\n<parameter name="days">3</parameter>\n</invoke>\n'
+                   '<invoke name="get_time">\n</invoke>\n'
                    "</minimax:tool_call>", "Sure.\n",
      [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {})]),
 ]
@@ -72,6 +74,18 @@ def test_xml_values_are_typed_by_the_tools_schema(name, text):
     """A "string" parameter stays text even when it looks like a number; others are read as JSON."""
     call, = get_tool_parser(name)(tools=TOOLS).extract(text).tool_calls
     assert json.loads(call.arguments) == {"units": "42", "days": 4, "extra": {"a": [1]}}
+
+
+def test_kimi_k2_calls_keep_the_models_own_ids():
+    text = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{}"
+            "<|tool_call_end|><|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>{}<|tool_call_end|>")
+    whole = get_tool_parser("kimi_k2")(tools=TOOLS).extract(text).tool_calls
+    assert [c.id for c in whole] == ["functions.get_weather:0", "functions.get_time:1"]
+    streamed = get_tool_parser("kimi_k2")(tools=TOOLS)
+    fragments = [f for end in range(1, len(text) + 1) for f in streamed.feed(text[:end], end == len(text))]
+    ids = [f["tool_calls"][0]["id"] for f in fragments if "id" in f.get("tool_calls", [{}])[0]]
+    assert ids == ["functions.get_weather:0", "functions.get_time:1"]
+    assert get_tool_parser("hermes")().call_id(0).startswith("call_")
 
 
 def test_special_token_formats_ask_the_server_to_keep_special_tokens():
