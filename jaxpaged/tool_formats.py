@@ -39,12 +39,16 @@ logger = logging.getLogger(__name__)
 class _TaggedReader(ToolCallReader):
     """A format whose calls follow a start marker: the content before it, then `calls(body, done)`."""
     start = ""
+    also: tuple[str, ...] = ()   # other spellings of the start marker that some of the format's models write
     keeps_special_tokens = True
 
     def parse(self, text, done):
+        for other in self.also:
+            text = text.replace(other, self.start)
         first = text.find(self.start)
         if first < 0:
-            return text[:len(text) - (0 if done else _held_back(text, self.start))], []
+            keep = 0 if done else max(_held_back(text, marker) for marker in (self.start, *self.also))
+            return text[:len(text) - keep], []
         return text[:first], self.calls(text[first + len(self.start):], done)
 
     @abc.abstractmethod
@@ -60,19 +64,21 @@ class _TaggedReader(ToolCallReader):
                 return
             yield inner
 
-    def schema_type(self, function: str, parameter: str) -> str | None:
-        """The offered tool's JSON-schema type of `parameter` (None if not given)."""
+    def schema_type(self, function: str, parameter: str) -> str | list | None:
+        """The offered tool's JSON-schema type of `parameter`: a name or a list of names (None if not given)."""
         for tool in self.tools:
             spec = tool.get("function", tool)
             if spec.get("name") == function:
                 prop = ((spec.get("parameters") or {}).get("properties") or {}).get(parameter) or {}
                 kind = prop.get("type")
-                return kind if isinstance(kind, str) else None
+                return kind if isinstance(kind, (str, list)) else None
         return None
 
     def typed(self, function: str, parameter: str, value: str):
-        """An XML format's value as its schema says: text for a string, else JSON (or a Python literal)."""
-        if self.schema_type(function, parameter) == "string":
+        """An XML format's value as its schema says: text for a string (or a type list naming "string"), else
+        JSON (or a Python literal)."""
+        kind = self.schema_type(function, parameter)
+        if kind == "string" or (isinstance(kind, list) and "string" in kind):
             return value
         for read in (json.loads, ast.literal_eval):
             try:
@@ -128,8 +134,9 @@ def _json_calls(body: str) -> list[tuple[str, str]]:
 
 @register_tool_parser("granite")
 class GraniteReader(_TaggedReader):
-    """Granite 3's: `<|tool_call|>` then a JSON array of {"name", "arguments"}."""
-    start = "<|tool_call|>"
+    """Granite 3's: `<|tool_call|>` (3.0; `<tool_call>` as text from 3.1 on) then a JSON array of {"name",
+    "arguments"}."""
+    start, also = "<|tool_call|>", ("<tool_call>",)
 
     def calls(self, body, done):
         return _json_calls(body)
@@ -138,7 +145,7 @@ class GraniteReader(_TaggedReader):
 @register_tool_parser("phi4_mini_json")
 class Phi4MiniReader(GraniteReader):
     """Phi-4-mini's: `functools[{"name", "arguments"}, ...]`."""
-    start = "functools"
+    start, also = "functools", ()
     keeps_special_tokens = False
 
 
@@ -147,7 +154,7 @@ class KimiK2Reader(_TaggedReader):
     """Kimi K2's: `<|tool_calls_section_begin|>`, then each call `<|tool_call_begin|>functions.NAME:INDEX
     <|tool_call_argument_begin|>{...}<|tool_call_end|>`. The call's id is the model's own `functions.NAME:INDEX`
     (as vLLM keeps it: Kimi's template writes it back with the call's result)."""
-    start = "<|tool_calls_section_begin|>"
+    start, also = "<|tool_calls_section_begin|>", ("<|tool_call_section_begin|>",)   # (some checkpoints write it)
     call = re.compile(r"<\|tool_call_begin\|>\s*([^<]*?)\s*<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>",
                       re.DOTALL)
 

@@ -40,12 +40,15 @@ CASES = [
                  "</parameter>\n</function>\n</seed:tool_call>", None, [("get_weather", {"city": "Rome", "days": 2})]),
     ("granite", '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", '
                 '"arguments": {}}]', None, [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    ("granite", 'Sure.<tool_call>[{"name": "get_time", "arguments": {}}]', "Sure.", [("get_time", {})]),   # 3.1+
     ("phi4_mini_json", 'functools[{"name": "get_weather", "arguments": {"city": "Rome"}}]', None,
      [("get_weather", {"city": "Rome"})]),
     ("kimi_k2", "Let me see.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
                 '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>functions.get_time:1'
                 "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>", "Let me see.",
      [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    ("kimi_k2", "<|tool_call_section_begin|><|tool_call_begin|>functions.get_time:0<|tool_call_argument_begin|>{}"
+                "<|tool_call_end|><|tool_call_section_end|>", None, [("get_time", {})]),   # the singular spelling
     ("llama4_pythonic", '[get_weather(city="Oslo")]', None, [("get_weather", {"city": "Oslo"})]),
     ("minimax_m2", 'Sure.\n<minimax:tool_call>\n<invoke name="get_weather">\n'
                    '<parameter name="city">Paris</parameter>\n<parameter name="days">3</parameter>\n</invoke>\n'
@@ -58,6 +61,15 @@ CASES = [
 @pytest.mark.parametrize("name, text, content, calls", CASES)
 def test_whole_and_streamed_outputs_read_the_same(name, text, content, calls):
     assert_whole_and_streamed_read_the_same(lambda: get_tool_parser(name)(tools=TOOLS), text, content, calls)
+
+
+def test_a_parameter_whose_type_list_names_string_stays_text():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "code": {"type": ["string", "null"]}, "n": {"type": ["integer", "null"]}}}}}]
+    text = '<minimax:tool_call><invoke name="f"><parameter name="code">123</parameter><parameter name="n">7</parameter>' \
+           "</invoke></minimax:tool_call>"
+    call, = get_tool_parser("minimax_m2")(tools=tools).extract(text).tool_calls
+    assert json.loads(call.arguments) == {"code": "123", "n": 7}
 
 
 @pytest.mark.parametrize("name, text", [

@@ -216,7 +216,7 @@ def family_fields(hf_config: Any, architecture: str, num_layers: int) -> dict:
         return dict(o_bias=bool(hf_get(hf_config, "attention_out_bias", False)))
     if architecture in (MINIMAX_M2, "OlmoeForCausalLM"):
         if hf_get(hf_config, "clip_qkv", None) is not None:
-            raise ValueError("OlmoeForCausalLM with clip_qkv set is not supported (the released OLMoE has none)")
+            raise ValueError(f"{architecture} with clip_qkv set is not supported (the released checkpoints have none)")
         return dict(qk_norm=True, qk_norm_full=True)
     if architecture in COHERE:
         if hf_get(hf_config, "use_qk_norm", False):

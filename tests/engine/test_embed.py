@@ -159,3 +159,17 @@ def test_score_is_the_cosine_of_the_embeddings_one_to_many_and_pairwise():
     assert abs(llm.score(a, a, use_tqdm=False)[0].outputs.score - 1.0) < 1e-6
     with pytest.raises(ValueError, match=r"data_1 \(2 prompts\) must be one prompt or as many as data_2 \(3\)"):
         llm.score([a, b], [a, b, c], use_tqdm=False)
+
+
+def test_a_cohere_embedding_goes_through_its_mean_centred_final_norm():
+    """The host's final norm is the model's: Cohere's LayerNorm, not an RMSNorm."""
+    import torch
+    from transformers import AutoModel
+
+    path = tiny_checkpoint("cohere")
+    llm = LLM(path, dtype="float32", block_size=8, num_gpu_blocks_override=16, max_model_len=64,
+              compile_on_startup=False, runner="pooling")
+    out = llm.encode({"prompt_token_ids": PROMPTS[0]}, PoolingParams(normalize=False), use_tqdm=False)[0]
+    with torch.no_grad():
+        ref = AutoModel.from_pretrained(path, dtype=torch.float32).eval()(torch.tensor([PROMPTS[0]]))
+    np.testing.assert_allclose(out.outputs.data, ref.last_hidden_state[0, -1].numpy(), rtol=1e-5, atol=1e-5)
