@@ -47,7 +47,11 @@ def main() -> None:
     from benchmarks.gpu_check import engine as check_engine
     from benchmarks.gpu_check.common import Context
 
-    ctx = Context(dry_run=ns.dry_run, workdir=tempfile.mkdtemp(prefix="step-profile-"))
+    with tempfile.TemporaryDirectory(prefix="step-profile-") as workdir:   # the random checkpoint, removed after
+        profile_all(ns, Context(dry_run=ns.dry_run, workdir=workdir), check_engine)
+
+
+def profile_all(ns, ctx, check_engine) -> None:
     for row in check_engine.random_checkpoint(ctx):
         print(row, flush=True)
     path = os.path.join(ctx.workdir, check_engine.MODEL_FOLDER)
@@ -212,23 +216,24 @@ def trace_steps(llm, run, name, num_seqs, max_tokens=24):
                 return _fn(*args, **kwargs)
         setattr(obj, attr, wrapped)
         saved.append((obj, attr))
-    folder = tempfile.mkdtemp(prefix="step-trace-")
     options = jax.profiler.ProfileOptions()
     options.python_tracer_level = 0
     options.host_tracer_level = 2
-    try:
-        with jax.profiler.trace(folder, profiler_options=options):
-            run(max_tokens)
-    finally:
-        for obj, attr in saved:
-            delattr(obj, attr)
-    path = sorted(glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True))[-1]
     out_dir = _OUT[0]
-    if os.path.getsize(path) < 15 << 20:
-        import shutil
-        shutil.copy(path, os.path.join(out_dir, f"trace_{num_seqs}.xplane.pb"))
-    lines = summarize_trace(ProfileData.from_file(path))
-    print(f"[{name}] trace of {num_seqs} seqs x {max_tokens} tokens ({os.path.getsize(path) >> 10} KiB):", flush=True)
+    with tempfile.TemporaryDirectory(prefix="step-trace-") as folder:   # (a small trace is kept in out_dir)
+        try:
+            with jax.profiler.trace(folder, profiler_options=options):
+                run(max_tokens)
+        finally:
+            for obj, attr in saved:
+                delattr(obj, attr)
+        path = sorted(glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True))[-1]
+        size = os.path.getsize(path)
+        if size < 15 << 20:
+            import shutil
+            shutil.copy(path, os.path.join(out_dir, f"trace_{num_seqs}.xplane.pb"))
+        lines = summarize_trace(ProfileData.from_file(path))
+    print(f"[{name}] trace of {num_seqs} seqs x {max_tokens} tokens ({size >> 10} KiB):", flush=True)
     print("\n".join(lines), flush=True)
     with open(os.path.join(out_dir, f"trace_{num_seqs}.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")

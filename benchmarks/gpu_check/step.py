@@ -285,15 +285,15 @@ def _busy_row(llm, sizes: Sizes, num_seqs: int) -> Row:
     prompts = _workload_prompts(np.random.default_rng(num_seqs + 1), [sizes.step_prompt_len] * num_seqs,
                                 sizes.model["vocab_size"])
     params = SamplingParams(temperature=0.0, max_tokens=sizes.step_max_tokens[1], ignore_eos=True, detokenize=False)
-    folder = tempfile.mkdtemp(prefix="busy-trace-")
-    engine.step = annotated
-    try:
-        with jax.profiler.trace(folder):
-            llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        del engine.step
-    paths = sorted(glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True))
-    share, span_s, steps = device_busy_share(ProfileData.from_file(paths[-1])) if paths else (None, 0.0, 0)
+    with tempfile.TemporaryDirectory(prefix="busy-trace-") as folder:
+        engine.step = annotated
+        try:
+            with jax.profiler.trace(folder):
+                llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            del engine.step
+        paths = sorted(glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True))
+        share, span_s, steps = device_busy_share(ProfileData.from_file(paths[-1])) if paths else (None, 0.0, 0)
     case = f"device busy {num_seqs} seqs"
     if share is None:
         return Row("step", case, "skip", note="no device kernels in the trace: a GPU trace has them")
