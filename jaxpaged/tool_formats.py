@@ -286,21 +286,13 @@ class SeedOssReader(Qwen3CoderReader):
 
 
 @register_tool_parser("minimax_m2")
-class MiniMaxM2Reader(_TaggedReader):
+class MiniMaxM2Reader(Qwen3CoderReader):
     """MiniMax-M2's: `<minimax:tool_call>` then `<invoke name="f"><parameter name="k">v</parameter></invoke>`
-    per call, then `</minimax:tool_call>`."""
+    per call, then `</minimax:tool_call>` (Qwen3-Coder's reading, its own tags)."""
     start, end = "<minimax:tool_call>", "</minimax:tool_call>"
-    invoke = re.compile(r'<invoke name="([^"]*)">(.*?)(?:</invoke>|$)', re.DOTALL)
+    keeps_special_tokens = True
+    function = re.compile(r'<invoke name="([^"]*)">(.*?)(?:</invoke>|$)', re.DOTALL)
     parameter = re.compile(r'<parameter name="([^"]*)">(.*?)(?:</parameter>|(?=<parameter )|$)', re.DOTALL)
-
-    def calls(self, body, done):
-        calls = []
-        for inner in self.blocks(body, done):
-            for name, params in self.invoke.findall(inner):
-                arguments = {k.strip(): self.typed(name, k.strip(), _strip_newline(v))
-                             for k, v in self.parameter.findall(params)}
-                calls.append((name.strip(), json.dumps(arguments, ensure_ascii=False)))
-        return calls
 
 
 def _strip_newline(value: str) -> str:

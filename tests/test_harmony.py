@@ -13,6 +13,7 @@ import pytest
 from jaxpaged.harmony import HarmonyReader, speaks_harmony
 from jaxpaged.reasoning import ReasoningParser
 from jaxpaged.tool_parsers import get_tool_parser
+from tests.test_reasoning import assert_stream_reassembles
 from tests.test_tool_parsers import assert_whole_and_streamed_read_the_same
 from tests.tiny_models import scratch_folder, tiny_checkpoint, tiny_tokenizer
 
@@ -54,14 +55,7 @@ def test_a_stream_in_random_pieces_reassembles_to_the_whole(seed):
     rng = random.Random(seed)
     text = CASES[rng.randrange(len(CASES))][0]
     cuts = sorted(rng.sample(range(1, len(text)), min(10, len(text) - 1)))
-    pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
-    parser = ReasoningParser("openai_gptoss")
-    stream = parser.stream()
-    reasoning = content = ""
-    for k, piece in enumerate(pieces):
-        r, c = stream.feed(piece, done=k == len(pieces) - 1)
-        reasoning, content = reasoning + r, content + c
-    assert (reasoning or None, content or None) == parser.extract(text), pieces
+    assert_stream_reassembles("openai_gptoss", [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])])
 
 
 def test_arguments_stream_as_they_are_written_and_a_partial_marker_waits():

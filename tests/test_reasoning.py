@@ -42,14 +42,18 @@ def test_a_stream_in_random_pieces_reassembles_to_the_whole(seed):
              rng.choice([end, end[:4], ""]), "ans<wer", rng.choice([end, "<", ""])]
     text = "".join(parts)
     cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, min(8, len(text) - 1))))
-    pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+    assert_stream_reassembles(name, [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])])
+
+
+def assert_stream_reassembles(name: str, pieces: list[str]) -> None:
+    """Parser `name`'s stream fed `pieces` gives what its extract gives of them joined."""
     parser = ReasoningParser(name)
     stream = parser.stream()
     reasoning = answer = ""
     for k, piece in enumerate(pieces):
         r, a = stream.feed(piece, done=k == len(pieces) - 1)
         reasoning, answer = reasoning + r, answer + a
-    assert (reasoning or None, answer or None) == parser.extract(text), pieces
+    assert (reasoning or None, answer or None) == parser.extract("".join(pieces)), pieces
     assert stream.answer == answer
 
 
