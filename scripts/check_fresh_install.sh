@@ -7,8 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=.venv-runtime
 LOG=$(mktemp -t jaxpaged-serve.XXXXXX.log)
-# A newcomer's empty cache: the native CPU kernels are compiled from the installed sources, the
-# built-in model's tokenizer converted again
+# A newcomer's empty cache: the built-in model's tokenizer is converted again
 export JAXPAGED_CACHE
 JAXPAGED_CACHE=$(mktemp -d -t jaxpaged-cache.XXXXXX)
 QUESTION="What is the capital of France?"
@@ -53,6 +52,7 @@ trap - EXIT
 OUT=$("$VENV/bin/jaxpaged" generate --prompt "$QUESTION")
 echo "$OUT"
 [[ "$OUT" == *Paris* ]] || { echo "FAIL: jaxpaged generate does not mention Paris" >&2; exit 1; }
-# its environment (~1 GB) goes too: CI installs the test extra next, on the same disk
-rm -rf "$JAXPAGED_CACHE" "$VENV"
+# its environment (~1 GB) goes too: CI installs the test extra next, on the same disk; the server's log
+# (kept on a failure) too
+rm -rf "$JAXPAGED_CACHE" "$VENV" "$LOG"
 echo "fresh install: OK in $(( $(date +%s) - START )) s"
