@@ -34,7 +34,6 @@ from jaxpaged.tool_parsers import ToolCallReader, _held_back, register_tool_pars
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")
 _STOPS = (START, *ENDS)             # what ends a message's text
-_LONGEST = max(map(len, _STOPS))
 # structured outputs apply from the final channel's header on; a prompt whose last assistant header is it
 # (an answer begun in the prompt) is constrained from its first token (runner/structured_outputs.py)
 REASONING_TAGS = (START + "assistant", CHANNEL + "final" + MESSAGE)

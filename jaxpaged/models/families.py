@@ -222,12 +222,11 @@ def family_fields(hf_config: Any, architecture: str, num_layers: int) -> dict:
         if hf_get(hf_config, "use_qk_norm", False):
             raise ValueError(f"{architecture} with use_qk_norm=True (Command R+'s per-head LayerNorms) is not "
                              "supported")
-        kinds = getattr(hf_config, "layer_types", None) or []   # Cohere2: the global layers do not rotate
         return dict(layer_norm=True, parallel_block=True, rope_interleaved=True,
                     rms_norm_eps=float(hf_get(hf_config, "layer_norm_eps", 1e-5)),
                     logits_scaling=1.0 / float(hf_get(hf_config, "logit_scale", 1.0)),
-                    nope_layers=tuple(i for i, kind in enumerate(kinds)
-                                      if architecture == "Cohere2ForCausalLM" and kind != "sliding_attention"))
+                    # Cohere2: the global layers do not rotate
+                    nope_layers=_global_layers(hf_config, num_layers) if architecture == "Cohere2ForCausalLM" else ())
     if architecture == "Glm4MoeForCausalLM":   # biased q/k/v (not o), per-head q/k norms where use_qk_norm
         return dict(o_bias=False, qk_norm=bool(hf_get(hf_config, "use_qk_norm", False)))
     if architecture in ("Ernie4_5ForCausalLM", ERNIE_MOE):
@@ -235,10 +234,15 @@ def family_fields(hf_config: Any, architecture: str, num_layers: int) -> dict:
         return dict(rope_interleaved=True, qkv_bias=bias, o_bias=bias, mlp_bias=bias)
     if architecture == "Exaone4ForCausalLM":   # with sliding windows, the global layers do not rotate
         windowed = bool(getattr(hf_config, "sliding_window", None))
-        kinds = getattr(hf_config, "layer_types", None) or ["full_attention"] * num_layers
         return dict(pre_norms=False, sandwich_norms=True, qk_norm=True,
-                    nope_layers=tuple(i for i, kind in enumerate(kinds) if windowed and kind != "sliding_attention"))
+                    nope_layers=_global_layers(hf_config, num_layers) if windowed else ())
     if architecture == "SmolLM3ForCausalLM":
         uses_rope = hf_get(hf_config, "no_rope_layers", [1] * num_layers)   # transformers' name: 1 = rotates
         return dict(nope_layers=tuple(i for i, rotates in enumerate(uses_rope) if not rotates))
     return {}
+
+
+def _global_layers(hf_config: Any, num_layers: int) -> tuple[int, ...]:
+    """The layers that are not sliding-window ones (`layer_types`; all when it is missing)."""
+    kinds = getattr(hf_config, "layer_types", None) or ["full_attention"] * num_layers
+    return tuple(i for i, kind in enumerate(kinds) if kind != "sliding_attention")

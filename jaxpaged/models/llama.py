@@ -131,11 +131,9 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def layer_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
-    """LayerNorm without a bias (Cohere's) in f32: mean-centred, then as `rms_norm`."""
+    """LayerNorm without a bias (Cohere's) in f32: `rms_norm` of the mean-centred input."""
     x32 = x.astype(jnp.float32)
-    x32 = x32 - jnp.mean(x32, axis=-1, keepdims=True)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (x32 * (weight.astype(jnp.float32) + offset)).astype(x.dtype)
+    return rms_norm(x32 - jnp.mean(x32, axis=-1, keepdims=True), weight, eps, offset).astype(x.dtype)
 
 
 def norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
