@@ -48,6 +48,7 @@ LAYER_SPECS = {
     "wo": P(MODEL_AXIS, None), "bo": P(),
     "w_gate_up": P(None, MODEL_AXIS), "b_gate_up": P(MODEL_AXIS),
     "w_down": P(MODEL_AXIS, None), "b_down": P(),
+    "w_up": P(None, MODEL_AXIS), "b_up": P(MODEL_AXIS), "input_norm_bias": P(), "post_norm_bias": P(),
     "attn_out_norm": P(), "mlp_out_norm": P(), "router": P(), "shared_gate": P(),
     # experts: each device holds num_experts / tp of them whole (expert parallelism, jaxpaged.models.moe)
     "w_experts_gate_up": P(MODEL_AXIS, None, None), "w_experts_down": P(MODEL_AXIS, None, None),
@@ -58,7 +59,8 @@ LAYER_SPECS = {
     "wq": P(None, MODEL_AXIS), "wq_a": P(), "q_a_norm": P(), "wq_b": P(None, MODEL_AXIS), "wkv_a": P(),
     "kv_a_norm": P(), "w_uk": P(MODEL_AXIS, None, None), "w_uv": P(MODEL_AXIS, None, None),
 }
-TOP_SPECS = {"embed": P(MODEL_AXIS, None), "lm_head": P(None, MODEL_AXIS), "final_norm": P(), "classifier": P()}
+TOP_SPECS = {"embed": P(MODEL_AXIS, None), "lm_head": P(None, MODEL_AXIS), "final_norm": P(), "classifier": P(),
+             "final_norm_bias": P(), "pos_embed": P()}
 POOL_SPEC = P(None, None, None, MODEL_AXIS)      # [layers, 2, blocks, kv_heads, block_size, head_dim]
 
 

@@ -15,7 +15,7 @@ ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 FAMILIES = ("phi3", "gemma", "gemma2", "gemma3", "granite", "olmo2", "olmo3", "smollm3", "mixtral", "qwen2_moe",
             "qwen3_moe", "gpt_oss", "exaone4", "ernie4_5", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite",
             "granitemoe", "granitemoe_shared", "ernie4_5_moe", "glm", "glm4", "seed_oss", "minimax_m2", "ministral",
-            "cohere", "cohere2", "olmoe", "granitemoehybrid", "granitemoehybrid_dense")
+            "cohere", "cohere2", "olmoe", "granitemoehybrid", "granitemoehybrid_dense", "gpt2", "opt", "gpt_neox")
 _CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
             "gemma": "Gemma", "gemma2": "Gemma2", "gemma3": "Gemma3", "granite": "Granite", "olmo2": "Olmo2",
             "olmo3": "Olmo3", "smollm3": "SmolLM3", "mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe",
@@ -24,7 +24,8 @@ _CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "
             "glm4_moe_lite": "Glm4MoeLite", "granitemoe": "GraniteMoe", "granitemoe_shared": "GraniteMoeShared",
             "ernie4_5_moe": "Ernie4_5_Moe", "glm": "Glm", "glm4": "Glm4", "seed_oss": "SeedOss",
             "minimax_m2": "MiniMaxM2", "ministral": "Ministral", "cohere": "Cohere", "cohere2": "Cohere2",
-            "olmoe": "Olmoe", "granitemoehybrid": "GraniteMoeHybrid", "granitemoehybrid_dense": "GraniteMoeHybrid"}
+            "olmoe": "Olmoe", "granitemoehybrid": "GraniteMoeHybrid", "granitemoehybrid_dense": "GraniteMoeHybrid",
+            "gpt2": "GPT2", "opt": "OPT", "gpt_neox": "GPTNeoX"}
 _ROOT = tempfile.mkdtemp(prefix="jaxpaged-tiny-")   # this process's checkpoints, removed when it exits
 atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)
 
@@ -193,6 +194,18 @@ def _config(arch: str, **overrides):
     elif arch == "cohere2":   # Cohere's with sliding-window layers and global ones without rope
         cfg = transformers.Cohere2Config(**{**common, "logit_scale": 0.25, "sliding_window": 12, "layer_types": [
             "sliding_attention", "full_attention", "sliding_attention"], **overrides})
+    elif arch == "gpt2":   # learned positions, LayerNorms with biases, Conv1D weights, an ungated gelu_new MLP
+        cfg = transformers.GPT2Config(vocab_size=320, n_embd=64, n_layer=3, n_head=4, n_inner=128, n_positions=512,
+                                      bos_token_id=1, eos_token_id=2, **overrides)
+    elif arch == "opt":   # GPT-2's with positions from row 2 of their table and a relu MLP
+        cfg = transformers.OPTConfig(**{"vocab_size": 320, "hidden_size": 64, "word_embed_proj_dim": 64,
+                                        "num_hidden_layers": 3, "num_attention_heads": 4, "ffn_dim": 128,
+                                        "max_position_embeddings": 512, "bos_token_id": 1, "eos_token_id": 2,
+                                        "pad_token_id": 0, **overrides})
+    elif arch == "gpt_neox":   # a quarter of each head rotates; attention and the MLP side by side, each normed
+        cfg = transformers.GPTNeoXConfig(vocab_size=320, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                         intermediate_size=128, max_position_embeddings=512, hidden_act="gelu",
+                                         bos_token_id=1, eos_token_id=2, **overrides)
     else:
         raise ValueError(arch)
     return cfg
@@ -207,7 +220,8 @@ def tiny_checkpoint(arch: str, head: str = "ForCausalLM", **overrides) -> str:
 
     labels = overrides.pop("labels", None)   # a classifier's class names (a tuple, hashable for the cache)
     cfg = _config(arch, **overrides, **({"id2label": dict(enumerate(labels))} if labels else {}))
-    cls = getattr(transformers, f"{_CLASSES[arch]}{head}")
+    cls = getattr(transformers, "GPT2LMHeadModel" if arch == "gpt2" and head == "ForCausalLM"
+                  else f"{_CLASSES[arch]}{head}")
     if head != "ForCausalLM":
         cfg.architectures = None   # (gemma3's is set for its causal LM above) save_pretrained names the class
     torch.manual_seed(sum(map(ord, arch)))

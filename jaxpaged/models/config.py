@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxpaged.models import families, rope
+from jaxpaged.models import families, gpt_families, rope
 from jaxpaged.models.families import hf_get as _get
 
 SUPPORTED_ARCHITECTURES = (
@@ -50,7 +50,7 @@ SUPPORTED_ARCHITECTURES = (
     "OlmoeForCausalLM",
     "GraniteMoeHybridForCausalLM",
     "Cohere2ForCausalLM",
-)
+) + gpt_families.ARCHITECTURES
 # A bare transformer without its LM head (an embedding checkpoint: e5-mistral's MistralModel, weights
 # without the "model." prefix) runs as its *ForCausalLM family, the input embedding standing in for
 # the head, under the pooling runner only (pooling_params.resolve_runner).
@@ -103,7 +103,8 @@ def causal_architecture(architecture: str | None) -> str | None:
     if architecture in BASE_MODEL_ARCHITECTURES:
         return BASE_MODEL_ARCHITECTURES[architecture]
     if architecture and architecture.endswith(CLASSIFIER_SUFFIX):
-        return architecture[:-len(CLASSIFIER_SUFFIX)] + "ForCausalLM"
+        causal = architecture[:-len(CLASSIFIER_SUFFIX)] + "ForCausalLM"
+        return gpt_families.GPT2 if causal == "GPT2ForCausalLM" else causal   # (GPT-2's LM: GPT2LMHeadModel)
     return architecture
 
 
@@ -112,7 +113,9 @@ def is_classifier(hf_config) -> bool:
     return bool(architectures) and architectures[0].endswith(CLASSIFIER_SUFFIX)
 
 
-_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+# transformers' names -> ours (jaxpaged.models.moe.activation): gelu is the exact one, the others its tanh form
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
+                "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +146,7 @@ class ModelConfig:
     rope_freq_factors: tuple[float, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    hidden_act: str = "silu"          # "silu" (SwiGLU) | "gelu_tanh" (GeGLU)
+    hidden_act: str = "silu"          # "silu" (SwiGLU) | "gelu_tanh" (GeGLU) | "gelu" | "relu"
     rotary_dim: int = 0               # leading dims of each head that rotate (partial rotary); 0 = all
     # longrope (Phi-3): per-frequency divisors [rotary_dim // 2], long ones once a sequence outgrows
     # rope_original_max_positions, and the factor cos and sin are multiplied by
@@ -169,6 +172,14 @@ class ModelConfig:
     # on one normed input (no post_norm)
     layer_norm: bool = False
     parallel_block: bool = False
+    # GPT-2, OPT, GPT-NeoX (jaxpaged.models.gpt_families): LayerNorms with a bias, an MLP without a gate (up,
+    # activation, down), learned positions (a table's rows position_offset + position added to the embedding),
+    # and NeoX's parallel block whose MLP reads its own norm (post_norm) of the layer's input
+    norm_bias: bool = False
+    gated_mlp: bool = True
+    learned_positions: bool = False
+    position_offset: int = 0
+    parallel_mlp_norm: bool = False
     attn_sinks: bool = False          # gpt-oss: a learned logit per head joins each softmax's denominator
     # yarn: beta_fast / beta_slow (the ramp's ends, in rotations over the original length), truncate
     rope_yarn_betas: tuple[float, float] = (32.0, 1.0)
@@ -241,6 +252,11 @@ class ModelConfig:
         return tuple(i not in self.nope_layers for i in range(self.num_layers))
 
     @property
+    def rotates(self) -> bool:
+        """Some layer's q/k rotate (not GPT-2's or OPT's: learned positions, no rope)."""
+        return len(self.nope_layers) < self.num_layers
+
+    @property
     def local_rope_layers(self) -> tuple[bool, ...]:
         """Per layer: rotates with local_rope_theta (Gemma 3's sliding-window layers)."""
         return tuple(bool(self.local_rope_theta) and w > 0 for w in self.sliding_windows)
@@ -256,7 +272,7 @@ class ModelConfig:
             per_head = (self.kv_lora_rank * (self.qk_nope_head_dim + self.v_head_dim)
                         + self.v_head_dim * self.hidden_size)
             attention = q + self.hidden_size * self.head_dim + self.num_heads * per_head
-        dense = 3 * self.hidden_size * self.intermediate_size
+        dense = (3 if self.gated_mlp else 2) * self.hidden_size * self.intermediate_size
         routed = 3 * self.hidden_size * (self.num_experts_per_tok * self.moe_intermediate_size
                                          + self.shared_expert_size) + self.hidden_size * self.num_experts
         mlp = sum(routed if self.is_moe_layer(i) else dense for i in range(self.num_layers))
@@ -298,6 +314,8 @@ def model_config_from_hf(hf_config: Any) -> ModelConfig:
     # no LM head in a bare model or a classifier: the input embedding stands in (its logits are not used)
     headless = classifier or architecture in BASE_MODEL_ARCHITECTURES
     given, architecture = architecture, causal_architecture(architecture)
+    if architecture in gpt_families.ARCHITECTURES:   # their own field names, read as Llama's
+        hf_config = gpt_families.llama_config(hf_config, architecture)
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"architecture {given!r} is not supported; supported architectures: "
                          f"{', '.join(SUPPORTED_ARCHITECTURES + tuple(BASE_MODEL_ARCHITECTURES))}, the "
@@ -376,5 +394,7 @@ def model_config_from_hf(hf_config: Any) -> ModelConfig:
     fields.update(families.moe_fields(hf_config, architecture, num_layers))
     fields.update(families.gemma_fields(hf_config, architecture))
     fields.update(families.family_fields(hf_config, architecture, num_layers))
+    if architecture in gpt_families.ARCHITECTURES:
+        fields.update(gpt_families.family_fields(hf_config, architecture, num_layers))
     fields.update(families.mla_fields(hf_config, architecture))
     return ModelConfig(**fields)

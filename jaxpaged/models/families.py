@@ -35,6 +35,7 @@ Every supported architecture is the same decoder with a few switches, so they al
   its global ones without rope.
 - MiniMax-M2: q/k norms over all heads at once, a partial rope, and DeepSeek-V3's sigmoid router (a choice
   bias, renormalized) without groups. OLMoE: the same q/k norms before Qwen3-MoE's softmax router.
+- GPT-2, OPT, GPT-NeoX: their switches and names are `jaxpaged.models.gpt_families`'.
 - DeepSeek-V2 / V3, GLM-4.7-Flash: multi-head latent attention (`kv_lora_rank`, jaxpaged.models.mla),
   and with GLM-4.5 their routers (`moe.Routing`: sigmoid scores with a correction bias, expert groups,
   a routed scaling factor), ungated shared experts and the first layers dense.

@@ -9,11 +9,22 @@ from typing import Callable
 
 import numpy as np
 
-from jaxpaged.models import mla
+from jaxpaged.models import gpt_families, mla
 from jaxpaged.models.config import ModelConfig
+from jaxpaged.models.llama import weight_shapes
 from jaxpaged.models.families import ERNIE_MOE, GLM, GRANITE_MOE, MINIMAX_M2
 from jaxpaged.models.prequantized import mxfp4_dequantize
 from jaxpaged.models.quantization import HostQuantized
+
+
+def hf_top_sources(cfg: ModelConfig) -> dict[str, str]:
+    """Our weight name -> the Hugging Face tensor of the weights outside the layers (`llama.weight_shapes`):
+    the embedding, the final norm (and its bias), the learned positions, the LM head ([out, in]: transposed),
+    a classifier's score head."""
+    sources = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
+               "final_norm_bias": "model.norm.bias", "pos_embed": "model.embed_positions.weight",
+               "lm_head": "lm_head.weight", "classifier": "score.weight"}
+    return {name: hf for name, hf in sources.items() if name in weight_shapes(cfg)}
 
 
 def _hf_layer_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
@@ -34,15 +45,20 @@ def _hf_layer_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
         ("post_attention_layernorm", "post_feedforward_layernorm")
     if cfg.pre_norms:   # (OLMo has only the sandwich norms after attention and the MLP; Cohere one before both)
         sources["input_norm"] = [p + "input_layernorm.weight"]
-    if cfg.pre_norms and not cfg.parallel_block:
+    if cfg.pre_norms and (cfg.parallel_mlp_norm or not cfg.parallel_block):
         sources["post_norm"] = [p + ("pre_feedforward_layernorm.weight" if cfg.sandwich_norms and not glm4
                                      else "post_attention_layernorm.weight")]
+    if cfg.norm_bias:   # (GPT-2, OPT, GPT-NeoX: their LayerNorms' biases)
+        sources.update({f"{name}_bias": [hf[0].replace(".weight", ".bias")] for name, hf in list(sources.items())})
     if cfg.is_mla:
         sources.update({name: [attn + mla.SOURCES[name]] for name in mla.weight_shapes(cfg)})
     else:
         sources["wqkv"] = [attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"]
         sources["wo"] = [attn + "o_proj.weight"]
-    if not moe or cfg.shared_expert_size:
+    if not cfg.gated_mlp:
+        sources["w_up"] = [mlp + "up_proj.weight"]
+        sources["w_down"] = [mlp + "down_proj.weight"]
+    elif not moe or cfg.shared_expert_size:
         sources["w_gate_up"] = [dense + "gate_proj.weight", dense + "up_proj.weight"]
         sources["w_down"] = [dense + "down_proj.weight"]
     if moe:
@@ -67,7 +83,8 @@ def _hf_layer_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
     if cfg.o_bias:
         sources["bo"] = [attn + "o_proj.bias"]
     if cfg.mlp_bias:
-        sources["b_gate_up"] = [dense + "gate_proj.bias", dense + "up_proj.bias"]
+        sources.update({"b_gate_up": [dense + "gate_proj.bias", dense + "up_proj.bias"]} if cfg.gated_mlp
+                       else {"b_up": [mlp + "up_proj.bias"]})
         sources["b_down"] = [dense + "down_proj.bias"]
     if cfg.qk_norm:
         sources["q_norm"] = [attn + "q_norm.weight"]
@@ -83,7 +100,7 @@ EXPERT_WEIGHTS = ("w_experts_gate_up", "w_experts_down") + EXPERT_BIASES
 # and vLLM keep it in f32: its entries differ in the third digit, which bfloat16 would round away)
 F32_WEIGHTS = ("router_correction",)
 # the matmul weights `quantization` applies to (routers and gates stay in the model dtype)
-QUANTIZABLE = ("wqkv", "wo", "w_gate_up", "w_down")
+QUANTIZABLE = ("wqkv", "wo", "w_gate_up", "w_up", "w_down")
 _MIXTRAL_EXPERT = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
 _EXPERT_STACK = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)\.(weight|bias)$")
 GPT_OSS = "GptOssForCausalLM"
@@ -100,6 +117,8 @@ def hf_reader(cfg: ModelConfig, get: Callable[[str], np.ndarray],
     latent attention (`mla.split_kv_b`), an interleaved rope's q/k rows reordered (`_rotate_half_order`), and a
     vision-language checkpoint's language model under a causal LM's names (`_language_model_names`)."""
     arch = cfg.architecture
+    if arch in gpt_families.ARCHITECTURES:
+        get, has = gpt_families.reader(cfg, get, has)
     get, has = _language_model_names(get, has)
 
     def source(name: str):

@@ -1,7 +1,7 @@
 """One Flax NNX decoder for every supported family (Llama, Mistral, Ministral, Qwen2/3, Phi-3, Gemma 1/2/3,
-Granite, OLMo 2/3, SmolLM3, EXAONE 4, ERNIE 4.5, GLM-4, Seed-OSS, Cohere 1/2, and the mixtures of experts
-Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, DeepSeek-V2/V3, GLM-4.5, MiniMax-M2): one layer body and its switches
-(`ModelConfig`); the rope in `jaxpaged.models.rope`, DeepSeek's latent attention in `jaxpaged.models.mla`.
+Granite, OLMo 2/3, SmolLM3, EXAONE 4, ERNIE 4.5, GLM-4, Seed-OSS, Cohere 1/2, GPT-2, OPT, GPT-NeoX, and the mixtures
+of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, DeepSeek-V2/V3, GLM-4.5, MiniMax-M2): one layer body and its
+switches (`ModelConfig`); the rope in `jaxpaged.models.rope`, DeepSeek's latent attention in `jaxpaged.models.mla`.
 
 One layer body (`_decoder_layer`) and two loops over it, chosen when the model is loaded:
 
@@ -60,10 +60,15 @@ def layer_weight_shapes(cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int
     moe = cfg.is_moe_layer(layer)
     inter = cfg.shared_expert_size if moe else cfg.intermediate_size   # the dense MLP's (or shared expert's)
     shapes = {"input_norm": (d,), "post_norm": (d,)} if cfg.pre_norms else {}
-    if cfg.parallel_block:   # one norm before attention and the MLP both
+    if cfg.parallel_block and not cfg.parallel_mlp_norm:   # one norm before attention and the MLP both
         del shapes["post_norm"]
+    if cfg.norm_bias:
+        shapes.update({f"{name}_bias": (d,) for name in list(shapes)})
     shapes.update(mla.weight_shapes(cfg) if cfg.is_mla else dict(wqkv=(d, q + 2 * kv), wo=(q, d)))
-    if inter:
+    if inter and not cfg.gated_mlp:   # GPT-2, OPT, GPT-NeoX: up, the activation, down
+        shapes["w_up"] = (d, inter)
+        shapes["w_down"] = (inter, d)
+    elif inter:
         shapes["w_gate_up"] = (d, 2 * inter)
         shapes["w_down"] = (inter, d)
     if moe:
@@ -89,7 +94,7 @@ def layer_weight_shapes(cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int
     if cfg.o_bias:
         shapes["bo"] = (d,)
     if cfg.mlp_bias:
-        shapes["b_gate_up"] = (2 * inter,)
+        shapes["b_gate_up" if cfg.gated_mlp else "b_up"] = ((2 if cfg.gated_mlp else 1) * inter,)
         shapes["b_down"] = (d,)
     if cfg.qk_norm:
         shapes["q_norm"] = (q,) if cfg.qk_norm_full else (cfg.head_dim,)
@@ -123,6 +128,10 @@ def attach_lora(model: "LlamaFamilyForCausalLM", max_loras: int, max_rank: int) 
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """name -> shape of the weights outside the layers."""
     shapes = {"embed": (cfg.vocab_size, cfg.hidden_size), "final_norm": (cfg.hidden_size,)}
+    if cfg.norm_bias:
+        shapes["final_norm_bias"] = (cfg.hidden_size,)
+    if cfg.learned_positions:   # GPT-2, OPT: a row per position (OPT's from row position_offset)
+        shapes["pos_embed"] = (cfg.max_position_embeddings + cfg.position_offset, cfg.hidden_size)
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (cfg.hidden_size, cfg.vocab_size)
     if cfg.num_labels:   # a classifier's head, as transformers lays it out (read on the host, ModelRunner.fetch)
@@ -130,15 +139,19 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def layer_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
-    """LayerNorm without a bias (Cohere's) in f32: `rms_norm` of the mean-centred input."""
+def layer_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0, bias=None) -> jax.Array:
+    """LayerNorm in f32: `rms_norm` of the mean-centred input, plus `bias` (None: Cohere's, without one)."""
     x32 = x.astype(jnp.float32)
-    return rms_norm(x32 - jnp.mean(x32, axis=-1, keepdims=True), weight, eps, offset).astype(x.dtype)
+    out = rms_norm(x32 - jnp.mean(x32, axis=-1, keepdims=True), weight, eps, offset)
+    return (out if bias is None else out + bias.astype(jnp.float32)).astype(x.dtype)
 
 
-def norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
-    """The model's norm: RMSNorm, or LayerNorm without a bias (`cfg.layer_norm`), eps and offset its own."""
-    return (layer_norm if cfg.layer_norm else rms_norm)(x, weight, cfg.rms_norm_eps, cfg.norm_offset)
+def norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array, bias=None) -> jax.Array:
+    """The model's norm: RMSNorm, or LayerNorm (`cfg.layer_norm`, with `bias` where `cfg.norm_bias`), eps and
+    offset its own."""
+    if cfg.layer_norm:
+        return layer_norm(x, weight, cfg.rms_norm_eps, cfg.norm_offset, bias)
+    return rms_norm(x, weight, cfg.rms_norm_eps, cfg.norm_offset)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
@@ -164,6 +177,8 @@ class LlamaFamilyForCausalLM(nnx.Module):
         self.dtype = weights["final_norm"].dtype   # the activations' (norms are never quantized)
         self.embed = nnx.Param(weights["embed"])   # [vocab, hidden], or a QuantizedWeight [hidden, vocab]
         self.final_norm = nnx.Param(weights["final_norm"])
+        self.final_norm_bias = nnx.Param(weights["final_norm_bias"]) if cfg.norm_bias else None
+        self.pos_embed = nnx.Param(weights["pos_embed"]) if cfg.learned_positions else None   # GPT-2, OPT
         self.lm_head = nnx.Param(weights["lm_head"]) if "lm_head" in weights else None
         # a sequence classifier's `score` head [num_labels, hidden]; the step never reads it (pooling.py)
         self.classifier = nnx.Param(weights["classifier"]) if "classifier" in weights else None
@@ -189,7 +204,7 @@ class LlamaFamilyForCausalLM(nnx.Module):
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         cfg = self.config
-        hidden = norm(cfg, hidden, self.final_norm[...])
+        hidden = self.final_normed(hidden)
         embed = self.embed.get_value()
         if self.lm_head is not None:
             logits = self.matmul(hidden, self.lm_head.get_value(), "lm_head")
@@ -202,7 +217,7 @@ class LlamaFamilyForCausalLM(nnx.Module):
     def compute_logits_transposed(self, hidden: jax.Array) -> jax.Array:
         """f32[vocab, rows]: the same logits as compute_logits, laid out vocabulary-major."""
         cfg = self.config
-        hidden = norm(cfg, hidden, self.final_norm[...])
+        hidden = self.final_normed(hidden)
         head = self.embed.get_value() if self.lm_head is None else self.lm_head.get_value()
         if isinstance(head, QuantizedWeight):
             logits = self.matmul(hidden, head, "lm_head").T
@@ -211,6 +226,10 @@ class LlamaFamilyForCausalLM(nnx.Module):
         else:
             logits = jnp.einsum("dv,td->vt", head, hidden)
         return _scaled_logits(cfg, logits)
+
+    def final_normed(self, hidden: jax.Array) -> jax.Array:
+        bias = None if self.final_norm_bias is None else self.final_norm_bias[...]
+        return norm(self.config, hidden, self.final_norm[...], bias)
 
     def matmul(self, x: jax.Array, w, name: str) -> jax.Array:
         """x @ the weight `name` (plain or quantized; a quantized decode step through the kernel, per shard)."""
@@ -224,6 +243,8 @@ class LlamaFamilyForCausalLM(nnx.Module):
         hidden = embedding_lookup(self.embed.get_value(), batch.input_ids, self.dtype)
         if cfg.embed_scale != 1.0:
             hidden = hidden * jnp.asarray(cfg.embed_scale, hidden.dtype)
+        if self.pos_embed is not None:
+            hidden = hidden + self.pos_embed[...][batch.positions + cfg.position_offset].astype(hidden.dtype)
         rope = rotary_cos_sin(cfg, batch.positions, batch.rope_lens)
         local_rope = rotary_cos_sin(cfg, batch.positions, batch.rope_lens, local=True) if cfg.local_rope_theta else rope
         lora = None if self.lora is None else {k: v.get_value() for k, v in self.lora.items()}
@@ -281,7 +302,7 @@ def _decoder_layer(cfg: ModelConfig, plan: ShardPlan, attention, matmul, moe_imp
     q/k/v and gate/up columns are shard-major (see jaxpaged.parallel): viewed as [tokens, tp, per shard],
     each device splits its own columns.
     """
-    x = norm(cfg, hidden, w["input_norm"]) if cfg.pre_norms else hidden
+    x = norm(cfg, hidden, w["input_norm"], w.get("input_norm_bias")) if cfg.pre_norms else hidden
     cos, sin = (jnp.where(local, a, b) for a, b in zip(local_rope, rope)) if cfg.local_rope_theta else rope
     if cfg.nope_layers:   # a NoPE layer turns by angle 0
         cos, sin = jnp.where(rotates, cos, 1.0), jnp.where(rotates, sin, 0.0)
@@ -308,11 +329,13 @@ def _decoder_layer(cfg: ModelConfig, plan: ShardPlan, attention, matmul, moe_imp
         out = _attention(cfg, plan, matmul, w, x, cos, sin, attend, lora, onehot)
     if cfg.sandwich_norms:
         out = norm(cfg, out, w["attn_out_norm"])
-    if cfg.parallel_block:   # Cohere: the MLP reads the attention's input too, both add at once
+    if cfg.parallel_block:   # Cohere: the MLP reads the attention's input too (NeoX: its own norm), both add at once
+        if cfg.parallel_mlp_norm:
+            x = norm(cfg, hidden, w["post_norm"], w.get("post_norm_bias"))
         mlp = _mlp(cfg, plan, matmul, w, x, moe, moe_impl, lora, onehot)
         return hidden + _residual_scaled(cfg, out) + _residual_scaled(cfg, mlp), kv_pool, kv_scale
     hidden = hidden + _residual_scaled(cfg, out)
-    x = norm(cfg, hidden, w["post_norm"]) if cfg.pre_norms else hidden
+    x = norm(cfg, hidden, w["post_norm"], w.get("post_norm_bias")) if cfg.pre_norms else hidden
     mlp = _mlp(cfg, plan, matmul, w, x, moe, moe_impl, lora, onehot)
     if cfg.sandwich_norms:
         mlp = norm(cfg, mlp, w["mlp_out_norm"])
@@ -342,7 +365,9 @@ def _attention(cfg: ModelConfig, plan: ShardPlan, matmul, w, x, cos, sin, attend
     elif cfg.qk_norm:
         q = norm(cfg, q, w["q_norm"])
         k = norm(cfg, k, w["k_norm"])
-    attn = attend(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
+    if cfg.rotates:
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    attn = attend(q, k, v)
     attn = attn.reshape(num_tokens, cfg.q_size)
     out = matmul(attn, w["wo"], "wo")
     if lora is not None:
@@ -364,6 +389,10 @@ def _mlp(cfg: ModelConfig, plan: ShardPlan, matmul, w, x, moe: bool, moe_impl: s
                       act=cfg.expert_act, impl=moe_impl, plan=plan, router_bias=w.get("router_bias"),
                       router_correction=w.get("router_correction"), b_gate_up=w.get("b_experts_gate_up"),
                       b_down=w.get("b_experts_down"))
+    if "w_up" in w:   # not gated (GPT-2, OPT, GPT-NeoX)
+        up = matmul(x, w["w_up"], "w_up") + (w["b_up"] if cfg.mlp_bias else 0)
+        dense = matmul(activation(cfg.hidden_act, up).astype(up.dtype), w["w_down"], "w_down")
+        return dense + w["b_down"] if cfg.mlp_bias else dense
     if "w_gate_up" not in w:
         return out
     inter = cfg.shared_expert_size if moe else cfg.intermediate_size

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpaged.models.config import ModelConfig, is_vision_language, model_config_from_hf
 from jaxpaged.models.hf_names import (EXPERT_WEIGHTS, F32_WEIGHTS, QUANTIZABLE, _hf_layer_sources, hf_part_shape,
-                                        hf_reader, hf_tensor, hf_to_ours)
+                                        hf_reader, hf_tensor, hf_to_ours, hf_top_sources)
 from jaxpaged.models.registry import model_class_for
 from jaxpaged.models.llama import layer_weight_shapes, weight_shapes
 from jaxpaged.models.orbax_io import FORMAT_FILE, is_converted, load_converted
@@ -151,15 +151,14 @@ def convert_hf_weights(get: Callable[[str], np.ndarray], has: Callable[[str], bo
         return put_weight(plan, name, value, stacked)
 
     weights: dict = {}
-    embed = fetch("model.embed_tokens.weight", shapes["embed"])
-    weights["embed"] = put("embed", embed.T.packed() if isinstance(embed, HostQuantized) else embed.astype(np_dtype))
-    weights["final_norm"] = put("final_norm", fetch("model.norm.weight", shapes["final_norm"]).astype(np_dtype))
-    if not cfg.tie_word_embeddings:
-        head = fetch("lm_head.weight", shapes["lm_head"][::-1]).T
-        weights["lm_head"] = put("lm_head", head.packed() if isinstance(head, HostQuantized)
-                                 else np.ascontiguousarray(head).astype(np_dtype))
-    if cfg.num_labels:
-        weights["classifier"] = put("classifier", fetch("score.weight", shapes["classifier"]).astype(np_dtype))
+    for name, hf_name in hf_top_sources(cfg).items():
+        if name == "lm_head":   # [out, in] -> ours [in, out]
+            value = fetch(hf_name, shapes[name][::-1]).T
+        else:
+            value = fetch(hf_name, shapes[name])
+            value = value.T if name == "embed" and isinstance(value, HostQuantized) else value   # as its LM head
+        weights[name] = put(name, value.packed() if isinstance(value, HostQuantized)
+                            else np.ascontiguousarray(value).astype(np_dtype))
 
     stacks: dict = {}
     layers = []

@@ -47,9 +47,12 @@ def resolve_moe_impl(name: str, platform: str | None = None) -> str:
 
 
 def activation(name: str, x: jax.Array) -> jax.Array:
-    """The gate's activation (in f32): SwiGLU's silu or GeGLU's tanh-approximated gelu."""
+    """The MLP's activation (in f32): silu (SwiGLU), gelu_tanh (GeGLU, GPT-2: the tanh-approximated gelu), gelu
+    (exact: GPT-NeoX), relu (OPT)."""
     x32 = x.astype(jnp.float32)
-    return jax.nn.silu(x32) if name == "silu" else jax.nn.gelu(x32, approximate=True)
+    if name == "relu":
+        return jax.nn.relu(x32)
+    return jax.nn.silu(x32) if name == "silu" else jax.nn.gelu(x32, approximate=name == "gelu_tanh")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,7 +27,7 @@ from jax.sharding import SingleDeviceSharding
 
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.hf_names import F32_WEIGHTS
-from jaxpaged.parallel import ShardPlan, kv_head_replicas
+from jaxpaged.parallel import TOP_SPECS, ShardPlan, kv_head_replicas
 
 FORMAT_FILE = "jaxpaged.json"
 FORMAT = "jaxpaged-orbax"
@@ -96,8 +96,7 @@ def load_converted(path: str, cfg: ModelConfig, dtype: str, scan_layers: bool, p
             target[key] = jax.ShapeDtypeStruct(tuple(info.shape), info.dtype, sharding=sharding)
         stored = ckpt.restore(weights_dir, target)
     jdtype = jnp.dtype(dtype)
-    weights = {name: stored[name].astype(jdtype) for name in ("embed", "final_norm", "lm_head", "classifier")
-               if name in stored}
+    weights = {name: stored[name].astype(jdtype) for name in TOP_SPECS if name in stored}
     stacks = {}
     names = sorted({key.partition(".")[0] for key in stored if key not in weights})
     for name in names:
@@ -140,7 +139,8 @@ def canonical_arrays(get, has, cfg: ModelConfig, np_dtype) -> dict[str, np.ndarr
     """Hugging Face tensors -> the stored arrays: our [in, out] layout, layers stacked, fused
     weights as their parts (see the module docstring). Host memory: about two copies of the weights
     (the per-layer arrays, then their stacks)."""
-    from jaxpaged.models.hf_names import _hf_layer_sources, hf_part_shape, hf_reader, hf_tensor, hf_to_ours
+    from jaxpaged.models.hf_names import (_hf_layer_sources, hf_part_shape, hf_reader, hf_tensor, hf_to_ours,
+                                          hf_top_sources)
     from jaxpaged.models.llama import layer_weight_shapes, weight_shapes
 
     if not cfg.uniform_layers:
@@ -148,13 +148,10 @@ def canonical_arrays(get, has, cfg: ModelConfig, np_dtype) -> dict[str, np.ndarr
                          f"{list(cfg.dense_layers)} among its expert layers: serve its checkpoint as it is")
     get, has = hf_reader(cfg, get, has)
     shapes = weight_shapes(cfg)
-    arrays = {"embed": hf_tensor(get, has, "model.embed_tokens.weight", shapes["embed"]).astype(np_dtype),
-              "final_norm": hf_tensor(get, has, "model.norm.weight", shapes["final_norm"]).astype(np_dtype)}
-    if not cfg.tie_word_embeddings:
-        head = hf_tensor(get, has, "lm_head.weight", shapes["lm_head"][::-1])
-        arrays["lm_head"] = np.ascontiguousarray(head.T).astype(np_dtype)
-    if cfg.num_labels:
-        arrays["classifier"] = hf_tensor(get, has, "score.weight", shapes["classifier"]).astype(np_dtype)
+    arrays = {}
+    for name, hf_name in hf_top_sources(cfg).items():   # (the LM head [out, in] -> ours [in, out])
+        value = hf_tensor(get, has, hf_name, shapes[name][::-1] if name == "lm_head" else shapes[name])
+        arrays[name] = np.ascontiguousarray(value.T if name == "lm_head" else value).astype(np_dtype)
     layer_shapes = layer_weight_shapes(cfg)
     stacked: dict[str, list[np.ndarray]] = {}
     for i in range(cfg.num_layers):

@@ -55,9 +55,10 @@ def update_targets(cfg: ModelConfig, scan_layers: bool, tp: int) -> dict[str, Ta
     from jaxpaged.models.llama import layer_weight_shapes, weight_shapes
     from jaxpaged.models.hf_names import _hf_layer_sources, hf_part_shape
 
-    if cfg.is_moe or cfg.architecture == "Phi3ForCausalLM" or cfg.rope_interleaved:
+    if cfg.is_moe or cfg.architecture == "Phi3ForCausalLM" or cfg.rope_interleaved or not cfg.gated_mlp:
         raise ValueError(f"update_weights does not yet take {cfg.architecture}'s tensors (per-expert or fused "
-                         "qkv/gate_up names, or an interleaved rope's q/k); it updates the other dense families")
+                         "qkv/gate_up names, an interleaved rope's q/k, or GPT-2's, OPT's and GPT-NeoX's names); it "
+                         "updates the other dense families")
     shapes = weight_shapes(cfg)
     targets = {"model.embed_tokens.weight": Target(("embed",), None, None, None, False, shapes["embed"]),
                "model.norm.weight": Target(("final_norm",), None, None, None, False, shapes["final_norm"])}

@@ -369,8 +369,8 @@ class ModelRunner(CompiledStep, DeviceMemory):
 
     def _pooled(self, hidden: np.ndarray) -> np.ndarray:
         """f32 rows of what a pooling request gets: the hidden states the LM head would read, through the
-        model's final norm (compute_logits' first step, models/llama.norm: RMSNorm, or Cohere's mean-centred
-        LayerNorm), and a classifier's logits (its `score` head), on the host: a few rows per step, no program
+        model's final norm (compute_logits' first step, models/llama.norm: RMSNorm, or a mean-centred
+        LayerNorm, with a bias or not), and a classifier's logits (its `score` head), on the host: a few rows per step, no program
         per row count."""
         cfg = self.model_config
         x = hidden.astype(np.float32)
@@ -378,6 +378,8 @@ class ModelRunner(CompiledStep, DeviceMemory):
             x = x - np.mean(x, axis=-1, keepdims=True)
         x = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(cfg.rms_norm_eps))
         x = x * (self._host_weight("final_norm") + np.float32(cfg.norm_offset))
+        if cfg.norm_bias:
+            x = x + self._host_weight("final_norm_bias")
         return x @ self._host_weight("classifier").T if cfg.num_labels else x
 
     def _host_weight(self, name: str) -> np.ndarray:

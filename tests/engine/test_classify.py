@@ -72,7 +72,7 @@ def sigmoid(x):
     return 1 / (1 + np.exp(-np.asarray(x, np.float64)))
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt2"])   # gpt2: its final LayerNorm's bias, learned positions
 def test_class_probabilities_match_transformers_through_chunks_and_the_prefix_cache(arch):
     llm, path = classifier(arch), checkpoint(arch, 3)
     assert llm.llm_engine.args.runner == "pooling"   # "auto": a classifier has no LM head to generate with

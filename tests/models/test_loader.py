@@ -79,9 +79,9 @@ def test_wrong_shape_is_named(tmp_path):
 def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     path = copy_checkpoint(tmp_path)
     config = json.loads((path / "config.json").read_text())
-    config["architectures"] = ["GPT2LMHeadModel"]
+    config["architectures"] = ["MambaForCausalLM"]
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM, MistralForCausalLM, "
+    with pytest.raises(ValueError, match="MambaForCausalLM.*LlamaForCausalLM, MistralForCausalLM, "
                                          "Qwen2ForCausalLM, Qwen3ForCausalLM"):
         load_model(str(path))
 

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SHARDED = ("wqkv", "wo", "w_gate_up", "w_down", "embed", "lm_head", "bqkv", "b_gate_up",   # and column biases
+SHARDED = ("wqkv", "wo", "w_gate_up", "w_up", "w_down", "embed", "lm_head",
+           "bqkv", "b_gate_up", "b_up",   # column biases
            "w_experts_gate_up", "w_experts_down", "b_experts_gate_up", "b_experts_down",   # experts: expert parallelism
            "sinks",   # gpt-oss's attention sinks, with their query heads
            "wq", "wq_b", "w_uk", "w_uv")   # latent attention's heads (its latent projection is replicated)
@@ -42,6 +43,10 @@ CASES = {
     "minimax_m2-ep": ("minimax_m2", {}, [[1, 1], [2, 1]], [], []),
     # GLM-4: q/k rows reordered for its interleaved partial rope before they are split, its four norms
     "glm4-tp": ("glm4", {}, [[1, 1], [2, 1]], [], []),
+    # GPT-2: learned positions (restored from a converted folder too), Conv1D weights, an ungated MLP, norm biases;
+    # GPT-NeoX: its per-head fused q/k/v split before the heads are, the parallel block's two norms
+    "gpt2-tp": ("gpt2", {}, [[1, 1], [2, 1]], [[2, 1]], []),
+    "gpt_neox-tp": ("gpt_neox", {}, [[1, 1], [2, 1]], [], []),
 }
 
 

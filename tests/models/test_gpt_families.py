@@ -1,0 +1,86 @@
+"""GPT-2, OPT and GPT-NeoX beyond what every family's tests check (tests/models/test_llama_family.py and
+tests/engine/test_model_families.py run them against transformers): their checkpoints as released (GPT-2's
+names without "transformer.", OPT's without "model.", NeoX's rope buffers) load the same weights; NeoX's
+sequential block; what they refuse."""
+
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxpaged import LLM, SamplingParams
+from jaxpaged.models.config import model_config_from_hf
+from jaxpaged.models.loader import load_model
+from tests.tiny_models import hf_logits, scratch_folder, tiny_checkpoint
+
+
+def _renamed(arch: str, rename, extra: dict) -> str:
+    """The tiny checkpoint of `arch` saved again with its tensors renamed and `extra` tensors added."""
+    from safetensors.numpy import load_file, save_file
+
+    source = tiny_checkpoint(arch)
+    folder = os.path.join(scratch_folder(f"{arch}-released-"), "model")
+    shutil.copytree(source, folder)
+    tensors = load_file(os.path.join(source, "model.safetensors"))
+    save_file({**{rename(k): v for k, v in tensors.items()}, **extra}, os.path.join(folder, "model.safetensors"))
+    return folder
+
+
+def _weights(path: str) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.state(load_model(path, dtype="float32").model))]
+
+
+@pytest.mark.parametrize("arch,rename,extra", [
+    # GPT-2 as on the hub: GPT2Model's names, and the causal-mask buffers old saves kept
+    ("gpt2", lambda k: k.removeprefix("transformer."), {"h.0.attn.bias": np.ones((1, 1, 8, 8), np.float32)}),
+    ("opt", lambda k: k.removeprefix("model."), {}),   # OPT as on the hub: OPTModel's names
+    ("gpt_neox", lambda k: k, {"gpt_neox.layers.0.attention.rotary_emb.inv_freq": np.ones(2, np.float32)}),
+])
+def test_checkpoints_as_released_load_the_same_weights(arch, rename, extra):
+    ours = _weights(tiny_checkpoint(arch))
+    released = _weights(_renamed(arch, rename, extra))
+    assert len(ours) == len(released)
+    for a, b in zip(ours, released):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_gpt_neox_without_the_parallel_residual_matches_transformers():
+    path = tiny_checkpoint("gpt_neox", use_parallel_residual=False)
+    llm = LLM(path, dtype="float32", block_size=8, num_gpu_blocks_override=32, max_model_len=64,
+              compile_on_startup=False)
+    prompt = np.random.default_rng(5).integers(3, 320, 19).tolist()
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=6, logprobs=1),
+                       use_tqdm=False)[0].outputs[0]
+    ref = hf_logits(path, prompt + list(out.token_ids))
+    ref_logprobs = ref - np.logaddexp.reduce(ref, axis=-1, keepdims=True)
+    for i, (token, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert token == int(np.argmax(ref[len(prompt) - 1 + i]))
+        assert abs(lp[token].logprob - ref_logprobs[len(prompt) - 1 + i, token]) < 2e-4
+    with pytest.raises(ValueError, match="update_weights does not yet take GPTNeoXForCausalLM"):
+        llm.update_weights({"gpt_neox.final_layer_norm.weight": np.ones(64, np.float32)})
+
+
+@pytest.mark.parametrize("arch,overrides,match", [
+    ("opt", {"do_layer_norm_before": False}, "do_layer_norm_before=False"),
+    ("opt", {"word_embed_proj_dim": 32}, "word_embed_proj_dim .32. other than hidden_size .64."),
+    ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx=True"),
+])
+def test_variants_it_does_not_run_are_refused_by_name(arch, overrides, match):
+    from tests.tiny_models import _config
+
+    cfg = _config(arch, **overrides)
+    cfg.architectures = ["GPT2LMHeadModel" if arch == "gpt2" else "OPTForCausalLM"]
+    with pytest.raises(ValueError, match=match):
+        model_config_from_hf(cfg)
+
+
+def test_learned_positions_bound_max_model_len_and_lora_is_refused():
+    path = tiny_checkpoint("gpt2")   # 512 learned positions
+    with pytest.raises(ValueError, match=r"max_model_len \(600\) is larger than the model's "
+                                         r"max_position_embeddings \(512\)"):
+        LLM(path, dtype="float32", max_model_len=600, num_gpu_blocks_override=16, compile_on_startup=False)
+    with pytest.raises(ValueError, match="enable_lora does not yet support GPT2LMHeadModel"):
+        LLM(path, dtype="float32", enable_lora=True, num_gpu_blocks_override=16, compile_on_startup=False)
