@@ -60,7 +60,7 @@ LAYER_SPECS = {
     "kv_a_norm": P(), "w_uk": P(MODEL_AXIS, None, None), "w_uv": P(MODEL_AXIS, None, None),
 }
 TOP_SPECS = {"embed": P(MODEL_AXIS, None), "lm_head": P(None, MODEL_AXIS), "final_norm": P(), "classifier": P(),
-             "final_norm_bias": P(), "pos_embed": P()}
+             "final_norm_bias": P(), "pos_embed": P(), "lm_head_bias": P(MODEL_AXIS)}
 POOL_SPEC = P(None, None, None, MODEL_AXIS)      # [layers, 2, blocks, kv_heads, block_size, head_dim]
 
 

@@ -15,7 +15,8 @@ ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 FAMILIES = ("phi3", "gemma", "gemma2", "gemma3", "granite", "olmo2", "olmo3", "smollm3", "mixtral", "qwen2_moe",
             "qwen3_moe", "gpt_oss", "exaone4", "ernie4_5", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite",
             "granitemoe", "granitemoe_shared", "ernie4_5_moe", "glm", "glm4", "seed_oss", "minimax_m2", "ministral",
-            "cohere", "cohere2", "olmoe", "granitemoehybrid", "granitemoehybrid_dense", "gpt2", "opt", "gpt_neox")
+            "cohere", "cohere2", "olmoe", "granitemoehybrid", "granitemoehybrid_dense", "gpt2", "opt", "gpt_neox",
+            "gptj", "phi", "starcoder2")
 _CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
             "gemma": "Gemma", "gemma2": "Gemma2", "gemma3": "Gemma3", "granite": "Granite", "olmo2": "Olmo2",
             "olmo3": "Olmo3", "smollm3": "SmolLM3", "mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe",
@@ -25,7 +26,8 @@ _CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "
             "ernie4_5_moe": "Ernie4_5_Moe", "glm": "Glm", "glm4": "Glm4", "seed_oss": "SeedOss",
             "minimax_m2": "MiniMaxM2", "ministral": "Ministral", "cohere": "Cohere", "cohere2": "Cohere2",
             "olmoe": "Olmoe", "granitemoehybrid": "GraniteMoeHybrid", "granitemoehybrid_dense": "GraniteMoeHybrid",
-            "gpt2": "GPT2", "opt": "OPT", "gpt_neox": "GPTNeoX"}
+            "gpt2": "GPT2", "opt": "OPT", "gpt_neox": "GPTNeoX", "gptj": "GPTJ", "phi": "Phi",
+            "starcoder2": "Starcoder2"}
 _ROOT = tempfile.mkdtemp(prefix="jaxpaged-tiny-")   # this process's checkpoints, removed when it exits
 atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)
 
@@ -206,6 +208,15 @@ def _config(arch: str, **overrides):
         cfg = transformers.GPTNeoXConfig(vocab_size=320, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
                                          intermediate_size=128, max_position_embeddings=512, hidden_act="gelu",
                                          bos_token_id=1, eos_token_id=2, **overrides)
+    elif arch == "gptj":   # an interleaved rope over 8 of 16 head dims, the parallel block, an LM head bias
+        cfg = transformers.GPTJConfig(vocab_size=320, n_embd=64, n_layer=3, n_head=4, n_inner=128, n_positions=512,
+                                      rotary_dim=8, bos_token_id=1, eos_token_id=2, **overrides)
+    elif arch == "phi":   # a rotate-half rope over 8 of 16 head dims, the parallel block, an LM head bias
+        cfg = transformers.PhiConfig(**{**common, "num_key_value_heads": 4, "partial_rotary_factor": 0.5,
+                                        "layer_norm_eps": 1e-5, **overrides})
+    elif arch == "starcoder2":   # Llama's layer with LayerNorms, biases, an ungated MLP, a sliding window
+        cfg = transformers.Starcoder2Config(**{**common, "sliding_window": 12, "hidden_act": "gelu_pytorch_tanh",
+                                               **overrides})
     else:
         raise ValueError(arch)
     return cfg

@@ -172,14 +172,16 @@ class ModelConfig:
     # on one normed input (no post_norm)
     layer_norm: bool = False
     parallel_block: bool = False
-    # GPT-2, OPT, GPT-NeoX (jaxpaged.models.gpt_families): LayerNorms with a bias, an MLP without a gate (up,
-    # activation, down), learned positions (a table's rows position_offset + position added to the embedding),
-    # and NeoX's parallel block whose MLP reads its own norm (post_norm) of the layer's input
+    # GPT-2, OPT, GPT-J, GPT-NeoX, Phi, StarCoder2 (jaxpaged.models.gpt_families): LayerNorms with a bias, an MLP
+    # without a gate (up, activation, down), learned positions (a table's rows position_offset + position added to
+    # the embedding), NeoX's parallel block whose MLP reads its own norm (post_norm) of the layer's input, and
+    # Phi's and GPT-J's LM head with a bias
     norm_bias: bool = False
     gated_mlp: bool = True
     learned_positions: bool = False
     position_offset: int = 0
     parallel_mlp_norm: bool = False
+    lm_head_bias: bool = False
     attn_sinks: bool = False          # gpt-oss: a learned logit per head joins each softmax's denominator
     # yarn: beta_fast / beta_slow (the ramp's ends, in rotations over the original length), truncate
     rope_yarn_betas: tuple[float, float] = (32.0, 1.0)

@@ -1,13 +1,17 @@
-"""GPT-2, OPT and GPT-NeoX (Pythia): the decoders before Llama, run as switches of the same layer.
+"""GPT-2, OPT, GPT-J, GPT-NeoX (Pythia), Phi (phi-1, 1.5, 2) and StarCoder2: the LayerNorm decoders with an
+ungated MLP, run as switches of the same layer.
 
 What sets them apart from Llama's layer is a handful of `ModelConfig` switches:
 
-- LayerNorms with a bias (`layer_norm`, `norm_bias`), an MLP without a gate (`gated_mlp=False`: up, the
-  activation, down), biases on the projections.
+- all: LayerNorms with a bias (`layer_norm`, `norm_bias`), an MLP without a gate (`gated_mlp=False`: up, the
+  activation, down), biases on the projections (not GPT-J's attention, nor StarCoder2's where use_bias=False).
 - GPT-2 and OPT: learned absolute positions added to the token embedding (`learned_positions`; OPT's table
   starts at row 2, `position_offset`), no rope.
 - GPT-NeoX: a partial rotate-half rope, and (use_parallel_residual) attention and the MLP side by side
   (`parallel_block`), each on its own norm of the layer's input (`parallel_mlp_norm`).
+- Phi and GPT-J: attention and the MLP side by side on one normed input, a partial rope (GPT-J's interleaved),
+  an LM head with a bias (`lm_head_bias`).
+- StarCoder2: Llama's layer otherwise (grouped-query attention, a sliding window).
 
 Their configs and checkpoints have names of their own: `llama_config` gives a config the field names the
 config reader reads (a copy), and `reader` serves the Llama-style tensor names the loader asks for from their
@@ -27,41 +31,57 @@ from jaxpaged.models.quantization import HostQuantized
 GPT2 = "GPT2LMHeadModel"
 OPT = "OPTForCausalLM"
 GPT_NEOX = "GPTNeoXForCausalLM"
-ARCHITECTURES = (GPT2, OPT, GPT_NEOX)
+GPTJ = "GPTJForCausalLM"
+PHI = "PhiForCausalLM"
+STARCODER2 = "Starcoder2ForCausalLM"
+ARCHITECTURES = (GPT2, OPT, GPT_NEOX, GPTJ, PHI, STARCODER2)
 
-# Llama-style module -> each family's name for it (a layer's, then the model's own)
+# Llama-style module -> each family's name for it (a layer's, then the model's own); Llama's where not listed
 _MODULES = {
-    "input_layernorm": {GPT2: "ln_1", OPT: "self_attn_layer_norm", GPT_NEOX: "input_layernorm"},
-    "post_attention_layernorm": {GPT2: "ln_2", OPT: "final_layer_norm", GPT_NEOX: "post_attention_layernorm"},
-    "self_attn.o_proj": {GPT2: "attn.c_proj", OPT: "self_attn.out_proj", GPT_NEOX: "attention.dense"},
-    "mlp.up_proj": {GPT2: "mlp.c_fc", OPT: "fc1", GPT_NEOX: "mlp.dense_h_to_4h"},
-    "mlp.down_proj": {GPT2: "mlp.c_proj", OPT: "fc2", GPT_NEOX: "mlp.dense_4h_to_h"},
-    "embed_tokens": {GPT2: "wte", OPT: "embed_tokens", GPT_NEOX: "embed_in"},
-    "embed_positions": {GPT2: "wpe", OPT: "embed_positions"},
-    "norm": {GPT2: "ln_f", OPT: "final_layer_norm", GPT_NEOX: "final_layer_norm"},
+    "input_layernorm": {GPT2: "ln_1", OPT: "self_attn_layer_norm", GPTJ: "ln_1"},
+    "post_attention_layernorm": {GPT2: "ln_2", OPT: "final_layer_norm"},
+    "self_attn.q_proj": {GPTJ: "attn.q_proj"},
+    "self_attn.k_proj": {GPTJ: "attn.k_proj"},
+    "self_attn.v_proj": {GPTJ: "attn.v_proj"},
+    "self_attn.o_proj": {GPT2: "attn.c_proj", OPT: "self_attn.out_proj", GPT_NEOX: "attention.dense",
+                         GPTJ: "attn.out_proj", PHI: "self_attn.dense"},
+    "mlp.up_proj": {GPT2: "mlp.c_fc", OPT: "fc1", GPT_NEOX: "mlp.dense_h_to_4h", GPTJ: "mlp.fc_in",
+                    PHI: "mlp.fc1", STARCODER2: "mlp.c_fc"},
+    "mlp.down_proj": {GPT2: "mlp.c_proj", OPT: "fc2", GPT_NEOX: "mlp.dense_4h_to_h", GPTJ: "mlp.fc_out",
+                      PHI: "mlp.fc2", STARCODER2: "mlp.c_proj"},
+    "embed_tokens": {GPT2: "wte", GPT_NEOX: "embed_in", GPTJ: "wte"},
+    "embed_positions": {GPT2: "wpe"},
+    "norm": {GPT2: "ln_f", OPT: "final_layer_norm", GPT_NEOX: "final_layer_norm", GPTJ: "ln_f",
+             PHI: "final_layernorm"},
 }
-_FUSED_QKV = {GPT2: "attn.c_attn", GPT_NEOX: "attention.query_key_value"}   # OPT's q/k/v_proj are Llama's
+_FUSED_QKV = {GPT2: "attn.c_attn", GPT_NEOX: "attention.query_key_value"}
 # where the model's tensors lie: under its causal LM's prefix, or (a base model's save) without it
-_PREFIXES = {GPT2: ("transformer.", ""), OPT: ("model.decoder.", "decoder."), GPT_NEOX: ("gpt_neox.",)}
-_LAYERS = {GPT2: "h", OPT: "layers", GPT_NEOX: "layers"}
-_HEADS = ("lm_head.weight", "embed_out.weight")   # NeoX's head as released: embed_out
+_PREFIXES = {GPT2: ("transformer.", ""), OPT: ("model.decoder.", "decoder."), GPT_NEOX: ("gpt_neox.",),
+             GPTJ: ("transformer.",), PHI: ("model.",), STARCODER2: ("model.",)}
+_LAYERS = {GPT2: "h", GPTJ: "h"}   # (the others': layers)
+_HEADS = ("lm_head", "embed_out")   # NeoX's head as released: embed_out
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 _TOP = re.compile(r"model\.(embed_tokens|embed_positions|norm)\.(weight|bias)$")
 _QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 
 
 def llama_config(hf_config: Any, architecture: str) -> Any:
-    """A copy of a GPT-2, OPT or GPT-NeoX config with the fields the config reader reads (intermediate_size,
-    hidden_act, rms_norm_eps: the LayerNorms' eps, num_key_value_heads, attention_bias, mlp_bias); ValueError
-    for a variant we do not run."""
+    """A copy of one of these families' configs with the fields the config reader reads (intermediate_size,
+    hidden_act, rms_norm_eps: the LayerNorms' eps, num_key_value_heads, attention_bias, mlp_bias,
+    partial_rotary_factor for GPT-J); ValueError for a variant we do not run."""
     cfg = copy.deepcopy(hf_config)
+    heads = cfg.num_attention_heads
+    kv_heads, eps, attention_bias, mlp_bias = heads, hf_get(cfg, "layer_norm_epsilon", 1e-5), True, True
     if architecture == GPT2:
         for name, unsupported in (("scale_attn_weights", False), ("scale_attn_by_inverse_layer_idx", True),
                                   ("add_cross_attention", True)):
             if bool(hf_get(cfg, name, not unsupported)) == unsupported:
                 raise ValueError(f"{architecture} with {name}={unsupported} is not supported")
+    if architecture in (GPT2, GPTJ):
         inter, act = hf_get(cfg, "n_inner", 4 * cfg.hidden_size), cfg.activation_function
-        eps, attention_bias, mlp_bias = hf_get(cfg, "layer_norm_epsilon", 1e-5), True, True
+        if architecture == GPTJ:   # q/k/v and out_proj without biases; rotary_dim of each head turns (all: None)
+            attention_bias = False
+            cfg.partial_rotary_factor = hf_get(cfg, "rotary_dim", cfg.hidden_size // heads) / (cfg.hidden_size // heads)
     elif architecture == OPT:
         if not hf_get(cfg, "do_layer_norm_before", True) or getattr(cfg, "_remove_final_layer_norm", False):
             raise ValueError(f"{architecture} with do_layer_norm_before=False (OPT-350m's norms after each block) is "
@@ -73,21 +93,33 @@ def llama_config(hf_config: Any, architecture: str) -> Any:
             raise ValueError(f"{architecture} with layer_norm_elementwise_affine=False is not supported")
         inter, act, eps = cfg.ffn_dim, cfg.activation_function, 1e-5   # (torch's LayerNorm default)
         attention_bias = mlp_bias = bool(hf_get(cfg, "enable_bias", True))
-    else:
-        inter, act, eps = cfg.intermediate_size, cfg.hidden_act, hf_get(cfg, "layer_norm_eps", 1e-5)
-        attention_bias, mlp_bias = bool(hf_get(cfg, "attention_bias", True)), True
+    else:   # GPT-NeoX, Phi, StarCoder2: Llama's names for the sizes
+        inter, act = cfg.intermediate_size, cfg.hidden_act
+        kv_heads = hf_get(cfg, "num_key_value_heads", heads)
+        eps = hf_get(cfg, "norm_epsilon" if architecture == STARCODER2 else "layer_norm_eps", 1e-5)
+        if architecture == GPT_NEOX:
+            attention_bias = bool(hf_get(cfg, "attention_bias", True))
+        if architecture == STARCODER2:
+            attention_bias = mlp_bias = bool(hf_get(cfg, "use_bias", True))
+        if architecture == PHI and hf_get(cfg, "qk_layernorm", False):
+            raise ValueError(f"{architecture} with qk_layernorm=True is not supported (the released Phi checkpoints "
+                             "have none)")
     cfg.intermediate_size, cfg.hidden_act, cfg.rms_norm_eps = int(inter), act, float(eps)
-    cfg.num_key_value_heads, cfg.head_dim = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
+    cfg.num_key_value_heads, cfg.head_dim = kv_heads, cfg.hidden_size // heads
     cfg.attention_bias, cfg.mlp_bias = attention_bias, mlp_bias
     return cfg
 
 
 def family_fields(hf_config: Any, architecture: str, num_layers: int) -> dict:
-    """The switches of GPT-2, OPT and GPT-NeoX (hf_config: `llama_config`'s)."""
+    """The switches of these families (hf_config: `llama_config`'s)."""
     fields = dict(layer_norm=True, norm_bias=True, gated_mlp=False)
     if architecture == GPT_NEOX:
         parallel = bool(hf_get(hf_config, "use_parallel_residual", True))
         return dict(fields, parallel_block=parallel, parallel_mlp_norm=parallel)
+    if architecture in (PHI, GPTJ):   # one norm before attention and the MLP both; GPT-J turns pairs (2i, 2i + 1)
+        return dict(fields, parallel_block=True, lm_head_bias=True, rope_interleaved=architecture == GPTJ)
+    if architecture == STARCODER2:
+        return fields
     # no rope: the positions are a learned table's rows (OPT's from row 2)
     return dict(fields, learned_positions=True, position_offset=2 if architecture == OPT else 0,
                 nope_layers=tuple(range(num_layers)))
@@ -97,28 +129,26 @@ def reader(cfg, get: Callable[[str], np.ndarray],
            has: Callable[[str], bool]) -> tuple[Callable[[str], np.ndarray], Callable[[str], bool]]:
     """(get, has) serving the Llama-style names (model.embed_tokens, model.embed_positions, model.norm,
     model.layers.{i}.{input_layernorm, post_attention_layernorm, self_attn.{q,k,v,o}_proj, mlp.{up,down}_proj},
-    lm_head) from a GPT-2, OPT or GPT-NeoX checkpoint, linear weights as PyTorch's [out, in]."""
+    lm_head) from these families' checkpoints, linear weights as PyTorch's [out, in]."""
     arch = cfg.architecture
 
     def locate(name: str) -> tuple[str, int | None] | None:
         """name -> (the checkpoint's tensor, which of q/k/v it holds if fused, else None), None if absent."""
-        if name == "lm_head.weight":
-            found = [head for head in _HEADS if has(head)]
+        if name.startswith("lm_head."):
+            found = [f"{head}.{name.partition('.')[2]}" for head in _HEADS if has(f"{head}.{name.partition('.')[2]}")]
             return (found[0], None) if found else None
         part, top, layer = None, _TOP.match(name), _LAYER.match(name)
         if top is not None:
             module, kind = top.groups()
-            rel = _MODULES[module].get(arch)
+            rel = _MODULES[module].get(arch, module)
         elif layer is not None:
             i, module, kind = layer.groups()
             if module in _QKV and arch in _FUSED_QKV:
                 rel, part = _FUSED_QKV[arch], _QKV.index(module)
             else:
-                rel = module if module in _QKV else _MODULES.get(module, {}).get(arch)
-            rel = rel and f"{_LAYERS[arch]}.{i}.{rel}"
+                rel = _MODULES.get(module, {}).get(arch, module)
+            rel = f"{_LAYERS.get(arch, 'layers')}.{i}.{rel}"
         else:
-            rel = None
-        if rel is None:
             return None
         found = [prefix + f"{rel}.{kind}" for prefix in _PREFIXES[arch] if has(prefix + f"{rel}.{kind}")]
         return (found[0], part) if found else None
@@ -131,8 +161,7 @@ def reader(cfg, get: Callable[[str], np.ndarray],
         tensor = get(real)
         if isinstance(tensor, HostQuantized):
             tensor = tensor.as_float()
-        conv1d = arch == GPT2 and tensor.ndim == 2 and ".h." in f".{real}"   # GPT-2's layers: Conv1D, [in, out]
-        if conv1d:
+        if arch == GPT2 and tensor.ndim == 2 and ".h." in f".{real}":   # GPT-2's layers: Conv1D, [in, out]
             tensor = tensor.T
         if part is None:
             return tensor

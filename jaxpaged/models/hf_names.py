@@ -19,11 +19,11 @@ from jaxpaged.models.quantization import HostQuantized
 
 def hf_top_sources(cfg: ModelConfig) -> dict[str, str]:
     """Our weight name -> the Hugging Face tensor of the weights outside the layers (`llama.weight_shapes`):
-    the embedding, the final norm (and its bias), the learned positions, the LM head ([out, in]: transposed),
-    a classifier's score head."""
+    the embedding, the final norm (and its bias), the learned positions, the LM head ([out, in]: transposed)
+    and its bias, a classifier's score head."""
     sources = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
                "final_norm_bias": "model.norm.bias", "pos_embed": "model.embed_positions.weight",
-               "lm_head": "lm_head.weight", "classifier": "score.weight"}
+               "lm_head": "lm_head.weight", "lm_head_bias": "lm_head.bias", "classifier": "score.weight"}
     return {name: hf for name, hf in sources.items() if name in weight_shapes(cfg)}
 
 

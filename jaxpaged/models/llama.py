@@ -134,6 +134,8 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["pos_embed"] = (cfg.max_position_embeddings + cfg.position_offset, cfg.hidden_size)
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (cfg.hidden_size, cfg.vocab_size)
+    if cfg.lm_head_bias:   # Phi, GPT-J
+        shapes["lm_head_bias"] = (cfg.vocab_size,)
     if cfg.num_labels:   # a classifier's head, as transformers lays it out (read on the host, ModelRunner.fetch)
         shapes["classifier"] = (cfg.num_labels, cfg.hidden_size)
     return shapes
@@ -180,6 +182,7 @@ class LlamaFamilyForCausalLM(nnx.Module):
         self.final_norm_bias = nnx.Param(weights["final_norm_bias"]) if cfg.norm_bias else None
         self.pos_embed = nnx.Param(weights["pos_embed"]) if cfg.learned_positions else None   # GPT-2, OPT
         self.lm_head = nnx.Param(weights["lm_head"]) if "lm_head" in weights else None
+        self.lm_head_bias = nnx.Param(weights["lm_head_bias"]) if cfg.lm_head_bias else None
         # a sequence classifier's `score` head [num_labels, hidden]; the step never reads it (pooling.py)
         self.classifier = nnx.Param(weights["classifier"]) if "classifier" in weights else None
         # f32[num_layers, 2]: each layer's K and V scale in an fp8 KV pool (stored = value / scale); unused
@@ -212,6 +215,8 @@ class LlamaFamilyForCausalLM(nnx.Module):
             logits = self.matmul(hidden, embed, "lm_head")
         else:
             logits = jnp.einsum("td,vd->tv", hidden, embed)
+        if self.lm_head_bias is not None:
+            logits = logits + self.lm_head_bias[...]
         return _scaled_logits(cfg, logits)
 
     def compute_logits_transposed(self, hidden: jax.Array) -> jax.Array:
@@ -225,6 +230,8 @@ class LlamaFamilyForCausalLM(nnx.Module):
             logits = head @ hidden.T
         else:
             logits = jnp.einsum("dv,td->vt", head, hidden)
+        if self.lm_head_bias is not None:
+            logits = logits + self.lm_head_bias[...][:, None]
         return _scaled_logits(cfg, logits)
 
     def final_normed(self, hidden: jax.Array) -> jax.Array:

@@ -1,4 +1,4 @@
-"""GPT-2, OPT and GPT-NeoX beyond what every family's tests check (tests/models/test_llama_family.py and
+"""GPT-2, OPT, GPT-NeoX and the other LayerNorm families beyond what every family's tests check (tests/models/test_llama_family.py and
 tests/engine/test_model_families.py run them against transformers): their checkpoints as released (GPT-2's
 names without "transformer.", OPT's without "model.", NeoX's rope buffers) load the same weights; NeoX's
 sequential block; what they refuse."""
@@ -67,12 +67,13 @@ def test_gpt_neox_without_the_parallel_residual_matches_transformers():
     ("opt", {"do_layer_norm_before": False}, "do_layer_norm_before=False"),
     ("opt", {"word_embed_proj_dim": 32}, "word_embed_proj_dim .32. other than hidden_size .64."),
     ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx=True"),
+    ("phi", {"qk_layernorm": True}, "PhiForCausalLM with qk_layernorm=True"),
 ])
 def test_variants_it_does_not_run_are_refused_by_name(arch, overrides, match):
     from tests.tiny_models import _config
 
     cfg = _config(arch, **overrides)
-    cfg.architectures = ["GPT2LMHeadModel" if arch == "gpt2" else "OPTForCausalLM"]
+    cfg.architectures = [{"gpt2": "GPT2LMHeadModel", "opt": "OPTForCausalLM", "phi": "PhiForCausalLM"}[arch]]
     with pytest.raises(ValueError, match=match):
         model_config_from_hf(cfg)
 

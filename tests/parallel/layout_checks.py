@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SHARDED = ("wqkv", "wo", "w_gate_up", "w_up", "w_down", "embed", "lm_head",
+SHARDED = ("wqkv", "wo", "w_gate_up", "w_up", "w_down", "embed", "lm_head", "lm_head_bias",
            "bqkv", "b_gate_up", "b_up",   # column biases
            "w_experts_gate_up", "w_experts_down", "b_experts_gate_up", "b_experts_down",   # experts: expert parallelism
            "sinks",   # gpt-oss's attention sinks, with their query heads
@@ -47,6 +47,8 @@ CASES = {
     # GPT-NeoX: its per-head fused q/k/v split before the heads are, the parallel block's two norms
     "gpt2-tp": ("gpt2", {}, [[1, 1], [2, 1]], [[2, 1]], []),
     "gpt_neox-tp": ("gpt_neox", {}, [[1, 1], [2, 1]], [], []),
+    # GPT-J: q/k rows reordered for its interleaved partial rope, its LM head's bias split with the vocabulary
+    "gptj-tp": ("gptj", {}, [[1, 1], [2, 1]], [[2, 1]], []),
 }
 
 
