@@ -101,11 +101,9 @@ def load_model_and_tokenizer(args: EngineArgs, data_rank: int = 0):
         from jaxpaged.models.config import model_config_from_hf
         from jaxpaged.models.llama import attach_lora
         kv_heads = model_config_from_hf(loaded.hf_config).num_kv_heads
-        cfg = loaded.config
-        if cfg.is_moe or cfg.architecture == "Phi3ForCausalLM" or cfg.rope_interleaved or not cfg.gated_mlp:
-            raise ValueError(f"enable_lora does not yet support {cfg.architecture} (experts, fused qkv/gate_up "
-                             "modules, an interleaved rope, or GPT-2's, OPT's and GPT-NeoX's module names); LoRA runs "
-                             "on the other dense families")
+        if loaded.config.is_moe:
+            raise ValueError(f"enable_lora does not yet support {loaded.config.architecture} (a mixture of experts); "
+                             "LoRA runs on the dense families")
         if plan.size > kv_heads:   # K/V heads repeated over the devices: adapters' K/V columns are not (yet)
             raise ValueError(f"enable_lora needs tensor_parallel_size ({plan.size}) at most the model's "
                              f"{kv_heads} KV heads")

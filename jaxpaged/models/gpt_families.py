@@ -125,6 +125,28 @@ def family_fields(hf_config: Any, architecture: str, num_layers: int) -> dict:
                 nope_layers=tuple(range(num_layers)))
 
 
+def lora_linears(architecture: str, linears: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
+    """An adapter's linears (a Llama layer's names -> the modules they feed, `lora.peft.adapter_linears`) under
+    this family's names (GPT-2's c_attn and NeoX's query_key_value feed q, k and v); others' as they are."""
+    if architecture not in ARCHITECTURES:
+        return linears
+    out = {_MODULES.get(name, {}).get(architecture, name): modules for name, modules in linears.items()
+           if not (architecture in _FUSED_QKV and name in _QKV)}
+    if architecture in _FUSED_QKV:
+        out[_FUSED_QKV[architecture]] = ("q", "k", "v")
+    return out
+
+
+def fused_rows(cfg, tensor: np.ndarray, part: int, sizes: list[int]) -> np.ndarray:
+    """The rows of a fused linear's output (its weight, bias, or an adapter's B) that feed part `part` of its
+    parts of `sizes` rows: consecutive blocks, or NeoX's query_key_value, head by head its q, k and v."""
+    if cfg.architecture == GPT_NEOX and len(sizes) == 3:
+        heads = tensor.reshape(cfg.num_heads, 3, cfg.head_dim, *tensor.shape[1:])
+        return heads[:, part].reshape(cfg.q_size, *tensor.shape[1:])
+    start = sum(sizes[:part])
+    return tensor[start:start + sizes[part]]
+
+
 def reader(cfg, get: Callable[[str], np.ndarray],
            has: Callable[[str], bool]) -> tuple[Callable[[str], np.ndarray], Callable[[str], bool]]:
     """(get, has) serving the Llama-style names (model.embed_tokens, model.embed_positions, model.norm,
@@ -163,12 +185,6 @@ def reader(cfg, get: Callable[[str], np.ndarray],
             tensor = tensor.as_float()
         if arch == GPT2 and tensor.ndim == 2 and ".h." in f".{real}":   # GPT-2's layers: Conv1D, [in, out]
             tensor = tensor.T
-        if part is None:
-            return tensor
-        if arch == GPT2:   # c_attn's rows: q | k | v
-            return tensor[part * cfg.q_size:(part + 1) * cfg.q_size]
-        # NeoX's query_key_value rows: head by head, its q, k and v
-        heads = tensor.reshape(cfg.num_heads, 3, cfg.head_dim, *tensor.shape[1:])
-        return heads[:, part].reshape(cfg.q_size, *tensor.shape[1:])
+        return tensor if part is None else fused_rows(cfg, tensor, part, [cfg.q_size] * 3)   # (they are MHA)
 
     return get_gpt, (lambda name: locate(name) is not None or has(name))

@@ -272,8 +272,12 @@ def _rotate_half_order(cfg: ModelConfig, name: str, tensor):
     match = _ROTATING.search(name)
     if match is None:
         return tensor
-    if isinstance(tensor, HostQuantized):
-        tensor = tensor.as_float()
+    return rotate_half_rows(cfg, tensor.as_float() if isinstance(tensor, HostQuantized) else tensor)
+
+
+def rotate_half_rows(cfg: ModelConfig, tensor: np.ndarray) -> np.ndarray:
+    """q's or k's rows (a weight's, a bias's, a norm's, a LoRA B's) reordered head by head from an interleaved
+    rope's pairs (2i, 2i + 1) to rotate-half's (i, i + rotary / 2); the dims past the rotary ones stay."""
     rot = cfg.rotary_dim or cfg.head_dim
     order = np.concatenate([np.arange(0, rot, 2), np.arange(1, rot, 2), np.arange(rot, cfg.head_dim)])
     heads = tensor.shape[0] // cfg.head_dim

@@ -396,9 +396,14 @@ def _mlp(cfg: ModelConfig, plan: ShardPlan, matmul, w, x, moe: bool, moe_impl: s
                       act=cfg.expert_act, impl=moe_impl, plan=plan, router_bias=w.get("router_bias"),
                       router_correction=w.get("router_correction"), b_gate_up=w.get("b_experts_gate_up"),
                       b_down=w.get("b_experts_down"))
-    if "w_up" in w:   # not gated (GPT-2, OPT, GPT-NeoX)
+    if "w_up" in w:   # not gated (GPT-2, OPT, GPT-NeoX, ...)
         up = matmul(x, w["w_up"], "w_up") + (w["b_up"] if cfg.mlp_bias else 0)
-        dense = matmul(activation(cfg.hidden_act, up).astype(up.dtype), w["w_down"], "w_down")
+        if lora is not None:
+            up = up + lora_delta(x, lora, "up", onehot)
+        act = activation(cfg.hidden_act, up).astype(up.dtype)
+        dense = matmul(act, w["w_down"], "w_down")
+        if lora is not None:
+            dense = dense + lora_delta(act, lora, "down", onehot)
         return dense + w["b_down"] if cfg.mlp_bias else dense
     if "w_gate_up" not in w:
         return out

@@ -52,18 +52,26 @@ def test_moe_refuses_what_it_does_not_run_yet():
         LLM(tiny_checkpoint("qwen2_moe"), dtype="float32", scan_layers=True, compile_on_startup=False)
     with pytest.raises(ValueError, match="enable_lora does not yet support MixtralForCausalLM"):
         LLM(tiny_checkpoint("mixtral"), dtype="float32", enable_lora=True, compile_on_startup=False)
-    with pytest.raises(ValueError, match="enable_lora does not yet support Ernie4_5ForCausalLM .*interleaved rope"):
-        LLM(tiny_checkpoint("ernie4_5"), dtype="float32", enable_lora=True, compile_on_startup=False)
     llm = LLM(tiny_checkpoint("mixtral"), dtype="float32", block_size=8, num_gpu_blocks_override=16,
               max_model_len=64, compile_on_startup=False)
     with pytest.raises(ValueError, match="update_weights does not yet take MixtralForCausalLM"):
         llm.update_weights({"model.norm.weight": np.ones(64, np.float32)})
 
 
-@pytest.mark.parametrize("arch", ["granite", "olmo2"])
-def test_lora_on_families_that_scale_or_norm_around_the_projections(arch):
+# each family's linears: fused ones split (Phi-3's qkv_proj and gate_up_proj, GLM-4's gate_up_proj, GPT-2's Conv1D
+# c_attn, NeoX's per-head query_key_value), an interleaved rope's q/k rows reordered (GLM-4, GPT-J's partial one)
+LORA_TARGETS = {"phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+                "glm4": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"],
+                "gpt2": ["c_attn", "c_proj", "c_fc"],
+                "gpt_neox": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
+                "gptj": ["q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out"]}
+
+
+@pytest.mark.parametrize("arch", ["granite", "olmo2", *LORA_TARGETS])
+def test_lora_on_every_projection_of_each_family(arch):
     """An adapter on every projection equals peft's where the family scales the residual branches
-    (Granite) or norms q/k over all heads after q_proj / k_proj (OLMo 2)."""
+    (Granite), norms q/k over all heads after q_proj / k_proj (OLMo 2), or names, fuses or orders its
+    linears its own way (`LORA_TARGETS`)."""
     import peft
     import torch
     import transformers
@@ -71,7 +79,8 @@ def test_lora_on_families_that_scale_or_norm_around_the_projections(arch):
     from jaxpaged import LoRARequest
     from tests.engine.test_lora import adapter as random_adapter
 
-    path, adapter = tiny_checkpoint(arch), random_adapter(0, arch=arch)
+    path = tiny_checkpoint(arch)
+    adapter = random_adapter(0, arch=arch, **({"targets": tuple(LORA_TARGETS[arch])} if arch in LORA_TARGETS else {}))
     model = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32), adapter).eval()
     tokens = np.random.default_rng(1).integers(3, 320, 12).tolist()

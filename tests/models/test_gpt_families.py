@@ -78,10 +78,8 @@ def test_variants_it_does_not_run_are_refused_by_name(arch, overrides, match):
         model_config_from_hf(cfg)
 
 
-def test_learned_positions_bound_max_model_len_and_lora_is_refused():
+def test_learned_positions_bound_max_model_len():
     path = tiny_checkpoint("gpt2")   # 512 learned positions
     with pytest.raises(ValueError, match=r"max_model_len \(600\) is larger than the model's "
                                          r"max_position_embeddings \(512\)"):
         LLM(path, dtype="float32", max_model_len=600, num_gpu_blocks_override=16, compile_on_startup=False)
-    with pytest.raises(ValueError, match="enable_lora does not yet support GPT2LMHeadModel"):
-        LLM(path, dtype="float32", enable_lora=True, num_gpu_blocks_override=16, compile_on_startup=False)
