@@ -16,7 +16,7 @@ FAMILIES = ("phi3", "gemma", "gemma2", "gemma3", "granite", "olmo2", "olmo3", "s
             "qwen3_moe", "gpt_oss", "exaone4", "ernie4_5", "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite",
             "granitemoe", "granitemoe_shared", "ernie4_5_moe", "glm", "glm4", "seed_oss", "minimax_m2", "ministral",
             "cohere", "cohere2", "olmoe", "granitemoehybrid", "granitemoehybrid_dense", "gpt2", "opt", "gpt_neox",
-            "gptj", "phi", "starcoder2")
+            "gptj", "phi", "starcoder2", "gpt_bigcode", "stablelm", "nemotron", "arcee")
 _CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
             "gemma": "Gemma", "gemma2": "Gemma2", "gemma3": "Gemma3", "granite": "Granite", "olmo2": "Olmo2",
             "olmo3": "Olmo3", "smollm3": "SmolLM3", "mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe",
@@ -27,7 +27,8 @@ _CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "
             "minimax_m2": "MiniMaxM2", "ministral": "Ministral", "cohere": "Cohere", "cohere2": "Cohere2",
             "olmoe": "Olmoe", "granitemoehybrid": "GraniteMoeHybrid", "granitemoehybrid_dense": "GraniteMoeHybrid",
             "gpt2": "GPT2", "opt": "OPT", "gpt_neox": "GPTNeoX", "gptj": "GPTJ", "phi": "Phi",
-            "starcoder2": "Starcoder2"}
+            "starcoder2": "Starcoder2", "gpt_bigcode": "GPTBigCode", "stablelm": "StableLm", "nemotron": "Nemotron",
+            "arcee": "Arcee"}
 _ROOT = tempfile.mkdtemp(prefix="jaxpaged-tiny-")   # this process's checkpoints, removed when it exits
 atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)
 
@@ -217,6 +218,17 @@ def _config(arch: str, **overrides):
     elif arch == "starcoder2":   # Llama's layer with LayerNorms, biases, an ungated MLP, a sliding window
         cfg = transformers.Starcoder2Config(**{**common, "sliding_window": 12, "hidden_act": "gelu_pytorch_tanh",
                                                **overrides})
+    elif arch == "gpt_bigcode":   # GPT-2's with one KV head (multi_query), nn.Linear weights, an untied head
+        cfg = transformers.GPTBigCodeConfig(**{"vocab_size": 320, "n_embd": 64, "n_layer": 3, "n_head": 4,
+                                               "n_inner": 128, "n_positions": 512, "bos_token_id": 1,
+                                               "eos_token_id": 2, "tie_word_embeddings": False, **overrides})
+    elif arch == "stablelm":   # LayerNorms with biases, q/k/v bias, a quarter of each head rotates, the parallel block
+        cfg = transformers.StableLmConfig(**{**common, "use_qkv_bias": True, "use_parallel_residual": True,
+                                             "layer_norm_eps": 1e-5, **overrides})
+    elif arch == "nemotron":   # (1 + w) LayerNorms with biases, an ungated squared-ReLU MLP, half of each head rotates
+        cfg = transformers.NemotronConfig(**{**common, "partial_rotary_factor": 0.5, "mlp_bias": True, **overrides})
+    elif arch == "arcee":   # Llama's with an ungated squared-ReLU MLP
+        cfg = transformers.ArceeConfig(**{**common, "hidden_act": "relu2", **overrides})
     else:
         raise ValueError(arch)
     return cfg

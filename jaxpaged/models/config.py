@@ -50,6 +50,9 @@ SUPPORTED_ARCHITECTURES = (
     "OlmoeForCausalLM",
     "GraniteMoeHybridForCausalLM",
     "Cohere2ForCausalLM",
+    "StableLmForCausalLM",
+    "NemotronForCausalLM",
+    "ArceeForCausalLM",
 ) + gpt_families.ARCHITECTURES
 # A bare transformer without its LM head (an embedding checkpoint: e5-mistral's MistralModel, weights
 # without the "model." prefix) runs as its *ForCausalLM family, the input embedding standing in for
@@ -115,7 +118,7 @@ def is_classifier(hf_config) -> bool:
 
 # transformers' names -> ours (jaxpaged.models.moe.activation): gelu is the exact one, the others its tanh form
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
-                "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
+                "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu", "relu": "relu", "relu2": "relu2"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +149,7 @@ class ModelConfig:
     rope_freq_factors: tuple[float, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    hidden_act: str = "silu"          # "silu" (SwiGLU) | "gelu_tanh" (GeGLU) | "gelu" | "relu"
+    hidden_act: str = "silu"          # "silu" (SwiGLU) | "gelu_tanh" (GeGLU) | "gelu" | "relu" | "relu2" (squared)
     rotary_dim: int = 0               # leading dims of each head that rotate (partial rotary); 0 = all
     # longrope (Phi-3): per-frequency divisors [rotary_dim // 2], long ones once a sequence outgrows
     # rope_original_max_positions, and the factor cos and sin are multiplied by

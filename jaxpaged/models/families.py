@@ -35,7 +35,11 @@ Every supported architecture is the same decoder with a few switches, so they al
   its global ones without rope.
 - MiniMax-M2: q/k norms over all heads at once, a partial rope, and DeepSeek-V3's sigmoid router (a choice
   bias, renormalized) without groups. OLMoE: the same q/k norms before Qwen3-MoE's softmax router.
-- GPT-2, OPT, GPT-NeoX: their switches and names are `jaxpaged.models.gpt_families`'.
+- StableLM: LayerNorms with biases, q/k/v bias where use_qkv_bias, a partial rope, and (use_parallel_residual)
+  Cohere's parallel block. Nemotron: LayerNorms with biases that multiply by (1 + w), an ungated squared-ReLU
+  MLP, a partial rope. Arcee (AFM): Llama's layer with an ungated squared-ReLU MLP.
+- GPT-2, GPT-BigCode, OPT, GPT-J, GPT-NeoX, Phi, StarCoder2: their switches and names are
+  `jaxpaged.models.gpt_families`'.
 - DeepSeek-V2 / V3, GLM-4.7-Flash: multi-head latent attention (`kv_lora_rank`, jaxpaged.models.mla),
   and with GLM-4.5 their routers (`moe.Routing`: sigmoid scores with a correction bias, expert groups,
   a routed scaling factor), ungated shared experts and the first layers dense.
@@ -237,6 +241,18 @@ def family_fields(hf_config: Any, architecture: str, num_layers: int) -> dict:
         windowed = bool(getattr(hf_config, "sliding_window", None))
         return dict(pre_norms=False, sandwich_norms=True, qk_norm=True,
                     nope_layers=_global_layers(hf_config, num_layers) if windowed else ())
+    if architecture == "StableLmForCausalLM":
+        if hf_get(hf_config, "qk_layernorm", False):
+            raise ValueError(f"{architecture} with qk_layernorm=True (StableLM 2 12B's per-head LayerNorms) is not "
+                             "supported")
+        bias = bool(hf_get(hf_config, "use_qkv_bias", False))
+        return dict(layer_norm=True, norm_bias=True, rms_norm_eps=float(hf_get(hf_config, "layer_norm_eps", 1e-5)),
+                    qkv_bias=bias, o_bias=False, parallel_block=bool(hf_get(hf_config, "use_parallel_residual", False)))
+    if architecture == "NemotronForCausalLM":   # LayerNorm1P: x normed times (1 + w), plus b
+        return dict(layer_norm=True, norm_bias=True, norm_offset=1.0, gated_mlp=False,
+                    rms_norm_eps=float(hf_get(hf_config, "norm_eps", 1e-5)))
+    if architecture == "ArceeForCausalLM":
+        return dict(gated_mlp=False)
     if architecture == "SmolLM3ForCausalLM":
         uses_rope = hf_get(hf_config, "no_rope_layers", [1] * num_layers)   # transformers' name: 1 = rotates
         return dict(nope_layers=tuple(i for i, rotates in enumerate(uses_rope) if not rotates))

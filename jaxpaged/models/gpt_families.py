@@ -1,12 +1,12 @@
-"""GPT-2, OPT, GPT-J, GPT-NeoX (Pythia), Phi (phi-1, 1.5, 2) and StarCoder2: the LayerNorm decoders with an
-ungated MLP, run as switches of the same layer.
+"""GPT-2, GPT-BigCode (StarCoder, SantaCoder), OPT, GPT-J, GPT-NeoX (Pythia), Phi (phi-1, 1.5, 2) and StarCoder2:
+the LayerNorm decoders with an ungated MLP, run as switches of the same layer.
 
 What sets them apart from Llama's layer is a handful of `ModelConfig` switches:
 
 - all: LayerNorms with a bias (`layer_norm`, `norm_bias`), an MLP without a gate (`gated_mlp=False`: up, the
   activation, down), biases on the projections (not GPT-J's attention, nor StarCoder2's where use_bias=False).
-- GPT-2 and OPT: learned absolute positions added to the token embedding (`learned_positions`; OPT's table
-  starts at row 2, `position_offset`), no rope.
+- GPT-2, GPT-BigCode and OPT: learned absolute positions added to the token embedding (`learned_positions`;
+  OPT's table starts at row 2, `position_offset`), no rope; GPT-BigCode's one KV head (multi_query).
 - GPT-NeoX: a partial rotate-half rope, and (use_parallel_residual) attention and the MLP side by side
   (`parallel_block`), each on its own norm of the layer's input (`parallel_mlp_norm`).
 - Phi and GPT-J: attention and the MLP side by side on one normed input, a partial rope (GPT-J's interleaved),
@@ -15,8 +15,8 @@ What sets them apart from Llama's layer is a handful of `ModelConfig` switches:
 
 Their configs and checkpoints have names of their own: `llama_config` gives a config the field names the
 config reader reads (a copy), and `reader` serves the Llama-style tensor names the loader asks for from their
-checkpoints (GPT-2's Conv1D weights, [in, out], transposed; its c_attn and NeoX's per-head query_key_value split
-into q, k and v).
+checkpoints (GPT-2's Conv1D weights, [in, out], transposed; the fused c_attn and NeoX's query_key_value split
+into q, k and v: `fused_rows`).
 """
 
 import copy
@@ -29,36 +29,38 @@ from jaxpaged.models.families import hf_get
 from jaxpaged.models.quantization import HostQuantized
 
 GPT2 = "GPT2LMHeadModel"
+GPT_BIGCODE = "GPTBigCodeForCausalLM"
 OPT = "OPTForCausalLM"
 GPT_NEOX = "GPTNeoXForCausalLM"
 GPTJ = "GPTJForCausalLM"
 PHI = "PhiForCausalLM"
 STARCODER2 = "Starcoder2ForCausalLM"
-ARCHITECTURES = (GPT2, OPT, GPT_NEOX, GPTJ, PHI, STARCODER2)
+ARCHITECTURES = (GPT2, GPT_BIGCODE, OPT, GPT_NEOX, GPTJ, PHI, STARCODER2)
+_GPT2_LIKE = (GPT2, GPT_BIGCODE)   # GPT-2's names and config fields
 
 # Llama-style module -> each family's name for it (a layer's, then the model's own); Llama's where not listed
 _MODULES = {
-    "input_layernorm": {GPT2: "ln_1", OPT: "self_attn_layer_norm", GPTJ: "ln_1"},
-    "post_attention_layernorm": {GPT2: "ln_2", OPT: "final_layer_norm"},
+    "input_layernorm": {GPT2: "ln_1", GPT_BIGCODE: "ln_1", OPT: "self_attn_layer_norm", GPTJ: "ln_1"},
+    "post_attention_layernorm": {GPT2: "ln_2", GPT_BIGCODE: "ln_2", OPT: "final_layer_norm"},
     "self_attn.q_proj": {GPTJ: "attn.q_proj"},
     "self_attn.k_proj": {GPTJ: "attn.k_proj"},
     "self_attn.v_proj": {GPTJ: "attn.v_proj"},
-    "self_attn.o_proj": {GPT2: "attn.c_proj", OPT: "self_attn.out_proj", GPT_NEOX: "attention.dense",
-                         GPTJ: "attn.out_proj", PHI: "self_attn.dense"},
-    "mlp.up_proj": {GPT2: "mlp.c_fc", OPT: "fc1", GPT_NEOX: "mlp.dense_h_to_4h", GPTJ: "mlp.fc_in",
-                    PHI: "mlp.fc1", STARCODER2: "mlp.c_fc"},
-    "mlp.down_proj": {GPT2: "mlp.c_proj", OPT: "fc2", GPT_NEOX: "mlp.dense_4h_to_h", GPTJ: "mlp.fc_out",
-                      PHI: "mlp.fc2", STARCODER2: "mlp.c_proj"},
-    "embed_tokens": {GPT2: "wte", GPT_NEOX: "embed_in", GPTJ: "wte"},
-    "embed_positions": {GPT2: "wpe"},
-    "norm": {GPT2: "ln_f", OPT: "final_layer_norm", GPT_NEOX: "final_layer_norm", GPTJ: "ln_f",
+    "self_attn.o_proj": {GPT2: "attn.c_proj", GPT_BIGCODE: "attn.c_proj", OPT: "self_attn.out_proj",
+                         GPT_NEOX: "attention.dense", GPTJ: "attn.out_proj", PHI: "self_attn.dense"},
+    "mlp.up_proj": {GPT2: "mlp.c_fc", GPT_BIGCODE: "mlp.c_fc", OPT: "fc1", GPT_NEOX: "mlp.dense_h_to_4h",
+                    GPTJ: "mlp.fc_in", PHI: "mlp.fc1", STARCODER2: "mlp.c_fc"},
+    "mlp.down_proj": {GPT2: "mlp.c_proj", GPT_BIGCODE: "mlp.c_proj", OPT: "fc2", GPT_NEOX: "mlp.dense_4h_to_h",
+                      GPTJ: "mlp.fc_out", PHI: "mlp.fc2", STARCODER2: "mlp.c_proj"},
+    "embed_tokens": {GPT2: "wte", GPT_BIGCODE: "wte", GPT_NEOX: "embed_in", GPTJ: "wte"},
+    "embed_positions": {GPT2: "wpe", GPT_BIGCODE: "wpe"},
+    "norm": {GPT2: "ln_f", GPT_BIGCODE: "ln_f", OPT: "final_layer_norm", GPT_NEOX: "final_layer_norm", GPTJ: "ln_f",
              PHI: "final_layernorm"},
 }
-_FUSED_QKV = {GPT2: "attn.c_attn", GPT_NEOX: "attention.query_key_value"}
+_FUSED_QKV = {GPT2: "attn.c_attn", GPT_BIGCODE: "attn.c_attn", GPT_NEOX: "attention.query_key_value"}
 # where the model's tensors lie: under its causal LM's prefix, or (a base model's save) without it
-_PREFIXES = {GPT2: ("transformer.", ""), OPT: ("model.decoder.", "decoder."), GPT_NEOX: ("gpt_neox.",),
-             GPTJ: ("transformer.",), PHI: ("model.",), STARCODER2: ("model.",)}
-_LAYERS = {GPT2: "h", GPTJ: "h"}   # (the others': layers)
+_PREFIXES = {GPT2: ("transformer.", ""), GPT_BIGCODE: ("transformer.",), OPT: ("model.decoder.", "decoder."),
+             GPT_NEOX: ("gpt_neox.",), GPTJ: ("transformer.",), PHI: ("model.",), STARCODER2: ("model.",)}
+_LAYERS = {GPT2: "h", GPT_BIGCODE: "h", GPTJ: "h"}   # (the others': layers)
 _HEADS = ("lm_head", "embed_out")   # NeoX's head as released: embed_out
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 _TOP = re.compile(r"model\.(embed_tokens|embed_positions|norm)\.(weight|bias)$")
@@ -72,12 +74,14 @@ def llama_config(hf_config: Any, architecture: str) -> Any:
     cfg = copy.deepcopy(hf_config)
     heads = cfg.num_attention_heads
     kv_heads, eps, attention_bias, mlp_bias = heads, hf_get(cfg, "layer_norm_epsilon", 1e-5), True, True
-    if architecture == GPT2:
+    if architecture in _GPT2_LIKE:
         for name, unsupported in (("scale_attn_weights", False), ("scale_attn_by_inverse_layer_idx", True),
                                   ("add_cross_attention", True)):
             if bool(hf_get(cfg, name, not unsupported)) == unsupported:
                 raise ValueError(f"{architecture} with {name}={unsupported} is not supported")
-    if architecture in (GPT2, GPTJ):
+        if architecture == GPT_BIGCODE and hf_get(cfg, "multi_query", True):   # one KV head
+            kv_heads = 1
+    if architecture in (*_GPT2_LIKE, GPTJ):
         inter, act = hf_get(cfg, "n_inner", 4 * cfg.hidden_size), cfg.activation_function
         if architecture == GPTJ:   # q/k/v and out_proj without biases; rotary_dim of each head turns (all: None)
             attention_bias = False
@@ -139,8 +143,9 @@ def lora_linears(architecture: str, linears: dict[str, tuple[str, ...]]) -> dict
 
 def fused_rows(cfg, tensor: np.ndarray, part: int, sizes: list[int]) -> np.ndarray:
     """The rows of a fused linear's output (its weight, bias, or an adapter's B) that feed part `part` of its
-    parts of `sizes` rows: consecutive blocks, or NeoX's query_key_value, head by head its q, k and v."""
-    if cfg.architecture == GPT_NEOX and len(sizes) == 3:
+    parts of `sizes` rows: consecutive blocks, or (NeoX's query_key_value, GPT-BigCode's c_attn without
+    multi_query) head by head its q, k and v."""
+    if cfg.architecture in (GPT_NEOX, GPT_BIGCODE) and len(sizes) == 3 and cfg.num_kv_heads == cfg.num_heads:
         heads = tensor.reshape(cfg.num_heads, 3, cfg.head_dim, *tensor.shape[1:])
         return heads[:, part].reshape(cfg.q_size, *tensor.shape[1:])
     start = sum(sizes[:part])
@@ -185,6 +190,6 @@ def reader(cfg, get: Callable[[str], np.ndarray],
             tensor = tensor.as_float()
         if arch == GPT2 and tensor.ndim == 2 and ".h." in f".{real}":   # GPT-2's layers: Conv1D, [in, out]
             tensor = tensor.T
-        return tensor if part is None else fused_rows(cfg, tensor, part, [cfg.q_size] * 3)   # (they are MHA)
+        return tensor if part is None else fused_rows(cfg, tensor, part, [cfg.q_size, cfg.kv_size, cfg.kv_size])
 
     return get_gpt, (lambda name: locate(name) is not None or has(name))

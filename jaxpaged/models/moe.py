@@ -48,10 +48,10 @@ def resolve_moe_impl(name: str, platform: str | None = None) -> str:
 
 def activation(name: str, x: jax.Array) -> jax.Array:
     """The MLP's activation (in f32): silu (SwiGLU), gelu_tanh (GeGLU, GPT-2: the tanh-approximated gelu), gelu
-    (exact: GPT-NeoX), relu (OPT)."""
+    (exact: GPT-NeoX), relu (OPT), relu2 (its square: Nemotron, Arcee)."""
     x32 = x.astype(jnp.float32)
-    if name == "relu":
-        return jax.nn.relu(x32)
+    if name in ("relu", "relu2"):
+        return jax.nn.relu(x32) ** (2 if name == "relu2" else 1)
     return jax.nn.silu(x32) if name == "silu" else jax.nn.gelu(x32, approximate=name == "gelu_tanh")
 
 

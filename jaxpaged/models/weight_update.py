@@ -53,19 +53,17 @@ def update_targets(cfg: ModelConfig, scan_layers: bool, tp: int) -> dict[str, Ta
     """Hugging Face name -> where it lives in the engine (cfg: the checkpoint's config, before KV
     heads are repeated for tensor parallelism)."""
     from jaxpaged.models.llama import layer_weight_shapes, weight_shapes
-    from jaxpaged.models.hf_names import _hf_layer_sources, hf_part_shape
+    from jaxpaged.models.gpt_families import ARCHITECTURES as OWN_NAMES
+    from jaxpaged.models.hf_names import _hf_layer_sources, hf_part_shape, hf_top_sources
 
-    if cfg.is_moe or cfg.architecture == "Phi3ForCausalLM" or cfg.rope_interleaved or not cfg.gated_mlp:
+    if cfg.is_moe or cfg.architecture in ("Phi3ForCausalLM",) + OWN_NAMES or cfg.rope_interleaved:
         raise ValueError(f"update_weights does not yet take {cfg.architecture}'s tensors (per-expert or fused "
-                         "qkv/gate_up names, an interleaved rope's q/k, or GPT-2's, OPT's and GPT-NeoX's names); it "
-                         "updates the other dense families")
+                         "qkv/gate_up names, an interleaved rope's q/k, or GPT-2's, OPT's, GPT-NeoX's ... own names); "
+                         "it updates the other dense families")
     shapes = weight_shapes(cfg)
-    targets = {"model.embed_tokens.weight": Target(("embed",), None, None, None, False, shapes["embed"]),
-               "model.norm.weight": Target(("final_norm",), None, None, None, False, shapes["final_norm"])}
-    if not cfg.tie_word_embeddings:
-        targets["lm_head.weight"] = Target(("lm_head",), None, None, None, True, shapes["lm_head"][::-1])
-    if cfg.num_labels:
-        targets["score.weight"] = Target(("classifier",), None, None, None, False, shapes["classifier"])
+    targets = {hf: Target((name,), None, None, None, name == "lm_head",   # (the LM head: [out, in])
+                          shapes[name][::-1] if name == "lm_head" else shapes[name])
+               for name, hf in hf_top_sources(cfg).items()}
     layer_shapes = layer_weight_shapes(cfg)
     for i in range(cfg.num_layers):
         for name, hf_names in _hf_layer_sources(cfg, i).items():

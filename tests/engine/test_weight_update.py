@@ -54,7 +54,8 @@ def other_weights(arch: str) -> tuple[dict, str]:
     return state, save_like(tiny_checkpoint(arch), state)
 
 
-@pytest.mark.parametrize("arch, scan", [("qwen2", True), ("llama", False)])   # biases + untied head; tied, unrolled
+# biases + untied head; tied, unrolled; LayerNorms with biases (the final one's too) and an ungated MLP
+@pytest.mark.parametrize("arch, scan", [("qwen2", True), ("llama", False), ("nemotron", True)])
 def test_every_weight_of_b_makes_a_into_b(arch, scan):
     state, path_b = other_weights(arch)
     want = run(LLM(path_b, scan_layers=scan, **OPTS))

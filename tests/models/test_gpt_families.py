@@ -1,7 +1,8 @@
-"""GPT-2, OPT, GPT-NeoX and the other LayerNorm families beyond what every family's tests check (tests/models/test_llama_family.py and
-tests/engine/test_model_families.py run them against transformers): their checkpoints as released (GPT-2's
-names without "transformer.", OPT's without "model.", NeoX's rope buffers) load the same weights; NeoX's
-sequential block; what they refuse."""
+"""GPT-2, OPT, GPT-NeoX and the other LayerNorm families beyond what every family's tests check
+(tests/models/test_llama_family.py and tests/engine/test_model_families.py run them against transformers):
+their checkpoints as released (GPT-2's names without "transformer.", OPT's without "model.", NeoX's rope
+buffers) load the same weights; NeoX's and StableLM's sequential blocks and GPT-BigCode without multi_query
+match transformers; what they refuse."""
 
 import os
 import shutil
@@ -47,8 +48,13 @@ def test_checkpoints_as_released_load_the_same_weights(arch, rename, extra):
         np.testing.assert_array_equal(a, b)
 
 
-def test_gpt_neox_without_the_parallel_residual_matches_transformers():
-    path = tiny_checkpoint("gpt_neox", use_parallel_residual=False)
+@pytest.mark.parametrize("arch,overrides", [
+    ("gpt_neox", {"use_parallel_residual": False}),   # one block after the other
+    ("stablelm", {"use_parallel_residual": False}),
+    ("gpt_bigcode", {"multi_query": False}),   # c_attn head by head, as NeoX's query_key_value
+])
+def test_variants_match_transformers(arch, overrides):
+    path = tiny_checkpoint(arch, **overrides)
     llm = LLM(path, dtype="float32", block_size=8, num_gpu_blocks_override=32, max_model_len=64,
               compile_on_startup=False)
     prompt = np.random.default_rng(5).integers(3, 320, 19).tolist()
@@ -59,8 +65,9 @@ def test_gpt_neox_without_the_parallel_residual_matches_transformers():
     for i, (token, lp) in enumerate(zip(out.token_ids, out.logprobs)):
         assert token == int(np.argmax(ref[len(prompt) - 1 + i]))
         assert abs(lp[token].logprob - ref_logprobs[len(prompt) - 1 + i, token]) < 2e-4
-    with pytest.raises(ValueError, match="update_weights does not yet take GPTNeoXForCausalLM"):
-        llm.update_weights({"gpt_neox.final_layer_norm.weight": np.ones(64, np.float32)})
+    if arch == "gpt_neox":
+        with pytest.raises(ValueError, match="update_weights does not yet take GPTNeoXForCausalLM"):
+            llm.update_weights({"gpt_neox.final_layer_norm.weight": np.ones(64, np.float32)})
 
 
 @pytest.mark.parametrize("arch,overrides,match", [
@@ -68,12 +75,14 @@ def test_gpt_neox_without_the_parallel_residual_matches_transformers():
     ("opt", {"word_embed_proj_dim": 32}, "word_embed_proj_dim .32. other than hidden_size .64."),
     ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx=True"),
     ("phi", {"qk_layernorm": True}, "PhiForCausalLM with qk_layernorm=True"),
+    ("stablelm", {"qk_layernorm": True}, "StableLmForCausalLM with qk_layernorm=True"),
 ])
 def test_variants_it_does_not_run_are_refused_by_name(arch, overrides, match):
     from tests.tiny_models import _config
 
     cfg = _config(arch, **overrides)
-    cfg.architectures = [{"gpt2": "GPT2LMHeadModel", "opt": "OPTForCausalLM", "phi": "PhiForCausalLM"}[arch]]
+    cfg.architectures = [{"gpt2": "GPT2LMHeadModel", "opt": "OPTForCausalLM", "phi": "PhiForCausalLM",
+                          "stablelm": "StableLmForCausalLM"}[arch]]
     with pytest.raises(ValueError, match=match):
         model_config_from_hf(cfg)
 
