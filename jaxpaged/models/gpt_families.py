@@ -1,5 +1,5 @@
-"""GPT-2, GPT-BigCode (StarCoder, SantaCoder), OPT, GPT-J, GPT-NeoX (Pythia), Phi (phi-1, 1.5, 2) and StarCoder2:
-the LayerNorm decoders with an ungated MLP, run as switches of the same layer.
+"""GPT-2, GPT-BigCode (StarCoder, SantaCoder), OPT, GPT-J, GPT-NeoX (Pythia), Falcon, Phi (phi-1, 1.5, 2) and
+StarCoder2: the LayerNorm decoders with an ungated MLP, run as switches of the same layer.
 
 What sets them apart from Llama's layer is a handful of `ModelConfig` switches:
 
@@ -11,12 +11,14 @@ What sets them apart from Llama's layer is a handful of `ModelConfig` switches:
   (`parallel_block`), each on its own norm of the layer's input (`parallel_mlp_norm`).
 - Phi and GPT-J: attention and the MLP side by side on one normed input, a partial rope (GPT-J's interleaved),
   an LM head with a bias (`lm_head_bias`).
+- Falcon: NeoX's blocks (one norm or two: Falcon-40B's ln_attn and ln_mlp; or one after the other), one KV head
+  (multi_query) or grouped ones (new_decoder_architecture).
 - StarCoder2: Llama's layer otherwise (grouped-query attention, a sliding window).
 
 Their configs and checkpoints have names of their own: `llama_config` gives a config the field names the
 config reader reads (a copy), and `reader` serves the Llama-style tensor names the loader asks for from their
-checkpoints (GPT-2's Conv1D weights, [in, out], transposed; the fused c_attn and NeoX's query_key_value split
-into q, k and v: `fused_rows`).
+checkpoints (GPT-2's Conv1D weights, [in, out], transposed; the fused c_attn and query_key_value split into q, k
+and v: `fused_rows`).
 """
 
 import copy
@@ -33,9 +35,10 @@ GPT_BIGCODE = "GPTBigCodeForCausalLM"
 OPT = "OPTForCausalLM"
 GPT_NEOX = "GPTNeoXForCausalLM"
 GPTJ = "GPTJForCausalLM"
+FALCON = "FalconForCausalLM"
 PHI = "PhiForCausalLM"
 STARCODER2 = "Starcoder2ForCausalLM"
-ARCHITECTURES = (GPT2, GPT_BIGCODE, OPT, GPT_NEOX, GPTJ, PHI, STARCODER2)
+ARCHITECTURES = (GPT2, GPT_BIGCODE, OPT, GPT_NEOX, GPTJ, FALCON, PHI, STARCODER2)
 _GPT2_LIKE = (GPT2, GPT_BIGCODE)   # GPT-2's names and config fields
 
 # Llama-style module -> each family's name for it (a layer's, then the model's own); Llama's where not listed
@@ -46,21 +49,27 @@ _MODULES = {
     "self_attn.k_proj": {GPTJ: "attn.k_proj"},
     "self_attn.v_proj": {GPTJ: "attn.v_proj"},
     "self_attn.o_proj": {GPT2: "attn.c_proj", GPT_BIGCODE: "attn.c_proj", OPT: "self_attn.out_proj",
-                         GPT_NEOX: "attention.dense", GPTJ: "attn.out_proj", PHI: "self_attn.dense"},
+                         GPT_NEOX: "attention.dense", GPTJ: "attn.out_proj", PHI: "self_attn.dense",
+                         FALCON: "self_attention.dense"},
     "mlp.up_proj": {GPT2: "mlp.c_fc", GPT_BIGCODE: "mlp.c_fc", OPT: "fc1", GPT_NEOX: "mlp.dense_h_to_4h",
-                    GPTJ: "mlp.fc_in", PHI: "mlp.fc1", STARCODER2: "mlp.c_fc"},
+                    GPTJ: "mlp.fc_in", PHI: "mlp.fc1", STARCODER2: "mlp.c_fc", FALCON: "mlp.dense_h_to_4h"},
     "mlp.down_proj": {GPT2: "mlp.c_proj", GPT_BIGCODE: "mlp.c_proj", OPT: "fc2", GPT_NEOX: "mlp.dense_4h_to_h",
-                      GPTJ: "mlp.fc_out", PHI: "mlp.fc2", STARCODER2: "mlp.c_proj"},
-    "embed_tokens": {GPT2: "wte", GPT_BIGCODE: "wte", GPT_NEOX: "embed_in", GPTJ: "wte"},
+                      GPTJ: "mlp.fc_out", PHI: "mlp.fc2", STARCODER2: "mlp.c_proj", FALCON: "mlp.dense_4h_to_h"},
+    "embed_tokens": {GPT2: "wte", GPT_BIGCODE: "wte", GPT_NEOX: "embed_in", GPTJ: "wte", FALCON: "word_embeddings"},
     "embed_positions": {GPT2: "wpe", GPT_BIGCODE: "wpe"},
     "norm": {GPT2: "ln_f", GPT_BIGCODE: "ln_f", OPT: "final_layer_norm", GPT_NEOX: "final_layer_norm", GPTJ: "ln_f",
-             PHI: "final_layernorm"},
+             PHI: "final_layernorm", FALCON: "ln_f"},
 }
-_FUSED_QKV = {GPT2: "attn.c_attn", GPT_BIGCODE: "attn.c_attn", GPT_NEOX: "attention.query_key_value"}
+_FALCON_TWO_NORMS = {"input_layernorm": "ln_attn", "post_attention_layernorm": "ln_mlp"}   # Falcon-40B's
+_FUSED_QKV = {GPT2: "attn.c_attn", GPT_BIGCODE: "attn.c_attn", GPT_NEOX: "attention.query_key_value",
+              FALCON: "self_attention.query_key_value"}
+# fused q/k/v rows laid out per KV head: its queries, its key, its value (one KV head: q | k | v)
+_GROUPED_QKV = (GPT_NEOX, GPT_BIGCODE, FALCON)
 # where the model's tensors lie: under its causal LM's prefix, or (a base model's save) without it
 _PREFIXES = {GPT2: ("transformer.", ""), GPT_BIGCODE: ("transformer.",), OPT: ("model.decoder.", "decoder."),
-             GPT_NEOX: ("gpt_neox.",), GPTJ: ("transformer.",), PHI: ("model.",), STARCODER2: ("model.",)}
-_LAYERS = {GPT2: "h", GPT_BIGCODE: "h", GPTJ: "h"}   # (the others': layers)
+             GPT_NEOX: ("gpt_neox.",), GPTJ: ("transformer.",), FALCON: ("transformer.",), PHI: ("model.",),
+             STARCODER2: ("model.",)}
+_LAYERS = {GPT2: "h", GPT_BIGCODE: "h", GPTJ: "h", FALCON: "h"}   # (the others': layers)
 _HEADS = ("lm_head", "embed_out")   # NeoX's head as released: embed_out
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 _TOP = re.compile(r"model\.(embed_tokens|embed_positions|norm)\.(weight|bias)$")
@@ -86,6 +95,12 @@ def llama_config(hf_config: Any, architecture: str) -> Any:
         if architecture == GPTJ:   # q/k/v and out_proj without biases; rotary_dim of each head turns (all: None)
             attention_bias = False
             cfg.partial_rotary_factor = hf_get(cfg, "rotary_dim", cfg.hidden_size // heads) / (cfg.hidden_size // heads)
+    elif architecture == FALCON:
+        if hf_get(cfg, "alibi", False):
+            raise ValueError(f"{architecture} with alibi=True (Falcon-RW's ALiBi positions) is not supported")
+        inter, act, eps = hf_get(cfg, "ffn_hidden_size", 4 * cfg.hidden_size), cfg.activation, cfg.layer_norm_epsilon
+        kv_heads, attention_bias = cfg.num_key_value_heads, bool(hf_get(cfg, "bias", False))
+        mlp_bias = attention_bias
     elif architecture == OPT:
         if not hf_get(cfg, "do_layer_norm_before", True) or getattr(cfg, "_remove_final_layer_norm", False):
             raise ValueError(f"{architecture} with do_layer_norm_before=False (OPT-350m's norms after each block) is "
@@ -109,7 +124,9 @@ def llama_config(hf_config: Any, architecture: str) -> Any:
             raise ValueError(f"{architecture} with qk_layernorm=True is not supported (the released Phi checkpoints "
                              "have none)")
     cfg.intermediate_size, cfg.hidden_act, cfg.rms_norm_eps = int(inter), act, float(eps)
-    cfg.num_key_value_heads, cfg.head_dim = kv_heads, cfg.hidden_size // heads
+    cfg.num_key_value_heads = kv_heads
+    if getattr(cfg, "head_dim", None) is None:   # (Falcon's is a property)
+        cfg.head_dim = cfg.hidden_size // heads
     cfg.attention_bias, cfg.mlp_bias = attention_bias, mlp_bias
     return cfg
 
@@ -120,6 +137,11 @@ def family_fields(hf_config: Any, architecture: str, num_layers: int) -> dict:
     if architecture == GPT_NEOX:
         parallel = bool(hf_get(hf_config, "use_parallel_residual", True))
         return dict(fields, parallel_block=parallel, parallel_mlp_norm=parallel)
+    if architecture == FALCON:   # the new (40B) architecture: always side by side, two norms unless told one
+        new = bool(hf_get(hf_config, "new_decoder_architecture", False))
+        two_norms = new and int(hf_get(hf_config, "num_ln_in_parallel_attn", 2)) == 2
+        return dict(fields, parallel_block=new or bool(hf_get(hf_config, "parallel_attn", True)),
+                    parallel_mlp_norm=two_norms)
     if architecture in (PHI, GPTJ):   # one norm before attention and the MLP both; GPT-J turns pairs (2i, 2i + 1)
         return dict(fields, parallel_block=True, lm_head_bias=True, rope_interleaved=architecture == GPTJ)
     if architecture == STARCODER2:
@@ -143,13 +165,22 @@ def lora_linears(architecture: str, linears: dict[str, tuple[str, ...]]) -> dict
 
 def fused_rows(cfg, tensor: np.ndarray, part: int, sizes: list[int]) -> np.ndarray:
     """The rows of a fused linear's output (its weight, bias, or an adapter's B) that feed part `part` of its
-    parts of `sizes` rows: consecutive blocks, or (NeoX's query_key_value, GPT-BigCode's c_attn without
-    multi_query) head by head its q, k and v."""
-    if cfg.architecture in (GPT_NEOX, GPT_BIGCODE) and len(sizes) == 3 and cfg.num_kv_heads == cfg.num_heads:
-        heads = tensor.reshape(cfg.num_heads, 3, cfg.head_dim, *tensor.shape[1:])
-        return heads[:, part].reshape(cfg.q_size, *tensor.shape[1:])
+    parts of `sizes` rows: consecutive blocks, or (NeoX's, GPT-BigCode's and Falcon's q/k/v) KV head by KV head,
+    its queries, its key and its value."""
+    if cfg.architecture in _GROUPED_QKV and len(sizes) == 3:
+        group = cfg.num_heads // cfg.num_kv_heads
+        heads = tensor.reshape(cfg.num_kv_heads, group + 2, cfg.head_dim, *tensor.shape[1:])
+        rows = heads[:, :group] if part == 0 else heads[:, group + part - 1]
+        return rows.reshape(sizes[part], *tensor.shape[1:])
     start = sum(sizes[:part])
     return tensor[start:start + sizes[part]]
+
+
+def _module_name(cfg, module: str) -> str:
+    """A Llama-style module's name in the checkpoint's family."""
+    if cfg.architecture == FALCON and cfg.parallel_mlp_norm and module in _FALCON_TWO_NORMS:
+        return _FALCON_TWO_NORMS[module]
+    return _MODULES.get(module, {}).get(cfg.architecture, module)
 
 
 def reader(cfg, get: Callable[[str], np.ndarray],
@@ -167,13 +198,13 @@ def reader(cfg, get: Callable[[str], np.ndarray],
         part, top, layer = None, _TOP.match(name), _LAYER.match(name)
         if top is not None:
             module, kind = top.groups()
-            rel = _MODULES[module].get(arch, module)
+            rel = _module_name(cfg, module)
         elif layer is not None:
             i, module, kind = layer.groups()
             if module in _QKV and arch in _FUSED_QKV:
                 rel, part = _FUSED_QKV[arch], _QKV.index(module)
             else:
-                rel = _MODULES.get(module, {}).get(arch, module)
+                rel = _module_name(cfg, module)
             rel = f"{_LAYERS.get(arch, 'layers')}.{i}.{rel}"
         else:
             return None

@@ -64,6 +64,7 @@ LORA_TARGETS = {"phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
                 "glm4": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"],
                 "gpt2": ["c_attn", "c_proj", "c_fc"], "gpt_bigcode": ["c_attn", "c_proj", "c_fc"],
                 "gpt_neox": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
+                "falcon": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
                 "gptj": ["q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out"]}
 
 

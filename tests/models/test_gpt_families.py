@@ -1,8 +1,8 @@
 """GPT-2, OPT, GPT-NeoX and the other LayerNorm families beyond what every family's tests check
 (tests/models/test_llama_family.py and tests/engine/test_model_families.py run them against transformers):
 their checkpoints as released (GPT-2's names without "transformer.", OPT's without "model.", NeoX's rope
-buffers) load the same weights; NeoX's and StableLM's sequential blocks and GPT-BigCode without multi_query
-match transformers; what they refuse."""
+buffers) load the same weights; NeoX's and StableLM's sequential blocks, GPT-BigCode without multi_query and
+Falcon's variants match transformers; what they refuse."""
 
 import os
 import shutil
@@ -52,6 +52,10 @@ def test_checkpoints_as_released_load_the_same_weights(arch, rename, extra):
     ("gpt_neox", {"use_parallel_residual": False}),   # one block after the other
     ("stablelm", {"use_parallel_residual": False}),
     ("gpt_bigcode", {"multi_query": False}),   # c_attn head by head, as NeoX's query_key_value
+    # Falcon-40B's: two KV heads, each after its queries in query_key_value, and two norms (ln_attn, ln_mlp)
+    ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 2}),
+    ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 2, "num_ln_in_parallel_attn": 1}),
+    ("falcon", {"multi_query": False, "parallel_attn": False}),   # head by head, one block after the other
 ])
 def test_variants_match_transformers(arch, overrides):
     path = tiny_checkpoint(arch, **overrides)
