@@ -96,3 +96,37 @@ def test_learned_positions_bound_max_model_len():
     with pytest.raises(ValueError, match=r"max_model_len \(600\) is larger than the model's "
                                          r"max_position_embeddings \(512\)"):
         LLM(path, dtype="float32", max_model_len=600, num_gpu_blocks_override=16, compile_on_startup=False)
+
+
+# released configs' own field names (as on the hub, trimmed) -> (heads, kv heads, head_dim, intermediate, rotary
+# dims, parallel block, its two norms, max_model_len)
+RELEASED_CONFIGS = {
+    "pythia-70m": (dict(model_type="gpt_neox", architectures=["GPTNeoXForCausalLM"], hidden_size=512,
+                        num_attention_heads=8, num_hidden_layers=6, intermediate_size=2048, rotary_pct=0.25,
+                        rotary_emb_base=10000, use_parallel_residual=True, vocab_size=50304, hidden_act="gelu"),
+                   (8, 8, 64, 2048, 16, True, True, 2048)),
+    "falcon-40b": (dict(model_type="falcon", architectures=["FalconForCausalLM"], hidden_size=8192, multi_query=True,
+                        new_decoder_architecture=True, num_attention_heads=128, num_hidden_layers=60, num_kv_heads=8,
+                        parallel_attn=True, vocab_size=65024),
+                   (128, 8, 64, 32768, 0, True, True, 2048)),
+    "gpt2": (dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], n_ctx=1024, n_embd=768, n_head=12, n_layer=12,
+                  n_positions=1024, vocab_size=50257),
+             (12, 12, 64, 3072, 0, False, False, 1024)),
+    "gpt-j-6b": (dict(model_type="gptj", architectures=["GPTJForCausalLM"], n_embd=4096, n_head=16, n_layer=28,
+                      n_positions=2048, rotary_dim=64, vocab_size=50400),
+                 (16, 16, 256, 16384, 64, True, False, 2048)),
+    "starcoderbase-1b": (dict(model_type="gpt_bigcode", architectures=["GPTBigCodeForCausalLM"], n_embd=2048,
+                              n_head=16, n_layer=24, n_positions=8192, multi_query=True, vocab_size=49152),
+                         (16, 1, 128, 8192, 0, False, False, 8192)),
+}
+
+
+@pytest.mark.parametrize("name", RELEASED_CONFIGS)
+def test_released_configs_are_read_by_their_own_field_names(name):
+    import transformers
+
+    fields, want = RELEASED_CONFIGS[name]
+    cfg = model_config_from_hf(transformers.CONFIG_MAPPING[fields["model_type"]](
+        **{k: v for k, v in fields.items() if k != "model_type"}))
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rotary_dim, cfg.parallel_block,
+            cfg.parallel_mlp_norm, cfg.max_model_len) == want
