@@ -57,7 +57,9 @@ if _WORKER.startswith("gw") and hasattr(os, "sched_setaffinity"):
     _cores = sorted(os.sched_getaffinity(0))
     _count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if _count <= len(_cores):   # more processes than cores: they share them anyway
-        _index = int(_WORKER[2:])   # the cores split as evenly as they go (3 cores, 2 processes: 1 and 2)
+        # the cores split as evenly as they go (3 cores, 2 processes: 1 and 2); a process xdist starts in place of
+        # one that crashed (gw2 of 2) takes the crashed one's share
+        _index = int(_WORKER[2:]) % _count
         os.sched_setaffinity(0, _cores[_index * len(_cores) // _count:(_index + 1) * len(_cores) // _count])
 
 # The files that take more than ~30 s of a core (a full run's CPU seconds per file), longest first:

@@ -17,7 +17,7 @@ FAMILIES = ("phi3", "gemma", "gemma2", "gemma3", "granite", "olmo2", "olmo3", "s
             "granitemoe", "granitemoe_shared", "ernie4_5_moe", "glm", "glm4", "seed_oss", "minimax_m2", "ministral",
             "cohere", "cohere2", "olmoe", "granitemoehybrid", "granitemoehybrid_dense", "gpt2", "opt", "gpt_neox",
             "gptj", "phi", "starcoder2", "gpt_bigcode", "stablelm", "nemotron", "arcee",
-            "falcon")
+            "falcon", "flex_olmo")
 _CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
             "gemma": "Gemma", "gemma2": "Gemma2", "gemma3": "Gemma3", "granite": "Granite", "olmo2": "Olmo2",
             "olmo3": "Olmo3", "smollm3": "SmolLM3", "mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe",
@@ -29,7 +29,7 @@ _CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "
             "olmoe": "Olmoe", "granitemoehybrid": "GraniteMoeHybrid", "granitemoehybrid_dense": "GraniteMoeHybrid",
             "gpt2": "GPT2", "opt": "OPT", "gpt_neox": "GPTNeoX", "gptj": "GPTJ", "phi": "Phi",
             "starcoder2": "Starcoder2", "gpt_bigcode": "GPTBigCode", "stablelm": "StableLm", "nemotron": "Nemotron",
-            "arcee": "Arcee", "falcon": "Falcon"}
+            "arcee": "Arcee", "falcon": "Falcon", "flex_olmo": "FlexOlmo"}
 _ROOT = tempfile.mkdtemp(prefix="jaxpaged-tiny-")   # this process's checkpoints, removed when it exits
 atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)
 
@@ -230,6 +230,9 @@ def _config(arch: str, **overrides):
         cfg = transformers.NemotronConfig(**{**common, "partial_rotary_factor": 0.5, "mlp_bias": True, **overrides})
     elif arch == "arcee":   # Llama's with an ungated squared-ReLU MLP
         cfg = transformers.ArceeConfig(**{**common, "hidden_act": "relu2", **overrides})
+    elif arch == "flex_olmo":   # OLMo 2's norms after attention and the experts, OLMoE's softmax routing
+        cfg = transformers.FlexOlmoConfig(**{**common, "num_experts": 8, "num_experts_per_tok": 2,
+                                             "intermediate_size": 48, **overrides})
     elif arch == "falcon":   # Falcon-7B's: one KV head, attention and the MLP side by side on one LayerNorm
         cfg = transformers.FalconConfig(**{"vocab_size": 320, "hidden_size": 64, "num_hidden_layers": 3,
                                            "num_attention_heads": 4, "ffn_hidden_size": 128, "bias": True,

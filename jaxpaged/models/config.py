@@ -53,6 +53,7 @@ SUPPORTED_ARCHITECTURES = (
     "StableLmForCausalLM",
     "NemotronForCausalLM",
     "ArceeForCausalLM",
+    "FlexOlmoForCausalLM",
 ) + gpt_families.ARCHITECTURES
 # A bare transformer without its LM head (an embedding checkpoint: e5-mistral's MistralModel, weights
 # without the "model." prefix) runs as its *ForCausalLM family, the input embedding standing in for

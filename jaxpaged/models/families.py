@@ -34,7 +34,8 @@ Every supported architecture is the same decoder with a few switches, so they al
   MLP side by side on one normed input, an interleaved rope, scaled logits; Cohere2's sliding-window layers,
   its global ones without rope.
 - MiniMax-M2: q/k norms over all heads at once, a partial rope, and DeepSeek-V3's sigmoid router (a choice
-  bias, renormalized) without groups. OLMoE: the same q/k norms before Qwen3-MoE's softmax router.
+  bias, renormalized) without groups. OLMoE: the same q/k norms before Qwen3-MoE's softmax router. FlexOlmo:
+  OLMo 2's layer with OLMoE's experts.
 - StableLM: LayerNorms with biases, q/k/v bias where use_qkv_bias, a partial rope, and (use_parallel_residual)
   Cohere's parallel block. Nemotron: LayerNorms with biases that multiply by (1 + w), an ungated squared-ReLU
   MLP, a partial rope. Arcee (AFM): Llama's layer with an ungated squared-ReLU MLP.
@@ -54,11 +55,11 @@ GRANITE_MOE = ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", GRANITE_H
 ERNIE_MOE = "Ernie4_5_MoeForCausalLM"
 MINIMAX_M2 = "MiniMaxM2ForCausalLM"
 MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM", ERNIE_MOE,
-       MINIMAX_M2, "OlmoeForCausalLM") + GRANITE_MOE
+       MINIMAX_M2, "OlmoeForCausalLM", "FlexOlmoForCausalLM") + GRANITE_MOE
 GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 GLM = ("GlmForCausalLM", "Glm4ForCausalLM")   # dense GLM-4: gate_up_proj fused in the checkpoint
 COHERE = ("CohereForCausalLM", "Cohere2ForCausalLM")
-OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
+OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "FlexOlmoForCausalLM")   # (FlexOlmo: OLMo 2's layer, OLMoE's experts)
 # multi-head latent attention (jaxpaged.models.mla), each with DeepSeek's mixture of experts
 MLA = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
 # DeepSeek-style mixtures: n_routed_experts, ungated shared experts, first_k_dense_replace, routed_scaling_factor
@@ -99,7 +100,7 @@ def moe_fields(hf_config: Any, architecture: str, num_layers: int) -> dict:
                                        if (i + 1) % interval or not start <= i <= end))
     if architecture not in MOE:
         return {}
-    if architecture == "OlmoeForCausalLM":   # softmax routing, renormalized or not; the experts' size intermediate
+    if architecture in ("OlmoeForCausalLM", "FlexOlmoForCausalLM"):   # softmax routing, renormalized or not
         return dict(num_experts=int(hf_config.num_experts), num_experts_per_tok=int(hf_config.num_experts_per_tok),
                     moe_intermediate_size=int(hf_config.intermediate_size),
                     norm_topk_prob=bool(hf_get(hf_config, "norm_topk_prob", False)))
