@@ -11,10 +11,11 @@ Layout (global view, our [in, out] weights):
 
     wqkv, bqkv        columns  shard s holds [q heads of s | k heads of s | v heads of s]
     w_gate_up, b_..   columns  shard s holds [gate columns of s | up columns of s]
+    w_up, b_up        columns  (an ungated MLP's)
     wo, w_down        rows     (the all-reduce follows)
     embed [V, d]      rows     (vocabulary-parallel)
-    lm_head [d, V]    columns  (vocabulary-parallel)
-    norms, bo, b_down replicated (routers and shared-expert gates too)
+    lm_head [d, V]    columns  (vocabulary-parallel; its bias with them)
+    norms, bo, b_down replicated (norms' biases, routers, shared-expert gates, learned positions too)
     latent attention  wq, wq_b columns, w_uk / w_uv heads, wkv_a replicated (jaxpaged.models.mla)
     w_experts_*       axis 0 (experts, whole: expert parallelism, see jaxpaged.models.moe)
     kv_pool           axis 3 (KV heads)

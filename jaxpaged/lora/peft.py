@@ -119,7 +119,7 @@ def load_peft_adapter(path: str, cfg: ModelConfig, max_rank: int, dtype) -> Host
     sizes = module_sizes(cfg)
     linears = adapter_linears(cfg)
     key = re.compile(_KEY.format(linears="|".join(re.escape(name) for name in linears)))
-    found: dict[tuple[str, int], dict[str, np.ndarray]] = {}
+    found: dict[tuple[str, int, str], dict[str, np.ndarray]] = {}   # (linear, layer, its name in the model) ->
     for name, value in tensors.items():
         match = key.search(name)
         if match is None:

@@ -176,10 +176,10 @@ class ModelConfig:
     # on one normed input (no post_norm)
     layer_norm: bool = False
     parallel_block: bool = False
-    # GPT-2, OPT, GPT-J, GPT-NeoX, Phi, StarCoder2 (jaxpaged.models.gpt_families): LayerNorms with a bias, an MLP
+    # GPT-2's lineage (jaxpaged.models.gpt_families), StableLM, Nemotron, Arcee: LayerNorms with a bias, an MLP
     # without a gate (up, activation, down), learned positions (a table's rows position_offset + position added to
-    # the embedding), NeoX's parallel block whose MLP reads its own norm (post_norm) of the layer's input, and
-    # Phi's and GPT-J's LM head with a bias
+    # the embedding), NeoX's and Falcon-40B's parallel block whose MLP reads its own norm (post_norm) of the
+    # layer's input, and Phi's and GPT-J's LM head with a bias
     norm_bias: bool = False
     gated_mlp: bool = True
     learned_positions: bool = False

@@ -48,7 +48,7 @@ def _hf_layer_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
     if cfg.pre_norms and (cfg.parallel_mlp_norm or not cfg.parallel_block):
         sources["post_norm"] = [p + ("pre_feedforward_layernorm.weight" if cfg.sandwich_norms and not glm4
                                      else "post_attention_layernorm.weight")]
-    if cfg.norm_bias:   # (GPT-2, OPT, GPT-NeoX: their LayerNorms' biases)
+    if cfg.norm_bias:   # (the LayerNorm families': GPT-2's, StableLM's, ...)
         sources.update({f"{name}_bias": [hf[0].replace(".weight", ".bias")] for name, hf in list(sources.items())})
     if cfg.is_mla:
         sources.update({name: [attn + mla.SOURCES[name]] for name in mla.weight_shapes(cfg)})

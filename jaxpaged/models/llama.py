@@ -1,7 +1,8 @@
 """One Flax NNX decoder for every supported family (Llama, Mistral, Ministral, Qwen2/3, Phi-3, Gemma 1/2/3,
-Granite, OLMo 2/3, SmolLM3, EXAONE 4, ERNIE 4.5, GLM-4, Seed-OSS, Cohere 1/2, GPT-2, OPT, GPT-NeoX, and the mixtures
-of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss, DeepSeek-V2/V3, GLM-4.5, MiniMax-M2): one layer body and its
-switches (`ModelConfig`); the rope in `jaxpaged.models.rope`, DeepSeek's latent attention in `jaxpaged.models.mla`.
+Granite, OLMo 2/3, SmolLM3, EXAONE 4, ERNIE 4.5, GLM-4, Seed-OSS, Cohere 1/2, StableLM, Nemotron, Arcee, GPT-2's
+lineage (`jaxpaged.models.gpt_families`), and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo,
+gpt-oss, DeepSeek-V2/V3, GLM-4.5, MiniMax-M2): one layer body and its switches (`ModelConfig`); the rope in
+`jaxpaged.models.rope`, DeepSeek's latent attention in `jaxpaged.models.mla`.
 
 One layer body (`_decoder_layer`) and two loops over it, chosen when the model is loaded:
 
@@ -65,7 +66,7 @@ def layer_weight_shapes(cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int
     if cfg.norm_bias:
         shapes.update({f"{name}_bias": (d,) for name in list(shapes)})
     shapes.update(mla.weight_shapes(cfg) if cfg.is_mla else dict(wqkv=(d, q + 2 * kv), wo=(q, d)))
-    if inter and not cfg.gated_mlp:   # GPT-2, OPT, GPT-NeoX: up, the activation, down
+    if inter and not cfg.gated_mlp:   # GPT-2, OPT, Nemotron ...: up, the activation, down
         shapes["w_up"] = (d, inter)
         shapes["w_down"] = (inter, d)
     elif inter:
@@ -130,7 +131,7 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = {"embed": (cfg.vocab_size, cfg.hidden_size), "final_norm": (cfg.hidden_size,)}
     if cfg.norm_bias:
         shapes["final_norm_bias"] = (cfg.hidden_size,)
-    if cfg.learned_positions:   # GPT-2, OPT: a row per position (OPT's from row position_offset)
+    if cfg.learned_positions:   # GPT-2, GPT-BigCode, OPT: a row per position (OPT's from row position_offset)
         shapes["pos_embed"] = (cfg.max_position_embeddings + cfg.position_offset, cfg.hidden_size)
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (cfg.hidden_size, cfg.vocab_size)
@@ -180,7 +181,7 @@ class LlamaFamilyForCausalLM(nnx.Module):
         self.embed = nnx.Param(weights["embed"])   # [vocab, hidden], or a QuantizedWeight [hidden, vocab]
         self.final_norm = nnx.Param(weights["final_norm"])
         self.final_norm_bias = nnx.Param(weights["final_norm_bias"]) if cfg.norm_bias else None
-        self.pos_embed = nnx.Param(weights["pos_embed"]) if cfg.learned_positions else None   # GPT-2, OPT
+        self.pos_embed = nnx.Param(weights["pos_embed"]) if cfg.learned_positions else None   # GPT-2's, OPT's
         self.lm_head = nnx.Param(weights["lm_head"]) if "lm_head" in weights else None
         self.lm_head_bias = nnx.Param(weights["lm_head_bias"]) if cfg.lm_head_bias else None
         # a sequence classifier's `score` head [num_labels, hidden]; the step never reads it (pooling.py)
@@ -396,7 +397,7 @@ def _mlp(cfg: ModelConfig, plan: ShardPlan, matmul, w, x, moe: bool, moe_impl: s
                       act=cfg.expert_act, impl=moe_impl, plan=plan, router_bias=w.get("router_bias"),
                       router_correction=w.get("router_correction"), b_gate_up=w.get("b_experts_gate_up"),
                       b_down=w.get("b_experts_down"))
-    if "w_up" in w:   # not gated (GPT-2, OPT, GPT-NeoX, ...)
+    if "w_up" in w:   # not gated (GPT-2, OPT, Nemotron, ...)
         up = matmul(x, w["w_up"], "w_up") + (w["b_up"] if cfg.mlp_bias else 0)
         if lora is not None:
             up = up + lora_delta(x, lora, "up", onehot)
