@@ -130,3 +130,31 @@ def _release_compiled_programs():
     import jax
     jax.clear_caches()   # first: a collection then frees the engines and the executables those caches held
     gc.collect()
+
+
+# XLA:CPU maps each program it compiles into memory mappings of its own (about a thousand for a tiny model's
+# step programs), and JAX's caches keep every program until they are cleared: past the kernel's
+# vm.max_map_count (65530 by default) the next mapping fails and XLA segfaults inside a compile (seen in
+# tests/engine/test_model_families.py, one file building some sixty engines). A test that leaves its process
+# holding more than 60% of the limit clears them then, as the module fixture above does at a file's end.
+def _mapping_limit() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read()) * 6 // 10
+    except (OSError, ValueError):   # not Linux: no such limit to keep under
+        return 0
+
+
+MAPPING_LIMIT = _mapping_limit()
+
+
+@pytest.fixture(autouse=True)
+def _bound_memory_mappings():
+    yield
+    if MAPPING_LIMIT:
+        with open("/proc/self/maps") as f:
+            mappings = sum(1 for _ in f)
+        if mappings > MAPPING_LIMIT:
+            import jax
+            jax.clear_caches()
+            gc.collect()
