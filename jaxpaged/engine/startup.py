@@ -99,7 +99,7 @@ def load_model_and_tokenizer(args: EngineArgs, data_rank: int = 0):
             dtype=loaded.model.dtype)
     if args.enable_lora:
         from jaxpaged.models.config import model_config_from_hf
-        from jaxpaged.models.llama import attach_lora
+        from jaxpaged.lora.slots import attach_lora
         kv_heads = model_config_from_hf(loaded.hf_config).num_kv_heads
         if loaded.config.is_moe:
             raise ValueError(f"enable_lora does not yet support {loaded.config.architecture} (a mixture of experts); "

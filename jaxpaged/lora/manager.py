@@ -1,6 +1,6 @@
 """Which adapters are on the device, in which slot (one engine's multi-LoRA state, on the host).
 
-The model holds `max_loras` slots of stacked A/B weights (jaxpaged.models.llama.lora_shapes). A
+The model holds `max_loras` slots of stacked A/B weights (jaxpaged.lora.slots.lora_shapes). A
 request's adapter is read from its folder when the request is added (a bad folder is a ValueError
 then, never a failed step) and kept on the host; when the scheduler runs the request, the adapter
 is written into a slot, unless it is in one already. A slot is reused only when no running

@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxpaged.models import gpt_families
 from jaxpaged.models.config import ModelConfig
-from jaxpaged.models.families import GLM
+from jaxpaged.models.families import FUSED_LINEARS
 
 MODULES = ("q", "k", "v", "o", "gate", "up", "down")
 # a Llama layer's linears -> the modules their output rows hold
@@ -53,13 +53,8 @@ def adapter_linears(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
     linears = dict(_LLAMA_LINEARS)
     if not cfg.gated_mlp:
         del linears["mlp.gate_proj"]
-    if cfg.architecture == "Phi3ForCausalLM":
-        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
-            del linears[name]
-        linears["self_attn.qkv_proj"] = ("q", "k", "v")
-    if cfg.architecture == "Phi3ForCausalLM" or cfg.architecture in GLM:
-        del linears["mlp.gate_proj"], linears["mlp.up_proj"]
-        linears["mlp.gate_up_proj"] = ("gate", "up")
+    for fused, parts in FUSED_LINEARS.get(cfg.architecture, {}).items():   # Phi-3's qkv_proj, gate_up_proj ...
+        linears[fused] = tuple(module for part in parts for module in linears.pop(part))
     return gpt_families.lora_linears(cfg.architecture, linears)
 
 

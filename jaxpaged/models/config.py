@@ -6,7 +6,6 @@ Every supported architecture is the same decoder with a few switches, so they al
 Rope types and their fields are read by `jaxpaged.models.rope`.
 """
 
-import copy
 import dataclasses
 from typing import Any
 
@@ -14,6 +13,7 @@ import numpy as np
 
 from jaxpaged.models import families, gpt_families, rope
 from jaxpaged.models.families import hf_get as _get
+from jaxpaged.models.vision_language import VISION_LANGUAGE_ARCHITECTURES, language_model_config
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -64,42 +64,6 @@ BASE_MODEL_ARCHITECTURES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "M
 # runs as its *ForCausalLM family, pooling runner only; its `score` head [num_labels, hidden] reads the
 # last token's final-normed hidden state (ModelConfig.num_labels > 0).
 CLASSIFIER_SUFFIX = "ForSequenceClassification"
-
-
-# A vision-language checkpoint runs its language model alone (text in, text out; no vision tower): its
-# text_config is read as the *ForCausalLM of its model_type, and the loader reads the language model's
-# tensors under either of their names (hf_names.hf_reader). Qwen's multimodal rope (mrope) is the plain rope
-# on text: its three position streams are the same positions.
-VISION_LANGUAGE_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration",
-                                 "LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
-                                 "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
-_TEXT_MODELS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen2_vl_text": "Qwen2ForCausalLM", "qwen2_5_vl_text": "Qwen2ForCausalLM",
-                "qwen3_vl_text": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
-
-
-def is_vision_language(hf_config: Any) -> bool:
-    architectures = getattr(hf_config, "architectures", None) or []
-    return bool(architectures) and architectures[0] in VISION_LANGUAGE_ARCHITECTURES
-
-
-def language_model_config(hf_config: Any) -> Any:
-    """A vision-language config's text_config (a copy) naming its *ForCausalLM, with the ids and embedding
-    tying the top level gives (transformers ties a composite model's head by the top level's
-    tie_word_embeddings); any other config as it is. ValueError for a language model we don't run."""
-    if not is_vision_language(hf_config):
-        return hf_config
-    architectures = hf_config.architectures
-    text = copy.deepcopy(hf_config.text_config)
-    model_type = getattr(text, "model_type", None)
-    if model_type not in _TEXT_MODELS:
-        raise ValueError(f"{architectures[0]}'s language model {model_type!r} is not supported; supported: "
-                         f"{', '.join(_TEXT_MODELS)}")
-    text.architectures = [_TEXT_MODELS[model_type]]
-    for name in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
-        if getattr(hf_config, name, None) is not None:
-            setattr(text, name, getattr(hf_config, name))
-    return text
 
 
 def causal_architecture(architecture: str | None) -> str | None:

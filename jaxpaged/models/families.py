@@ -59,6 +59,12 @@ MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptO
 GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 GLM = ("GlmForCausalLM", "Glm4ForCausalLM")   # dense GLM-4: gate_up_proj fused in the checkpoint
 COHERE = ("CohereForCausalLM", "Cohere2ForCausalLM")
+# a family's fused linears: the checkpoint's tensor (its name in a layer) -> the Llama-style linears whose output
+# rows it holds, in order (hf_names reads each part's rows from it; a LoRA adapter's B is split the same way)
+_GATE_UP = {"mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+FUSED_LINEARS = {"Phi3ForCausalLM": {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                                     **_GATE_UP},
+                 **{arch: _GATE_UP for arch in GLM}}
 OLMO = ("Olmo2ForCausalLM", "Olmo3ForCausalLM", "FlexOlmoForCausalLM")   # (FlexOlmo: OLMo 2's layer, OLMoE's experts)
 # multi-head latent attention (jaxpaged.models.mla), each with DeepSeek's mixture of experts
 MLA = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")

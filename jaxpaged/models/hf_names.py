@@ -12,7 +12,7 @@ import numpy as np
 from jaxpaged.models import gpt_families, mla
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models.llama import weight_shapes
-from jaxpaged.models.families import ERNIE_MOE, GLM, GRANITE_MOE, MINIMAX_M2
+from jaxpaged.models.families import ERNIE_MOE, FUSED_LINEARS, GRANITE_MOE, MINIMAX_M2
 from jaxpaged.models.prequantized import mxfp4_dequantize
 from jaxpaged.models.quantization import HostQuantized
 
@@ -25,6 +25,13 @@ def hf_top_sources(cfg: ModelConfig) -> dict[str, str]:
                "final_norm_bias": "model.norm.bias", "pos_embed": "model.embed_positions.weight",
                "lm_head": "lm_head.weight", "lm_head_bias": "lm_head.bias", "classifier": "score.weight"}
     return {name: hf for name, hf in sources.items() if name in weight_shapes(cfg)}
+
+
+def linear_rows(cfg: ModelConfig, linear: str) -> int:
+    """The output rows of a Llama-style dense linear (a part of a fused one: `families.FUSED_LINEARS`)."""
+    if linear.startswith("self_attn."):
+        return cfg.q_size if linear.endswith("q_proj") else cfg.kv_size
+    return cfg.intermediate_size
 
 
 def _hf_layer_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
@@ -125,16 +132,11 @@ def hf_reader(cfg: ModelConfig, get: Callable[[str], np.ndarray],
         """name -> (real tensor name, slice of its rows or None), or None where it has no other source."""
         if name.startswith("model.") and not has(name) and has(name[len("model."):]):   # a bare *Model's
             return name[len("model."):], None
-        if arch == "Phi3ForCausalLM":
-            q, kv = cfg.q_size, cfg.kv_size
-            for part, rows in (("q_proj", (0, q)), ("k_proj", (q, q + kv)), ("v_proj", (q + kv, q + 2 * kv))):
-                if name.endswith(f"self_attn.{part}.weight"):
-                    return name.replace(part, "qkv_proj"), rows
-        if arch in ("Phi3ForCausalLM",) + GLM:
-            inter = cfg.intermediate_size
-            for part, rows in (("gate_proj", (0, inter)), ("up_proj", (inter, 2 * inter))):
-                if name.endswith(f"mlp.{part}.weight"):
-                    return name.replace(part, "gate_up_proj"), rows
+        for fused, parts in FUSED_LINEARS.get(arch, {}).items():   # Phi-3's qkv_proj and gate_up_proj, GLM's
+            for j, part in enumerate(parts):
+                if name.endswith(f".{part}.weight"):
+                    rows = [linear_rows(cfg, p) for p in parts]
+                    return name.replace(part, fused), (sum(rows[:j]), sum(rows[:j + 1]))
         if arch == GPT_OSS and ".mlp.gate." in name:
             return name.replace(".mlp.gate.", ".mlp.router."), None
         if arch in GRANITE_MOE:

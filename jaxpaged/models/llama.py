@@ -42,10 +42,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jaxpaged.lora.slots import lora_delta
 from jaxpaged.models.batch import ForwardBatch
 from jaxpaged.models.config import ModelConfig
 from jaxpaged.models import mla
 from jaxpaged.models.moe import Routing, activation, moe_mlp, resolve_moe_impl
+from jaxpaged.models.norms import norm, rms_norm
 from jaxpaged.models.quantization import QuantizedWeight, embedding_lookup, linear, matmul_kernel
 from jaxpaged.models.rope import apply_rotary, rotary_cos_sin
 from jaxpaged.parallel import MODEL_AXIS, ShardPlan
@@ -103,29 +105,6 @@ def layer_weight_shapes(cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int
     return shapes
 
 
-def lora_shapes(cfg: ModelConfig, max_loras: int, max_rank: int) -> dict[str, tuple[int, ...]]:
-    """name -> shape of the LoRA stacks: "{module}_a" [layers, slots, in, rank], "{module}_b" [layers, slots, rank, out]."""
-    from jaxpaged.lora.peft import module_sizes
-    out = {}
-    for module, (n_in, n_out) in module_sizes(cfg).items():
-        out[f"{module}_a"] = (cfg.num_layers, max_loras, n_in, max_rank)
-        out[f"{module}_b"] = (cfg.num_layers, max_loras, max_rank, n_out)
-    return out
-
-
-def lora_delta(x: jax.Array, lora: dict, module: str, onehot: jax.Array) -> jax.Array:
-    """Each token's (x @ A) @ B for its own slot's adapter (one layer's stacks in `lora`)."""
-    xa = jnp.einsum("ti,sir->tsr", x, lora[f"{module}_a"]) * onehot[:, :, None]
-    return jnp.einsum("tsr,sro->to", xa, lora[f"{module}_b"]).astype(x.dtype)
-
-
-def attach_lora(model: "LlamaFamilyForCausalLM", max_loras: int, max_rank: int) -> None:
-    """Give the model `max_loras` empty adapter slots (zeros, replicated on its devices)."""
-    plan = model.shard_plan
-    model.lora = nnx.data(nnx.Dict({name: nnx.Param(plan.zeros(shape, model.dtype))
-                                    for name, shape in lora_shapes(model.config, max_loras, max_rank).items()}))
-
-
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """name -> shape of the weights outside the layers."""
     shapes = {"embed": (cfg.vocab_size, cfg.hidden_size), "final_norm": (cfg.hidden_size,)}
@@ -140,28 +119,6 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if cfg.num_labels:   # a classifier's head, as transformers lays it out (read on the host, ModelRunner.fetch)
         shapes["classifier"] = (cfg.num_labels, cfg.hidden_size)
     return shapes
-
-
-def layer_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0, bias=None) -> jax.Array:
-    """LayerNorm in f32: `rms_norm` of the mean-centred input, plus `bias` (None: Cohere's, without one)."""
-    x32 = x.astype(jnp.float32)
-    out = rms_norm(x32 - jnp.mean(x32, axis=-1, keepdims=True), weight, eps, offset)
-    return (out if bias is None else out + bias.astype(jnp.float32)).astype(x.dtype)
-
-
-def norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array, bias=None) -> jax.Array:
-    """The model's norm: RMSNorm, or LayerNorm (`cfg.layer_norm`, with `bias` where `cfg.norm_bias`), eps and
-    offset its own."""
-    if cfg.layer_norm:
-        return layer_norm(x, weight, cfg.rms_norm_eps, cfg.norm_offset, bias)
-    return rms_norm(x, weight, cfg.rms_norm_eps, cfg.norm_offset)
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
-    """RMSNorm in f32, times (offset + weight): Gemma's norms hold w with offset 1."""
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (x32 * (weight.astype(jnp.float32) + offset)).astype(x.dtype)
 
 
 class LlamaFamilyForCausalLM(nnx.Module):
@@ -189,7 +146,7 @@ class LlamaFamilyForCausalLM(nnx.Module):
         # f32[num_layers, 2]: each layer's K and V scale in an fp8 KV pool (stored = value / scale); unused
         # by a pool in the model dtype. 1.0 unless calculate_kv_scales measures them on the first step
         self.kv_scales = nnx.Param(shard_plan.put(np.ones((cfg.num_layers, 2), np.float32)))
-        # LoRA stacks (`lora_shapes`, see attach_lora), or None: an engine without enable_lora computes no LoRA
+        # LoRA stacks (jaxpaged.lora.slots), or None: an engine without enable_lora computes no LoRA
         self.lora = None
         layers = weights["layers"]
         self.scan_layers = isinstance(layers, dict)

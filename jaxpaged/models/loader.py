@@ -19,10 +19,11 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxpaged.models.config import ModelConfig, is_vision_language, model_config_from_hf
+from jaxpaged.models.config import ModelConfig, model_config_from_hf
 from jaxpaged.models.hf_names import (EXPERT_WEIGHTS, F32_WEIGHTS, QUANTIZABLE, _hf_layer_sources, hf_part_shape,
                                         hf_reader, hf_tensor, hf_to_ours, hf_top_sources)
 from jaxpaged.models.registry import model_class_for
+from jaxpaged.models.vision_language import is_vision_language
 from jaxpaged.models.llama import layer_weight_shapes, weight_shapes
 from jaxpaged.models.orbax_io import FORMAT_FILE, is_converted, load_converted
 from jaxpaged.models.prequantized import checkpoint_quantization, fp8_reader

@@ -369,7 +369,7 @@ class ModelRunner(CompiledStep, DeviceMemory):
 
     def _pooled(self, hidden: np.ndarray) -> np.ndarray:
         """f32 rows of what a pooling request gets: the hidden states the LM head would read, through the
-        model's final norm (compute_logits' first step, models/llama.norm: RMSNorm, or a mean-centred
+        model's final norm (compute_logits' first step, models/norms.norm: RMSNorm, or a mean-centred
         LayerNorm, with a bias or not), and a classifier's logits (its `score` head), on the host: a few rows per step, no program
         per row count."""
         cfg = self.model_config
