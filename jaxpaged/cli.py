@@ -71,6 +71,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                              'or \'{"model": DRAFT, "num_speculative_tokens": 4}\'')
     parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters beside the base model")
+    parser.add_argument("--enable-prompt-embeds", action="store_true",
+                        help="prompts may be rows of input embeddings (/v1/completions' prompt_embeds: base64 of "
+                             "torch.save(tensor) or a .npy file)")
     parser.add_argument("--max-loras", type=int, default=d.max_loras, help="adapters in one batch (default 1)")
     parser.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank, help="the largest adapter rank")
     parser.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in host memory")

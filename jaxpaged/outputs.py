@@ -63,6 +63,12 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: Any = None
     lora_request: Any = None   # the LoRARequest it ran with (None: the base model)
+    num_prompt_embeds: int = 0   # a prompt of embeddings (prompt_embeds): its rows; its prompt_token_ids are None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """The prompt's length: its tokens, or its rows of embeddings."""
+        return len(self.prompt_token_ids) if self.prompt_token_ids is not None else self.num_prompt_embeds
 
 
 @dataclass

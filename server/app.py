@@ -14,6 +14,8 @@ import secrets
 import time
 import uuid
 
+import numpy as np
+
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -94,7 +96,8 @@ class _Server:
                  vllm_metric_names: bool = False, loras: list | None = None,
                  max_request_body_bytes: int | None = None):
         self.engine, self.api_key = engine, api_key
-        self.max_request_body_bytes = default_max_request_body_bytes(engine.max_model_len) \
+        embeds_width = engine.model_config.hidden_size if engine.args.enable_prompt_embeds else 0
+        self.max_request_body_bytes = default_max_request_body_bytes(engine.max_model_len, embeds_width) \
             if max_request_body_bytes is None else max_request_body_bytes
         # --enable-lora: adapter name -> LoRARequest (None: LoRA off, the adapter routes answer 404)
         self.loras = None if loras is None else {r.lora_name: r for r in loras}
@@ -139,7 +142,9 @@ class _Server:
     def prompt_text(self, out) -> str:
         if out.prompt is not None:
             return out.prompt
-        return self.tokenizer.decode(out.prompt_token_ids) if self.tokenizer is not None else ""
+        if self.tokenizer is None or out.prompt_token_ids is None:   # (a prompt of embeddings has no text)
+            return ""
+        return self.tokenizer.decode(out.prompt_token_ids)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None, template_kwargs: dict | None = None) -> tuple[str, list[int]]:
@@ -164,6 +169,8 @@ class _Server:
             if isinstance(prompt, str):
                 ids = list(self.need_tokenizer("prompt").encode(prompt))
                 inputs.append(({"prompt": prompt, "prompt_token_ids": ids}, ids))
+            elif isinstance(prompt, np.ndarray):   # prompt_embeds: its rows stand for tokens
+                inputs.append(({"prompt_embeds": prompt}, [0] * len(prompt)))
             else:
                 inputs.append(({"prompt_token_ids": prompt}, prompt))
         return await self.generate(request, req, inputs, "cmpl")
@@ -194,8 +201,9 @@ class _Server:
         if keep is not None:   # vLLM's left truncation, before the context-length rule is checked; a cut
             # prompt's text is dropped, so that an echo shows the tokens the model saw
             cuts = [(prompt, truncate_prompt(ids, keep, self.engine.max_model_len)) for prompt, ids in inputs]
-            inputs = [({"prompt_token_ids": cut} if len(cut) < len(prompt["prompt_token_ids"]) else prompt, cut)
-                      for prompt, cut in cuts]
+            inputs = [(prompt if len(cut) == len(ids) else {"prompt_embeds": prompt["prompt_embeds"][-len(cut):]}
+                       if "prompt_embeds" in prompt else {"prompt_token_ids": cut}, cut)
+                      for (prompt, cut), (_, ids) in zip(cuts, inputs)]
         P.plan_reasoning(req, self.engine.args.reasoning_parser)
         params = [P.build_sampling_params(req, len(ids), self.engine.max_model_len) for _, ids in inputs]
         request_id = f"{prefix}-{uuid.uuid4().hex}"

@@ -149,7 +149,8 @@ class MetricsExporter:
         times = out.metrics
         completions = out.outputs if isinstance(out.outputs, list) else []   # a pooled prompt's: none
         num_generated = sum(len(c.token_ids) for c in completions)
-        self.prompt_tokens.observe(len(out.prompt_token_ids or ()))
+        self.prompt_tokens.observe(out.num_prompt_tokens if isinstance(out, RequestOutput)
+                                   else len(out.prompt_token_ids or ()))
         self.generation_tokens.observe(num_generated)
         if times is None or times.first_token_time is None or times.finished_time is None:
             return

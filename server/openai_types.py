@@ -178,9 +178,11 @@ class _Request(_Strict):
 
 class CompletionRequest(_Request):
     prompt: str | Annotated[list[str], Field(min_length=1)] | Annotated[list[int], Field(min_length=1)] | \
-        Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)] = Field(
-            description="a string, a non-empty list of strings, a list of token ids or a list of token-id lists")
+        Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)] | None = Field(
+            None, description="a string, a non-empty list of strings, a list of token ids or a list of token-id lists")
     echo: bool | None = None
+    # vLLM's (--enable-prompt-embeds): base64 of torch.save(tensor [tokens, hidden]) (or of a .npy file), or a list
+    prompt_embeds: str | Annotated[list[str], Field(min_length=1)] | None = None
     logprobs: int | None = None
     best_of: int | None = _unsupported("1 or the value of n")
     suffix: Literal[""] | None = _unsupported('""')

@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from jaxpaged.engine.prompt_embeds import decode_base64
 from jaxpaged.outputs import Logprob
 from jaxpaged.reasoning import KEEPS_SPECIAL_TOKENS, READS_SPECIAL_TOKENS
 from jaxpaged.sampling_params import SamplingParams
@@ -185,8 +186,25 @@ def parse_completion_request(body: dict) -> ParsedRequest:
     req = _common("completion", request, request.logprobs, request.max_tokens)
     req.echo = bool(request.echo)
     prompt = request.prompt
-    req.prompts = [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else list(prompt)
+    if prompt is None and request.prompt_embeds is None:
+        raise APIError(400, "prompt or prompt_embeds is required", "prompt", "invalid_value")
+    # prompt embeddings first, then the prompts (vLLM's order): each an array [tokens, hidden]
+    req.prompts = [] if request.prompt_embeds is None else prompt_embeds_arrays(request.prompt_embeds)
+    if req.prompts and req.echo:
+        raise APIError(400, "echo is not supported with prompt_embeds (the prompt has no text)", "echo",
+                       "invalid_value")
+    if prompt is not None:
+        req.prompts += [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else list(prompt)
     return req
+
+
+def prompt_embeds_arrays(value: str | list[str]) -> list:
+    """A completion request's prompt_embeds as arrays (engine/prompt_embeds.decode_base64); 400 naming the
+    field for one that is not base64 of a tensor."""
+    try:
+        return [decode_base64(entry) for entry in ([value] if isinstance(value, str) else value)]
+    except ValueError as exc:
+        raise APIError(400, str(exc), "prompt_embeds", "invalid_value") from None
 
 
 def parse_chat_request(body: dict) -> ParsedRequest:

@@ -151,7 +151,7 @@ class Reply:
         if self.token_ids:
             ids["token_ids"] = list(token_ids)
             if self.req.kind == "completion" and (not self.req.stream or not started):
-                ids["prompt_token_ids"] = list(out.prompt_token_ids)
+                ids["prompt_token_ids"] = None if out.prompt_token_ids is None else list(out.prompt_token_ids)
         if self.req.kind == "completion" and self.req.request.prompt_logprobs is not None:   # never streamed
             ids["prompt_logprobs"] = P.prompt_logprobs(out.prompt_logprobs or [], self.decode)
         want = self.req.logprobs is not None
@@ -182,7 +182,7 @@ class Reply:
 
     def _usage(self, finals) -> dict:
         finals = [f for f in finals if f is not None]
-        return P.usage(sum(len(f.prompt_token_ids) for f in finals),
+        return P.usage(sum(f.num_prompt_tokens for f in finals),
                        sum(len(c.token_ids) for f in finals for c in f.outputs),
                        sum(f.num_cached_tokens for f in finals))
 
@@ -190,7 +190,7 @@ class Reply:
         """continuous_usage_stats (vLLM's): a chunk's usage is its prompt's tokens and its choice's so far."""
         if not self.req.continuous_usage:
             return None
-        return P.usage(len(out.prompt_token_ids), cursor.tokens, out.num_cached_tokens)
+        return P.usage(out.num_prompt_tokens, cursor.tokens, out.num_cached_tokens)
 
     def whole(self, finals) -> dict:
         choices = []

@@ -22,8 +22,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def hash_block(parent_hash: bytes | None, token_ids: tuple[int, ...] | list[int], salt: str | None = None) -> bytes:
-    """SHA-256 of (parent hash, salt, token ids): collision-resistant and the same in every process.
+def hash_block(parent_hash: bytes | None, token_ids: tuple[int, ...] | list[int], salt: str | None = None,
+               extra: bytes | None = None) -> bytes:
+    """SHA-256 of (parent hash, salt, token ids[, extra]): collision-resistant and the same in every
+    process. `extra`: the digest of the block's prompt embeddings (a prompt of embeddings' tokens are
+    placeholders; these rows are what its K/V is computed from).
 
     Python's `hash` of a tuple is neither (PYTHONHASHSEED, 64 bits): a collision would hand a
     request another prompt's K/V. Each part is length-prefixed so no two inputs serialize alike.
@@ -32,6 +35,8 @@ def hash_block(parent_hash: bytes | None, token_ids: tuple[int, ...] | list[int]
     salt_bytes = salt.encode() if salt is not None else b""
     digest.update(struct.pack("<?I", salt is not None, len(salt_bytes)) + salt_bytes)
     digest.update(struct.pack(f"<I{len(token_ids)}q", len(token_ids), *token_ids))
+    if extra is not None:
+        digest.update(b"embeds" + extra)
     return digest.digest()
 
 
@@ -82,12 +87,14 @@ class KVCacheManager:
         """Extend request.block_hashes over all full blocks of its known tokens."""
         bs = self.block_size
         hashes = request.block_hashes
+        digests = request.prompt_embeds_digests
         while (len(hashes) + 1) * bs <= request.num_tokens:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
             # chained: the first block's salt covers all
             salt = self._salt(request.cache_salt, request.rope_len) if i == 0 else None
-            hashes.append(hash_block(parent, request.all_token_ids[i * bs:(i + 1) * bs], salt))
+            hashes.append(hash_block(parent, request.all_token_ids[i * bs:(i + 1) * bs], salt,
+                                     digests[i] if i < len(digests) else None))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """Longest cached prefix of full blocks on the device: (block ids, tokens covered). Does not
@@ -120,16 +127,18 @@ class KVCacheManager:
             refs.append(ref)
         return refs
 
-    def cached_prefix_tokens(self, token_ids: list[int], cache_salt: str | None = None) -> int:
+    def cached_prefix_tokens(self, token_ids: list[int], cache_salt: str | None = None,
+                             embeds_digests: tuple[bytes, ...] = ()) -> int:
         """Tokens of `token_ids` whose full blocks this cache holds, from the start: on the device, then
         in the host tier as the scheduler would load them (read only: a data-parallel router asks every
-        replica before it picks one)."""
+        replica before it picks one). `embeds_digests`: a prompt of embeddings' (Request.prompt_embeds_digests)."""
         if not self.enable_caching:
             return 0
         bs, parent, hits, on_host = self.block_size, None, 0, False
         for i in range((len(token_ids) - 1) // bs):
             salt = self._salt(cache_salt, len(token_ids)) if i == 0 else None
-            parent = hash_block(parent, token_ids[i * bs:(i + 1) * bs], salt)
+            parent = hash_block(parent, token_ids[i * bs:(i + 1) * bs], salt,
+                                embeds_digests[i] if i < len(embeds_digests) else None)
             on_host = on_host or self.pool.lookup(parent) is None
             if on_host and (self.host_cache is None or self.host_cache.lookup(parent) is None):
                 break

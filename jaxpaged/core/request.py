@@ -42,7 +42,8 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: Any,
                  eos_token_ids: tuple[int, ...] = (), arrival_time: float | None = None,
                  seed: int = 0, max_tokens: int | None = None, cache_salt: str | None = None,
-                 lora_request: Any = None, priority: int = 0):
+                 lora_request: Any = None, priority: int = 0, prompt_embeds: Any = None,
+                 prompt_embeds_digests: tuple[bytes, ...] = ()):
         self.request_id = request_id
         self.priority = priority              # scheduling_policy="priority": the lower, the sooner
         self.prompt_token_ids = list(prompt_token_ids)
@@ -75,6 +76,11 @@ class Request:
         # word of several tokens (an attribute, not a property: a step reads it for every decode)
         self.needs_host_mask = False
         self.block_hashes: list[bytes] = []   # chained hashes of the full blocks of all_token_ids
+        # a prompt of embeddings (enable_prompt_embeds): its rows (opaque here: the runner reads them) stand
+        # for its prompt tokens, which are placeholders; each block's digest of them enters its hash
+        self.prompt_embeds = prompt_embeds
+        self.prompt_embeds_digests = prompt_embeds_digests
+        self.num_embeds_tokens = len(prompt_token_ids) if prompt_embeds is not None else 0
         # tokens it had when its K/V began from the first token: a length-dependent rope (LongRoPE)
         # encodes every position for this length (ForwardBatch.rope_lens); 0: not scheduled yet
         self.rope_len = 0

@@ -119,9 +119,9 @@ class Scheduler(StepUpdates):
         swap_out: list[tuple[int, int]] = []
         swap_in: list[tuple[int, int]] = []
 
-        # The common case first, in one tight pass: a plain decode (one new token; no drafts, forks
-        # to start or LongRoPE) inside a block it holds alone, neither starting nor filling a block: nothing to
-        # allocate, share or register. Every other request takes the general path below.
+        # The common case first, in one tight pass: a plain decode (one new token, not a prompt embedding;
+        # no drafts, forks to start or LongRoPE) inside a block it holds alone, neither starting nor filling
+        # a block: nothing to allocate, share or register. Every other request takes the general path below.
         bs = self.kv_cache.block_size
         req_blocks, ref_cnt = self.kv_cache.req_blocks, self.kv_cache.pool.ref_cnt
         max_len = self.config.max_model_len
@@ -132,7 +132,7 @@ class Scheduler(StepUpdates):
             start = request.num_computed_tokens
             length = len(request.all_token_ids) + request.num_placeholders
             if (plain and length - start == 1 and 0 < start % bs < bs - 1 and not request.spec_token_ids
-                    and not request.pending_forks):
+                    and not request.pending_forks and start >= request.num_embeds_tokens):
                 if request.num_placeholders and (len(request.output_token_ids) + request.num_placeholders
                                                  >= request.max_tokens or length >= max_len):
                     i += 1   # the step in flight samples its last token

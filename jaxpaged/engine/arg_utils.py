@@ -89,6 +89,7 @@ class EngineArgs:
     enable_sleep_mode: bool = False           # vLLM's flag, accepted: sleep()/wake_up() work on every engine
     profiler_config: dict | str | None = None  # {"profiler": "jax", "profiler_dir": DIR}: start_profile() works
     reasoning_parser: str | None = None       # jaxpaged.reasoning's: structured outputs apply after </think>
+    enable_prompt_embeds: bool = False        # prompts may be rows of input embeddings ({"prompt_embeds": array})
 
     def batched_tokens(self, max_model_len: int) -> int:
         """The per-step token budget: given, or 2048 (at least max_model_len without chunked prefill)."""
@@ -182,6 +183,12 @@ class EngineArgs:
         require("enable_lora", not self.enable_lora or self.num_nodes == 1, "False when num_nodes > 1")
         require("enable_lora", not self.enable_lora or spec is None or spec.method == "ngram",
                 "False with a draft model (speculative_config method 'draft_model'); prompt lookup works")
+        require("enable_prompt_embeds", isinstance(self.enable_prompt_embeds, bool), "True or False")
+        for name, ok in (("speculative_config", spec is None), ("num_nodes", self.num_nodes == 1),
+                         ("runner", self.runner != "pooling")):
+            require("enable_prompt_embeds", not self.enable_prompt_embeds or ok,
+                    f"False with {name}={getattr(self, name)!r} (prompt embeddings run on one host, generating, "
+                    "without speculative decoding)")
         from jaxpaged.reasoning import REASONING_PARSERS
         require("reasoning_parser", self.reasoning_parser in (None, *REASONING_PARSERS),
                 f"None or one of {', '.join(map(repr, REASONING_PARSERS))}")

@@ -59,10 +59,11 @@ class DataParallelEngine:
         return list(self.engines)
 
     # ---- requests ------------------------------------------------------------------------
-    def route(self, token_ids: list[int], cache_salt: str | None = None) -> LLMEngine:
+    def route(self, token_ids: list[int], cache_salt: str | None = None,
+              embeds_digests: tuple[bytes, ...] = ()) -> LLMEngine:
         """The replica for a prompt: the longest prefix-cache hit (device and host tier), then the fewest
-        unfinished requests."""
-        hits = [e.kv_cache.cached_prefix_tokens(token_ids, cache_salt) for e in self.engines]
+        unfinished requests. `embeds_digests`: a prompt of embeddings' (its token ids are placeholders)."""
+        hits = [e.kv_cache.cached_prefix_tokens(token_ids, cache_salt, embeds_digests) for e in self.engines]
         best = max(hits)
         candidates = [e for e, hit in zip(self.engines, hits) if hit == best]
         return min(candidates, key=lambda e: (e.get_num_unfinished_requests(), e.data_rank))
@@ -72,15 +73,21 @@ class DataParallelEngine:
                     pooling_params=None) -> str:
         first = self.engines[0]
         processor = first.input_processor   # ValueError on a bad prompt, before anything is queued
-        text, token_ids = processor.tokenize(prompt)
         salt = processor.cache_salt(prompt)
+        if isinstance(prompt, dict) and "prompt_embeds" in prompt:   # routed by its blocks' hashes too
+            processed = processor.process(prompt, params or SamplingParams())
+            embeds = {"prompt_embeds": processed.embeds}
+            if salt is not None:
+                embeds["cache_salt"] = salt
+            request_id = self._new_id(request_id)
+            engine = self.route(processed.token_ids, lora_cache_salt(salt, lora_request), processed.embeds_digests)
+            engine.add_request(request_id, embeds, params, arrival_time, lora_request, priority, pooling_params)
+            self._owner[request_id] = engine
+            return request_id
+        text, token_ids = processor.tokenize(prompt)
         asks = pooling_params if pooling_params is not None else params   # either carries truncate_prompt_tokens
         token_ids = processor.truncate(token_ids, getattr(asks, "truncate_prompt_tokens", None))
-        if request_id is None:   # a fresh id the caller has not taken
-            request_id = next(i for i in (f"dp-{n}" for n in self._ids) if i not in self._owner)
-        request_id = str(request_id)
-        if request_id in self._owner:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+        request_id = self._new_id(request_id)
         engine = self.route(token_ids, lora_cache_salt(salt, lora_request))
         tokenized = {"prompt_token_ids": token_ids}
         if text is not None:
@@ -89,6 +96,15 @@ class DataParallelEngine:
             tokenized["cache_salt"] = salt
         engine.add_request(request_id, tokenized, params, arrival_time, lora_request, priority, pooling_params)
         self._owner[request_id] = engine
+        return request_id
+
+    def _new_id(self, request_id: str | None) -> str:
+        """The request's id: given (ValueError if in use), or a fresh one the caller has not taken."""
+        if request_id is None:
+            return next(i for i in (f"dp-{n}" for n in self._ids) if i not in self._owner)
+        request_id = str(request_id)
+        if request_id in self._owner:
+            raise ValueError(f"request_id {request_id!r} is already in use")
         return request_id
 
     def add_lora(self, lora_request) -> bool:

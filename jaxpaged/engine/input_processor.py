@@ -1,11 +1,13 @@
 """A request's input, made ready for the scheduler (vLLM V1's InputProcessor): the prompt tokenized
 and truncated, every field checked against this model (a ValueError naming the field queues
-nothing), bad words turned into token ids."""
+nothing), bad words turned into token ids. A prompt of embeddings (`{"prompt_embeds": ...}`, with
+enable_prompt_embeds) becomes placeholder token ids and its rows (engine/prompt_embeds.py)."""
 
 import dataclasses
 
 import numpy as np
 
+from jaxpaged.engine.prompt_embeds import as_embeds, block_digests
 from jaxpaged.sampling_params import SamplingParams, truncate_prompt
 
 
@@ -15,12 +17,24 @@ class ProcessedPrompt:
     token_ids: list[int]           # the tokens the request starts from (truncated where asked)
     cache_salt: str | None
     bad_words_token_ids: list[list[int]]
+    embeds: np.ndarray | None = None       # a prompt of embeddings: its rows (token_ids are placeholders)
+    embeds_digests: tuple[bytes, ...] = ()  # ... and each block's SHA-256 (the prefix cache's hash keys)
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbedsSpec:
+    """What prompt embeddings this engine takes (enable_prompt_embeds): their width and dtype, and
+    the block size their digests cover."""
+    hidden_size: int
+    dtype: object
+    block_size: int
 
 
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_logprobs: int, check_prompt_len,
-                 scheduling_policy: str = "fcfs"):
+                 scheduling_policy: str = "fcfs", embeds: EmbedsSpec | None = None):
         self.tokenizer = tokenizer
+        self.embeds = embeds   # None: prompt_embeds refused (enable_prompt_embeds off)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
@@ -37,6 +51,8 @@ class InputProcessor:
         return int(priority)
 
     def process(self, prompt, params: SamplingParams) -> ProcessedPrompt:
+        if isinstance(prompt, dict) and "prompt_embeds" in prompt:
+            return self.process_embeds(prompt, params)
         text, token_ids = self.tokenize(prompt)
         cache_salt = self.cache_salt(prompt)
         token_ids = self.truncate(token_ids, params.truncate_prompt_tokens)
@@ -46,7 +62,34 @@ class InputProcessor:
             raise ValueError("allowed_token_ids leaves no token to sample: bad_words bans every one of them")
         return ProcessedPrompt(text, token_ids, cache_salt, bad_words)
 
+    def process_embeds(self, prompt: dict, params: SamplingParams) -> ProcessedPrompt:
+        """An EmbedsPrompt: its rows checked against the model and truncated as asked."""
+        embeds = self.prompt_embeds(prompt)
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs needs the prompt's token ids; a prompt of embeddings has none "
+                             "(allowed with prompt_embeds: None)")
+        if params.truncate_prompt_tokens is not None:
+            kept = truncate_prompt(list(range(len(embeds))), params.truncate_prompt_tokens, self.max_model_len)
+            embeds = embeds[kept[0]:]
+        token_ids = [0] * len(embeds)
+        self.validate(token_ids, params)
+        bad_words = self.bad_words_token_ids(params.bad_words)
+        return ProcessedPrompt(None, token_ids, self.cache_salt(prompt), bad_words, embeds,
+                               block_digests(embeds, self.embeds.block_size))
+
+    def prompt_embeds(self, prompt: dict) -> np.ndarray:
+        """A prompt dict's `prompt_embeds` as an array [tokens, hidden_size] of the model's dtype."""
+        if self.embeds is None:
+            raise ValueError("prompt_embeds needs an engine built with enable_prompt_embeds=True "
+                             "(--enable-prompt-embeds)")
+        if "prompt_token_ids" in prompt or "prompt" in prompt:
+            raise ValueError("a prompt dict holds 'prompt_embeds' or 'prompt'/'prompt_token_ids', not both")
+        return as_embeds(prompt["prompt_embeds"], self.embeds.hidden_size, self.embeds.dtype)
+
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict) and "prompt_embeds" in prompt:   # process() takes them; the rest, tokens
+            raise ValueError("prompt_embeds are taken by generation only (LLM.generate, /v1/completions); "
+                             "this call needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]

@@ -33,7 +33,7 @@ import numpy as np
 from jaxpaged.core.request import Request, RequestStatus
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.generation_config import load_generation_defaults
-from jaxpaged.engine.input_processor import InputProcessor
+from jaxpaged.engine.input_processor import EmbedsSpec, InputProcessor
 from jaxpaged.engine.metrics import PREFIX, EngineMetrics
 from jaxpaged.engine.spec_decode import SpeculativeConfig, Speculator
 from jaxpaged.engine.research import ResearchMixin
@@ -69,7 +69,8 @@ class LLMEngine(ResearchMixin):
         # "auto": pooling for a bare *Model checkpoint, else generate
         runner = resolve_runner(args.runner, self.loaded.hf_config, args.pooler_config, args.speculative_config)
         if runner != args.runner:
-            args = self.args = dataclasses.replace(args, runner=runner)
+            args = self.args = dataclasses.replace(args, runner=runner)   # (its checks run again: a pooling
+            # checkpoint refuses enable_prompt_embeds here)
         self.model_config = self.loaded.config
         if args.reasoning_parser is None and self.model_config.architecture == "GptOssForCausalLM" \
                 and speaks_harmony(self.tokenizer):   # vLLM's default for gpt-oss
@@ -103,7 +104,9 @@ class LLMEngine(ResearchMixin):
                                         args.reasoning_parser)
         self.input_processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
                                               args.max_logprobs, self.scheduler.check_prompt_len,
-                                              args.scheduling_policy)
+                                              args.scheduling_policy,
+                                              EmbedsSpec(self.model_config.hidden_size, self.runner.embeds_dtype,
+                                                         args.block_size) if args.enable_prompt_embeds else None)
         self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
         if draft is not None:
             self.speculator.use_draft_model(build_draft_proposer(args, draft, num_blocks, self.max_model_len, use_tqdm))
@@ -156,15 +159,18 @@ class LLMEngine(ResearchMixin):
             raise ValueError(f"request_id {request_id!r} clashes with the sequence id {clash[0]!r} of a request "
                              "in flight (sequences of n > 1 requests are named '<id>#<index>')")
         so = params.structured_outputs
-        matchers = [self.grammars.matcher(so, token_ids) if so is not None else None for _ in core_ids]
+        matchers = [self.grammars.matcher(so, [] if processed.embeds is not None else token_ids)
+                    if so is not None else None for _ in core_ids]
         sequences = []
         for i, core_id in enumerate(core_ids):
             seed = self._seed_for(params, i)
             request = Request(core_id, token_ids, params, self.eos_token_ids, arrival_time, seed, max_tokens,
-                              cache_salt, lora_request, priority)
+                              cache_salt, lora_request, priority, processed.embeds, processed.embeds_digests)
             request.constrain(matchers[i], processed.bad_words_token_ids)
             sequences.append(SequenceState(request, i, self.tokenizer, request_id))
-        state = RequestState(request_id, text, token_ids, sequences, lora_request)
+        embeds = processed.embeds is not None   # a prompt of embeddings: no prompt token ids to show
+        state = RequestState(request_id, text, None if embeds else token_ids, sequences, lora_request,
+                             len(token_ids) if embeds else 0)
         state.pooling_params = pooling_params
         # n > 1: one sequence prefills; the others fork off it (sharing its blocks) when it samples
         parent = sequences[0].request

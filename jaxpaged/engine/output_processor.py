@@ -28,7 +28,8 @@ class SequenceState:
         self.parent_id = parent_id
         self.index = index
         params = request.sampling_params
-        self.detokenizer = (IncrementalDetokenizer(tokenizer, request.prompt_token_ids,
+        prompt_ids = [] if request.num_embeds_tokens else request.prompt_token_ids   # embeddings: no text before
+        self.detokenizer = (IncrementalDetokenizer(tokenizer, prompt_ids,
                                                    params.skip_special_tokens,
                                                    params.spaces_between_special_tokens)
                             if params.detokenize and tokenizer is not None else None)
@@ -82,9 +83,10 @@ class SequenceState:
 class RequestState:
     """A user request: its prompt and its n sequences."""
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 sequences: list[SequenceState], lora_request=None):
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
+                 sequences: list[SequenceState], lora_request=None, num_prompt_embeds: int = 0):
         self.request_id = request_id
+        self.num_prompt_embeds = num_prompt_embeds   # a prompt of embeddings: its rows (prompt_token_ids: None)
         self.lora_request = lora_request
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -117,7 +119,8 @@ class RequestState:
         return RequestOutput(request_id=self.request_id, prompt=self.prompt,
                              prompt_token_ids=self.prompt_token_ids, prompt_logprobs=prompt_lps,
                              outputs=completions, finished=self.finished,
-                             num_cached_tokens=max(first.num_cached_tokens, 0), lora_request=self.lora_request)
+                             num_cached_tokens=max(first.num_cached_tokens, 0), lora_request=self.lora_request,
+                             num_prompt_embeds=self.num_prompt_embeds)
 
     def _new_prompt_logprobs(self) -> list | None:
         """DELTA: the prompt logprobs no earlier output carried (the first output leads with None,

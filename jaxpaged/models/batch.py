@@ -26,3 +26,6 @@ class ForwardBatch:
     # prompt's chunks all use what one forward of the whole prompt would
     rope_lens: jax.Array
     lora_index: jax.Array | None = None   # i32[num_tokens]  each token's LoRA slot (-1: base model); None: no LoRA
+    # [num_tokens, hidden]  prompt embeddings: the input of each token whose id is -1 (enable_prompt_embeds;
+    # None: every token's input is its row of the embedding table)
+    input_embeds: jax.Array | None = None

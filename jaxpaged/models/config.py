@@ -127,6 +127,9 @@ class ModelConfig:
     # normed before the residual add (sandwich norms)
     norm_offset: float = 0.0
     embed_scale: float = 1.0
+    # the scale applies to given prompt embeddings too (Granite's embedding_multiplier, after the lookup in
+    # transformers), not only to the lookup (Gemma's, inside its embedding module)
+    input_embeds_scaled: bool = False
     sandwich_norms: bool = False
     attn_scale: float = 0.0           # softmax scale; 0 = head_dim ** -0.5
     # OLMo 2/3: no norm before attention or the MLP (no input_norm / post_norm), the sandwich norms after them

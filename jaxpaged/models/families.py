@@ -215,6 +215,7 @@ def family_fields(hf_config: Any, architecture: str, num_layers: int) -> dict:
         rotates = architecture != GRANITE_HYBRID or hf_get(hf_config, "position_embedding_type", None) == "rope"
         return dict(nope_layers=() if rotates else tuple(range(num_layers)),
                     embed_scale=float(hf_get(hf_config, "embedding_multiplier", 1.0)),
+                    input_embeds_scaled=True,
                     residual_scale=float(hf_get(hf_config, "residual_multiplier", 1.0)),
                     logits_scaling=float(hf_get(hf_config, "logits_scaling", 1.0)),
                     attn_scale=float(hf_get(hf_config, "attention_multiplier", 0.0)))

@@ -205,9 +205,15 @@ class LlamaFamilyForCausalLM(nnx.Module):
 
     def hidden_states(self, kv_pool: jax.Array, batch: ForwardBatch) -> tuple[jax.Array, jax.Array]:
         cfg = self.config
-        hidden = embedding_lookup(self.embed.get_value(), batch.input_ids, self.dtype)
+        ids = batch.input_ids if batch.input_embeds is None else jnp.maximum(batch.input_ids, 0)
+        hidden = embedding_lookup(self.embed.get_value(), ids, self.dtype)
         if cfg.embed_scale != 1.0:
             hidden = hidden * jnp.asarray(cfg.embed_scale, hidden.dtype)
+        if batch.input_embeds is not None:   # prompt embeddings stand for the lookup (and its scale, unless
+            given = batch.input_embeds.astype(hidden.dtype)   # the scale is the model's, as Granite's multiplier)
+            if cfg.embed_scale != 1.0 and cfg.input_embeds_scaled:
+                given = given * jnp.asarray(cfg.embed_scale, hidden.dtype)
+            hidden = jnp.where((batch.input_ids < 0)[:, None], given, hidden)
         if self.pos_embed is not None:
             hidden = hidden + self.pos_embed[...][batch.positions + cfg.position_offset].astype(hidden.dtype)
         rope = rotary_cos_sin(cfg, batch.positions, batch.rope_lens)

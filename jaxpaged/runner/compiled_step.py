@@ -114,9 +114,12 @@ class CompiledStep:
             layout = StepLayout.of(shape)
             statics = StepStatics(self.graphdef, layout, shape.q_tile, self.block_size, self.plan)
             buffer = layout.empty(self.slot_table.pad_slot)[0]   # its shape only: nothing moves while compiling
+            replicated = self.plan.array_sharding(P())
+            embeds = None if not self.prompt_embeds else jax.ShapeDtypeStruct(
+                (shape.num_tokens, self.model_config.hidden_size), self.embeds_dtype, sharding=replicated)
             args = (self.state, self.kv_pool_spec, self.slot_state,
-                    jax.ShapeDtypeStruct(buffer.shape, buffer.dtype, sharding=self.plan.array_sharding(P())),
-                    self._no_prev_tokens)
+                    jax.ShapeDtypeStruct(buffer.shape, buffer.dtype, sharding=replicated),
+                    self._no_prev_tokens, embeds)
             forward = self._compiled[shape] = forward_fn.lower(statics, *args).compile(self.compiler_options)
         # the forward's outputs come replicated, like the bitmask (one device: no sharding is
         # declared, which would commit the executables' outputs and miss jit caches downstream)
@@ -161,8 +164,9 @@ class CompiledStep:
         # mostly single-threaded). Shapes sharing a sampler: the first compiles it, the rest after it.
         todo = [shape for shape in shapes if shape not in self._compiled]
         firsts = list({self._sampler_key(shape): shape for shape in reversed(todo)}.values())
-        for shape in shapes:   # the all-allowed bitmasks, made here (not in the compile threads)
+        for shape in shapes:   # the all-allowed bitmasks (and no prompt embeddings), made here (not in the threads)
             self._bitmask_arg(shape, None)
+            self._embeds_arg(shape, None)
         for batch in (firsts, [shape for shape in todo if shape not in firsts]):
             with concurrent.futures.ThreadPoolExecutor(max(1, min(len(batch), os.cpu_count() or 1))) as pool:
                 for _ in pool.map(self.compile_step, batch):

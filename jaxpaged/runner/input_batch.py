@@ -23,6 +23,7 @@ class InputBatch:
     spec_rows: list[tuple[str, int, int]]             # (request_id, first sample row, drafts verified)
     lp_rows: list[tuple[str, int, int, int]]          # (request_id, first flat token, count, start position)
     sampler_kind: str | None = None                   # the sampler the host picked (None: the step's cond picks)
+    embeds: list = dataclasses.field(default_factory=list)   # (flat token index, rows): prompt embeddings
 
 
 # column getters over a plan's plain decodes (and their requests): one C-level pass each
@@ -44,6 +45,7 @@ class GeneralColumns:
         self.requests, self.rows, self.constrained, self.spec_rows, self.lp_rows, self.lp_targets = [], [], [], [], [], []
         self.prev_index, self.prev_source = [], []   # (flat token index, prev's sample row): tokens prev samples
         self.chunk_rows = []                         # per chunk: its (first) sample row
+        self.embeds = []                             # (flat token index, rows [n, hidden]): prompt embeddings
 
     def add(self, chunk, slots: SlotTable, block_size: int, prev, one_token_queries: bool) -> None:
         request = chunk.request
@@ -67,6 +69,10 @@ class GeneralColumns:
             self.prev_index.append(flat + n - 1)
             self.prev_source.append(source)
             tokens = tokens + [0]
+        if start < request.num_embeds_tokens:   # prompt embeddings: the step takes these rows, not tokens
+            m = min(n - d, request.num_embeds_tokens - start)
+            self.embeds.append((flat, request.prompt_embeds[start:start + m]))
+            tokens[:m] = [-1] * m
         tokens = tokens + drafts
         if request.sampling_params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
             count = min(n, request.num_prompt_tokens - 1 - start)

@@ -93,8 +93,13 @@ class ModelRunner(CompiledStep, DeviceMemory):
                  max_num_batched_tokens: int, kv_dtype=None, num_host_blocks: int = 0, host_cache_slots: int = 0,
                  max_logprobs: int = MAX_LOGPROBS, calculate_kv_scales: bool = False,
                  num_speculative_tokens: int = 0, compiler_options: dict | None = None,
-                 greedy_only: bool = False, pooling: bool = False):
+                 greedy_only: bool = False, pooling: bool = False, prompt_embeds: bool = False):
         self.model_config = model.config
+        # enable_prompt_embeds: every forward takes a [T, hidden] input of prompt-embedding rows, read where
+        # a token's id is -1 (sent only by steps that hold such tokens; zeros on the device otherwise)
+        self.prompt_embeds = prompt_embeds
+        self.embeds_dtype = np.dtype(model.dtype)
+        self._no_embeds = {}                # step tokens -> zeros [T, hidden] on the device
         # runner="pooling": each step also brings back its sample rows' hidden states (a prompt's last
         # token's: its embedding, once final-normed); their sampled tokens are not used
         self.pooling = pooling
@@ -279,7 +284,8 @@ class ModelRunner(CompiledStep, DeviceMemory):
             if kind not in self._sampler_kinds:
                 raise RuntimeError(f"this runner compiles only the {self._sampler_kinds} samplers (greedy_only); "
                                    f"its step needs the {kind!r} one")
-        return InputBatch(shape, buffer, requests, list(range(k)) + g.rows, constrained, g.spec_rows, g.lp_rows, kind)
+        return InputBatch(shape, buffer, requests, list(range(k)) + g.rows, constrained, g.spec_rows, g.lp_rows, kind,
+                          g.embeds)
 
     def execute_model(self, inputs: InputBatch, prev: _Pending | None = None) -> _Pending:
         """Queue the step's forward (its sampler waits for `sample`)."""
@@ -292,18 +298,21 @@ class ModelRunner(CompiledStep, DeviceMemory):
                                         -1 if kind is None else SAMPLER_KINDS.index(kind), int(bool(inputs.lp_rows))),
                               inputs.buffer)
         prev_tokens = prev.tokens if prev is not None else self._no_prev_tokens
-        sample_rows, prompt_packed = self.run_forward(shape, inputs.buffer, prev_tokens, bool(inputs.lp_rows))
+        sample_rows, prompt_packed = self.run_forward(shape, inputs.buffer, prev_tokens, bool(inputs.lp_rows),
+                                                      inputs.embeds)
         return _Pending(inputs, sample_rows, prompt_packed if inputs.lp_rows else None, self.max_logprobs,
                         pooled_rows=sample_rows.hidden if self.pooling else None)
 
     def run_forward(self, shape: BatchShape, buffer: np.ndarray, prev_tokens: jax.Array,
-                    prompt_logprobs: bool = False):
-        """Launch the forward of a step (its inputs packed in `buffer`); returns (sample rows, prompt
-        logprobs), both left on the device (prompt logprobs: None when the step asks none). The first
-        step of an engine calibrating its fp8 KV scales (calculate_kv_scales) sets them for every later step."""
+                    prompt_logprobs: bool = False, embeds: list | None = None):
+        """Launch the forward of a step (its inputs packed in `buffer`; `embeds`, InputBatch.embeds);
+        returns (sample rows, prompt logprobs), both left on the device (prompt logprobs: None when the
+        step asks none). The first step of an engine calibrating its fp8 KV scales (calculate_kv_scales)
+        sets them for every later step."""
         forward, _ = self._executables(shape)
         self.kv_pool, self.slot_state, sample_rows, hidden, kv_scales = forward(
-            self.state, self.kv_pool, self.slot_state, self.plan.put(buffer), prev_tokens)
+            self.state, self.kv_pool, self.slot_state, self.plan.put(buffer), prev_tokens,
+            self._embeds_arg(shape, embeds))
         prompt_packed = self._prompt_logprobs(shape, hidden, buffer) if prompt_logprobs else None
         if self.calibrating_kv_scales:
             self.state["kv_scales"].set_value(kv_scales)
@@ -331,6 +340,22 @@ class ModelRunner(CompiledStep, DeviceMemory):
             for out in (pending.packed, pending.prompt_packed, pending.pooled_rows):
                 if out is not None and out.is_fully_addressable:
                     out.copy_to_host_async()
+
+    def _embeds_arg(self, shape: BatchShape, embeds: list | None):
+        """The step's prompt-embeddings input (enable_prompt_embeds; else None): [T, hidden] in the model
+        dtype, sent when some token takes its row from a prompt's embeddings, else zeros kept on the device."""
+        if not self.prompt_embeds:
+            return None
+        if embeds:
+            rows = np.zeros((shape.num_tokens, self.model_config.hidden_size), self.embeds_dtype)
+            for flat, values in embeds:
+                rows[flat:flat + len(values)] = values
+            return self.plan.put(rows)
+        zeros = self._no_embeds.get(shape.num_tokens)
+        if zeros is None:   # (made at start-up by warmup: a copy from the host, nothing compiled)
+            zeros = self.plan.put(np.zeros((shape.num_tokens, self.model_config.hidden_size), self.embeds_dtype))
+            self._no_embeds[shape.num_tokens] = zeros
+        return zeros
 
     def _bitmask_arg(self, shape: BatchShape, bitmask: np.ndarray | None):
         """The step's bitmask input: sent when some row is constrained, else kept on the device."""

@@ -261,7 +261,8 @@ class SlotTable:
         seed = self.seed_updates
         seed.append((RESET, slot, 0, _f32_bits(-np.inf if p.allowed_token_ids else 0.0)))
         if penalised:
-            seed += [(PROMPT, slot, t, 1) for t in set(request.prompt_token_ids)]
+            if not request.num_embeds_tokens:   # a prompt of embeddings has no tokens to penalise
+                seed += [(PROMPT, slot, t, 1) for t in set(request.prompt_token_ids)]
             seed += [(COUNT, slot, t, n) for t, n in collections.Counter(request.output_token_ids).items()]
         seed += [(BIAS, slot, int(t), _f32_bits(v)) for t, v in bias.items()]
         seed += [(BAN, slot, int(t), 1) for t in set(banned)]

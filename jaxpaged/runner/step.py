@@ -114,12 +114,13 @@ class SampleStatics:
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2, 3))
-def forward_fn(statics: StepStatics, state, kv_pool, slots: SlotState, buffer, prev_tokens):
+def forward_fn(statics: StepStatics, state, kv_pool, slots: SlotState, buffer, prev_tokens, embeds=None):
     """The first half of an engine step: everything up to the sample rows' hidden states.
     buffer: i32[layout.size], every per-step input (StepLayout); slots: the persistent batch
     (block tables, sampling parameters and penalty state, donated); prev_tokens: i32[MAX_ROWS],
     the previous step's sampled tokens, of which row prev_source[i] becomes input token
-    prev_index[i] (out-of-bounds indices are dropped).
+    prev_index[i] (out-of-bounds indices are dropped); embeds: [T, hidden] prompt-embedding rows,
+    read for tokens whose id is -1 (None: an engine without enable_prompt_embeds).
 
     Returns (kv_pool, slots, SampleRows, hidden [T, hidden], kv_scales f32[L, 2]): hidden, every
     token's hidden state (prompt_logprobs_fn's input, when a request asks); kv_scales, the fp8 KV
@@ -133,7 +134,7 @@ def forward_fn(statics: StepStatics, state, kv_pool, slots: SlotState, buffer, p
     batch = ForwardBatch(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
                          logits_indices=f["logits_indices"],
                          attn=attention_metadata(kv_lens, tables, f["cu_q_lens"], statics.q_tile),
-                         rope_lens=rope_lens, lora_index=lora_index)
+                         rope_lens=rope_lens, lora_index=lora_index, input_embeds=embeds)
     model = nnx.merge(statics.graphdef, state)
     kv_pool, hidden = model.hidden_states(kv_pool, batch)
     rows = SampleRows(hidden[batch.logits_indices], f["row_slots"], f["count_slots"], f["row_draft"],

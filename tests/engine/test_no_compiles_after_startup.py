@@ -96,3 +96,18 @@ def speculative_run():
     assert llm.get_metrics()["jaxpaged:spec_decode_num_accepted_tokens_total"] > 0
     assert compiled == [], f"compiled after start-up: {compiled}"
     return llm
+
+
+def test_prompt_embeddings_compile_nothing_after_startup():
+    """enable_prompt_embeds: steps with and without rows (prompts of every length, chunked, beside token prompts
+    and decodes) run the start-up executables; the rows' input is a copy, never a program."""
+    llm = LLM(tiny_checkpoint("llama"), dtype="float32", block_size=8, num_gpu_blocks_override=24, max_model_len=128,
+              max_num_seqs=4, max_num_batched_tokens=32, enable_prompt_embeds=True, use_tqdm=False)
+    rng = np.random.default_rng(1)
+    hidden = llm.llm_engine.model_config.hidden_size
+    prompts = [{"prompt_embeds": rng.normal(0.0, 0.5, (n, hidden)).astype(np.float32)} for n in (1, 9, 40, 90)]
+    prompts += [{"prompt_token_ids": rng.integers(3, 320, n).tolist()} for n in (5, 33)]
+    with compilations() as compiled:
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    assert compiled == []
+    assert all(len(o.outputs[0].token_ids) == 10 for o in outs)

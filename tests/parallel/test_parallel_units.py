@@ -95,7 +95,7 @@ class _Replica:
         self.data_rank, self.hit, self.load = rank, hit, load
         self.kv_cache = self
 
-    def cached_prefix_tokens(self, token_ids, salt=None):
+    def cached_prefix_tokens(self, token_ids, salt=None, embeds_digests=()):
         return self.hit
 
     def get_num_unfinished_requests(self):

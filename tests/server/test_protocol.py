@@ -31,7 +31,7 @@ def refused(parse, body: dict) -> P.APIError:
     ({"prompt": "hi", "stop": 3}, "stop", ["a string or a list of strings"]),
     ({"prompt": []}, "prompt", ["a list of token ids", "[]"]),
     ({"prompt": [[]]}, "prompt", ["token-id lists"]),
-    ({"prompt": None}, "prompt", ["prompt is required"]),
+    ({"prompt": None}, "prompt", ["prompt or prompt_embeds is required"]),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options", ["stream is true"]),
     ({"prompt": "hi", "stream": True, "stream_options": {"include_usage": 1}}, "stream_options",
      ["include_usage must be a boolean"]),
