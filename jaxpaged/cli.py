@@ -33,6 +33,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-offloading-backend", default=d.kv_offloading_backend, choices=["native"])
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--max-logprobs", type=int, default=d.max_logprobs)
+    parser.add_argument("--logprobs-mode", default=d.logprobs_mode,
+                        choices=["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"],
+                        help="what logprobs hold: the model's log-softmax (default) or logits, or those the token was "
+                             "drawn from (after penalties, bias, temperature, min_p, top-k, top-p)")
     parser.add_argument("--attention-backend", default=d.attention_backend)
     parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=d.scan_layers,
                         help="lax.scan over stacked layer weights (compile time flat in depth) or an unrolled "

@@ -75,6 +75,7 @@ class EngineArgs:
     compile_on_startup: bool = True           # compile the step's shape buckets before serving
     optimization_level: int | None = None     # vLLM's -O: 0 compiles fastest, 2 runs fastest (None: 2, or the env's)
     max_logprobs: int = 20                    # most top logprobs a request may ask for (every step returns this many)
+    logprobs_mode: str = "raw_logprobs"       # raw_logprobs | raw_logits | processed_logprobs | processed_logits
     disable_log_stats: bool = True
     tensor_parallel_size: int = 1             # devices each model replica is sharded over (Megatron-style)
     data_parallel_size: int = 1               # model replicas, each with its own batch, KV cache and scheduler
@@ -167,6 +168,8 @@ class EngineArgs:
                 "1 when num_nodes > 1 (several hosts run one tensor-parallel replica)")
         require("max_logprobs", isinstance(self.max_logprobs, int) and 0 <= self.max_logprobs <= MAX_LOGPROBS,
                 f"an int in [0, {MAX_LOGPROBS}]")
+        from jaxpaged.runner.sampler import LOGPROBS_MODES
+        require("logprobs_mode", self.logprobs_mode in LOGPROBS_MODES, f"one of {', '.join(map(repr, LOGPROBS_MODES))}")
         from jaxpaged.engine.spec_decode import SpeculativeConfig
         spec = SpeculativeConfig.parse(self.speculative_config)   # ValueErrors name the key and what it allows
         require("speculative_config", spec is None or spec.method != "draft_model" or self.num_nodes == 1,

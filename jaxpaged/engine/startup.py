@@ -154,7 +154,8 @@ def _new_runner(args: EngineArgs, loaded: LoadedModel, num_blocks: int, max_mode
                        calculate_kv_scales=args.calculate_kv_scales,
                        num_speculative_tokens=_num_speculative_tokens(args),
                        compiler_options=xla_compiler_options(args.optimization_level),
-                       pooling=args.runner == "pooling", prompt_embeds=args.enable_prompt_embeds)
+                       pooling=args.runner == "pooling", prompt_embeds=args.enable_prompt_embeds,
+                       logprobs_mode=args.logprobs_mode)
 
 
 def _num_speculative_tokens(args: EngineArgs) -> int:

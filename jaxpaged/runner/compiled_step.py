@@ -131,7 +131,8 @@ class CompiledStep:
             key = self._sampler_key(shape, kind)
             if key not in self._samplers:
                 statics = SampleStatics(self.graphdef, key[1], self.max_logprobs, self.max_num_seqs, self.plan,
-                                        key[2], SamplerLayout.for_platform(self.plan.local_device.platform))
+                                        key[2], SamplerLayout.for_platform(self.plan.local_device.platform),
+                                        self.logprobs_mode)
                 bitmask = like(jax.ShapeDtypeStruct((shape.num_logits, self.bitmask_words), jnp.int32))
                 self._samplers[key] = sample_fn.lower(statics, self.state, self.slot_state,
                                                       jax.tree.map(like, forward.out_info[2]),

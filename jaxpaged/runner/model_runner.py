@@ -93,8 +93,10 @@ class ModelRunner(CompiledStep, DeviceMemory):
                  max_num_batched_tokens: int, kv_dtype=None, num_host_blocks: int = 0, host_cache_slots: int = 0,
                  max_logprobs: int = MAX_LOGPROBS, calculate_kv_scales: bool = False,
                  num_speculative_tokens: int = 0, compiler_options: dict | None = None,
-                 greedy_only: bool = False, pooling: bool = False, prompt_embeds: bool = False):
+                 greedy_only: bool = False, pooling: bool = False, prompt_embeds: bool = False,
+                 logprobs_mode: str = "raw_logprobs"):
         self.model_config = model.config
+        self.logprobs_mode = logprobs_mode   # vLLM's: what sampled tokens' logprobs hold (sampler.LOGPROBS_MODES)
         # enable_prompt_embeds: every forward takes a [T, hidden] input of prompt-embedding rows, read where
         # a token's id is -1 (sent only by steps that hold such tokens; zeros on the device otherwise)
         self.prompt_embeds = prompt_embeds

@@ -9,6 +9,11 @@ flags). Called with `all_greedy` True or a [.., V] array None (tests, small tool
 is left out of the compiled code instead.
 Semantics and order follow vLLM V1: raw logprobs, then logit bias, penalties, greedy argmax,
 and for random rows temperature, min_p, top_k, top_p and a draw with a per-request key.
+
+What the logprobs hold is vLLM's `logprobs_mode` (LOGPROBS_MODES): the raw model's log-softmax (the
+default) or its logits, or the log-softmax or logits the token was drawn from ("processed": after
+bias, bans, penalties and a grammar's mask, and for a random row temperature, min_p, top-k and top-p,
+masked tokens at -inf), what a policy-gradient loop needs as the behaviour policy's logprobs.
 """
 
 import dataclasses
@@ -21,6 +26,7 @@ from jaxpaged.sampling_params import GREEDY_EPS
 
 # top_k / top_p cut-offs are looked for among this many largest logits before a full sort.
 NUM_CANDIDATES = 1024
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,17 +103,18 @@ class SamplerOutput:
     accepted: jax.Array | None = None  # bool[S]; the row's draft token was accepted (token_ids = draft)
 
 
-def token_logprobs(logits: jax.Array, target_ids: jax.Array, num_logprobs: int, wants_top: jax.Array | None = None
-                   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def token_logprobs(logits: jax.Array, target_ids: jax.Array, num_logprobs: int, wants_top: jax.Array | None = None,
+                   normalize: bool = True) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Logprob and 1-based rank of target_ids[p] under log_softmax(logits[p]), plus the top-K.
 
     logits: f32[P, V], target_ids: i32[P]. Returns (f32[P], i32[P], i32[P, K], f32[P, K]).
     `wants_top` (a traced bool): when False the top-K is skipped at run time (zeros).
+    `normalize` False: the logits themselves instead of their log-softmax (logprobs_mode *_logits).
     """
     logits = logits.astype(jnp.float32)
     # log_softmax is a shift by the row's logsumexp, so ranks and the top-K are taken on the
     # logits and the [P, V] logprobs are never materialised.
-    lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)  # [P, 1]
+    lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True) if normalize else jnp.zeros((logits.shape[0], 1))
     target_logit = jnp.take_along_axis(logits, target_ids.astype(jnp.int32)[:, None], axis=-1)
     # Ties count in the target's favour, as in vLLM (strictly greater only).
     ranks = jnp.sum(logits > target_logit, axis=-1, dtype=jnp.int32) + 1
@@ -254,8 +261,9 @@ def first_argmax(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
 
 
 def _random_sample(logits, md, truncation: bool = True, layout: SamplerLayout = SamplerLayout()):
-    """Gumbel-max draws of every row (greedy rows' are discarded by the caller). truncation False:
-    no row has top-k or top-p (the caller knows), and their skip's conditional is left out."""
+    """Gumbel-max draws of every row (greedy rows' are discarded by the caller), and the logits they were
+    drawn from. truncation False: no row has top-k or top-p (the caller knows), and their skip's
+    conditional is left out."""
     is_greedy = md.temperature < GREEDY_EPS
     temperature = jnp.where(is_greedy, 1.0, md.temperature)
     # a masked token stays masked: XLA divides by multiplying with 1 / T, which a temperature past
@@ -274,7 +282,7 @@ def _random_sample(logits, md, truncation: bool = True, layout: SamplerLayout = 
         )
     # Gumbel-max: the noise of a row depends only on its (seed, step), never on the batch.
     noise = jax.vmap(_row_gumbel, in_axes=(0, 0, None))(md.seeds, md.steps, logits.shape[-1])
-    return layout.argmax(logits + noise, -1)[0]
+    return layout.argmax(logits + noise, -1)[0], logits
 
 
 def uses_output_tokens(params) -> bool:
@@ -299,20 +307,22 @@ def is_plain_greedy(md: SamplingMetadata) -> jax.Array:
 
 
 def plain_greedy(logits: jax.Array, vocab_axis: int, num_logprobs: int = 0, draft_tokens: jax.Array | None = None,
-                 layout: SamplerLayout = SamplerLayout()) -> SamplerOutput:
+                 layout: SamplerLayout = SamplerLayout(), logprobs_mode: str = "raw_logprobs") -> SamplerOutput:
     """The plain-greedy sampler (is_plain_greedy) on f32 logits with the vocabulary on `vocab_axis`
     ([S, V]: 1; [V, S], SamplerLayout.vocab_major_greedy: 0); top-K left as zeros. A row's draft
     token (speculative decoding) is accepted when it is the argmax. The argmax has rank 1; its
-    logprob is max - logsumexp."""
+    logprob is max - logsumexp (its logit in a *_logits mode; nothing processes a plain row's logits)."""
     tokens, top = layout.argmax(logits, vocab_axis)
-    lse = top + jnp.log(jnp.sum(jnp.exp(logits - jnp.expand_dims(top, vocab_axis)), axis=vocab_axis))
     empty = jnp.zeros((tokens.shape[0], num_logprobs), jnp.int32)
     accepted = None if draft_tokens is None else tokens == draft_tokens
+    if logprobs_mode.endswith("_logits"):
+        return SamplerOutput(tokens, top, jnp.ones_like(tokens), empty, empty.astype(jnp.float32), accepted)
+    lse = top + jnp.log(jnp.sum(jnp.exp(logits - jnp.expand_dims(top, vocab_axis)), axis=vocab_axis))
     return SamplerOutput(tokens, top - lse, jnp.ones_like(tokens), empty, empty.astype(jnp.float32), accepted)
 
 
 def sample(logits: jax.Array, md: SamplingMetadata, branch_free: bool = False,
-           layout: SamplerLayout = SamplerLayout()) -> SamplerOutput:
+           layout: SamplerLayout = SamplerLayout(), logprobs_mode: str = "raw_logprobs") -> SamplerOutput:
     """Turn f32[S, V] logits into one token per row; pure, meant to run inside a jit.
 
     Speculative decoding (`md.draft_tokens`): a row verifies its draft token d by drawing its own
@@ -324,19 +334,29 @@ def sample(logits: jax.Array, md: SamplingMetadata, branch_free: bool = False,
     verified. A sequence keeps its rows' tokens up to its first rejection (runner/step.py).
 
     branch_free: no conditional at all (for a GPU, where the host knows that no row has top-k or
-    top-p): every row-masked part runs, and the top-K logprobs are taken for every row."""
+    top-p): every row-masked part runs, and the top-K logprobs are taken for every row.
+
+    logprobs_mode (LOGPROBS_MODES): what the logprobs are taken from (see the module docstring)."""
     logits = logits.astype(jnp.float32)
     processed = _apply_bias_and_penalties(logits, md, branch_free)
     tokens = layout.argmax(processed, -1)[0]
+    drawn_from = processed   # the logits each row's token comes from (processed modes)
     if not md.all_greedy:
         is_random = md.temperature >= GREEDY_EPS
         if branch_free:
-            random_tokens = _random_sample(processed, md, truncation=False, layout=layout)
-        else:
-            random_tokens = jax.lax.cond(jnp.any(is_random), lambda: _random_sample(processed, md, layout=layout),
+            random_tokens, random_logits = _random_sample(processed, md, truncation=False, layout=layout)
+        elif logprobs_mode.startswith("processed"):
+            random_tokens, random_logits = jax.lax.cond(
+                jnp.any(is_random), lambda: _random_sample(processed, md, layout=layout), lambda: (tokens, processed))
+        else:   # (the drawn-from logits are not needed: the conditional does not return them)
+            random_tokens = jax.lax.cond(jnp.any(is_random), lambda: _random_sample(processed, md, layout=layout)[0],
                                          lambda: tokens)
         tokens = jnp.where(is_random, random_tokens, tokens)
+        if logprobs_mode.startswith("processed"):   # (a greedy row's: its processed logits)
+            drawn_from = jnp.where(is_random[:, None], random_logits, processed)
     accepted = None if md.draft_tokens is None else tokens == md.draft_tokens
-    lp, ranks, topk_ids, topk_lp = token_logprobs(logits, tokens, md.num_logprobs,
-                                                  None if branch_free else jnp.any(md.requested_logprobs > 0))
+    lp, ranks, topk_ids, topk_lp = token_logprobs(drawn_from if logprobs_mode.startswith("processed") else logits,
+                                                  tokens, md.num_logprobs,
+                                                  None if branch_free else jnp.any(md.requested_logprobs > 0),
+                                                  normalize=logprobs_mode.endswith("_logprobs"))
     return SamplerOutput(tokens, lp, ranks, topk_ids, topk_lp, accepted)

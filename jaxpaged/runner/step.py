@@ -111,6 +111,7 @@ class SampleStatics:
     plan: ShardPlan
     kind: str | None = None  # one of SAMPLER_KINDS, picked by the host; None: lax.cond picks the greedy path
     layout: SamplerLayout = SamplerLayout()   # the platform's (SamplerLayout.for_platform)
+    logprobs_mode: str = "raw_logprobs"       # vLLM's: what the logprobs hold (sampler.LOGPROBS_MODES)
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2, 3))
@@ -168,14 +169,16 @@ def sample_fn(statics: SampleStatics, state, slots: SlotState, rows: SampleRows,
     num_rows = jnp.sum(rows.row_slots != slots.params.shape[0] - 1) if statics.skip_padding else None
     layout = statics.layout
 
+    mode = statics.logprobs_mode
+
     def greedy(h):   # the common decode case
         if layout.vocab_major_greedy:
             return plain_greedy(_row_logits(model.compute_logits_transposed, h, num_rows, 1), 0, K,
-                                smd.draft_tokens, layout)
-        return plain_greedy(_row_logits(model.compute_logits, h, num_rows, 0), 1, K, smd.draft_tokens, layout)
+                                smd.draft_tokens, layout, mode)
+        return plain_greedy(_row_logits(model.compute_logits, h, num_rows, 0), 1, K, smd.draft_tokens, layout, mode)
 
     def general(h, branch_free=False):
-        return sample(_row_logits(model.compute_logits, h, num_rows, 0), smd, branch_free, layout)
+        return sample(_row_logits(model.compute_logits, h, num_rows, 0), smd, branch_free, layout, mode)
 
     if statics.kind is None:
         out = jax.lax.cond(is_plain_greedy(smd), greedy, general, rows.hidden)
