@@ -5,11 +5,17 @@ import json
 
 
 def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None, chat_template: str | None = None,
-                add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> str:
+                add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
+                continue_final_message: bool = False) -> str:
     """The prompt text of a conversation; `tools` (OpenAI function tools) go to the template as vLLM
-    passes them, `chat_template_kwargs` as more template variables (Qwen3's enable_thinking). Raises
-    ValueError for a variable that is one of apply_chat_template's own arguments, and what the template
-    raises (no template, its own checks of roles and order)."""
+    passes them, `chat_template_kwargs` as more template variables (Qwen3's enable_thinking);
+    `continue_final_message`: the last message left open for the model to continue (transformers cuts the
+    text after its content), instead of a new turn's generation prompt. Raises ValueError for a variable
+    that is one of apply_chat_template's own arguments, for both continue_final_message and
+    add_generation_prompt, and what the template raises (no template, its own checks of roles and order)."""
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be true: the first continues "
+                         "the last message, the second opens a new turn (set add_generation_prompt to false)")
     extra = dict(chat_template_kwargs or {})
     taken = extra and sorted(set(extra) & (set(inspect.signature(tokenizer.apply_chat_template).parameters)
                                            - {"kwargs"}))
@@ -18,7 +24,7 @@ def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None
                          "chat template call itself (use the request's own field)")
     return tokenizer.apply_chat_template(template_messages(messages), tools=tools or None, tokenize=False,
                                          chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                                         **extra)
+                                         continue_final_message=continue_final_message, **extra)
 
 
 def template_messages(messages: list[dict]) -> list[dict]:

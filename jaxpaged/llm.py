@@ -244,20 +244,22 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None,
              tools: list[dict] | None = None, lora_request=None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, continue_final_message: bool = False) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation or a list of them, then generate.
 
         `tools` (OpenAI function tools) go to the template, as in vLLM, and `chat_template_kwargs` as more
         of its variables (Qwen3's {"enable_thinking": False}); the output is the model's text (read tool
         calls from it with `jaxpaged.tool_parsers.get_tool_parser(name)()`, or force them with
         `structured_outputs`; split a thinking model's reasoning with `jaxpaged.reasoning.ReasoningParser`).
+        `continue_final_message` (with add_generation_prompt=False): the last message, an assistant's answer
+        begun, is continued instead of a new turn opened.
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
         prompts = []
         for conversation in conversations:
             text = render_chat(tokenizer, conversation, tools, chat_template, add_generation_prompt,
-                               chat_template_kwargs)
+                               chat_template_kwargs, continue_final_message)
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 

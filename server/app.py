@@ -146,13 +146,20 @@ class _Server:
             return ""
         return self.tokenizer.decode(out.prompt_token_ids)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None, template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool | None = True,
+                    tools: list[dict] | None = None, template_kwargs: dict | None = None,
+                    continue_final_message: bool | None = False) -> tuple[str, list[int]]:
+        """The conversation's text and token ids. add_generation_prompt None: not given, so true unless
+        continue_final_message (vLLM's fields); 400 naming the field for what the template refuses."""
         tokenizer = self.need_tokenizer("messages")
+        if add_generation_prompt is None:
+            add_generation_prompt = not continue_final_message
         try:
-            text = render_chat(tokenizer, messages, tools, self.chat_template, add_generation_prompt, template_kwargs)
+            text = render_chat(tokenizer, messages, tools, self.chat_template, add_generation_prompt, template_kwargs,
+                               bool(continue_final_message))
         except Exception as exc:   # no template, the template's own checks (roles, order), a clashing variable
-            param = "chat_template_kwargs" if str(exc).startswith("chat_template_kwargs") else "messages"
+            param = next((p for p in ("chat_template_kwargs", "continue_final_message") if str(exc).startswith(p)),
+                         "messages")
             raise P.APIError(400, f"messages could not be rendered with the chat template: {exc}", param,
                              "invalid_value") from None
         return text, list(tokenizer.encode(text, add_special_tokens=False))
@@ -181,8 +188,8 @@ class _Server:
         forced = tools is not None and tools.constraint is not None   # "required" or a named function
         if forced:
             req.tool_constraint = tools.constraint
-        text, ids = self.render_chat(req.messages, req.request.add_generation_prompt is not False, req.tools,
-                                     req.request.chat_template_kwargs)
+        text, ids = self.render_chat(req.messages, req.request.add_generation_prompt, req.tools,
+                                     req.request.chat_template_kwargs, req.request.continue_final_message)
         try:
             return await self.generate(request, req, [({"prompt": text, "prompt_token_ids": ids}, ids)], "chatcmpl",
                                        tools)
@@ -265,8 +272,8 @@ class _Server:
         req = P.validate(TokenizeRequest, await self.read_json(request))
         self.model(req.model)
         if req.messages is not None:
-            _, ids = self.render_chat(P.message_dicts(req.messages), req.add_generation_prompt is not False,
-                                      P.tool_dicts(req.tools), req.chat_template_kwargs)
+            _, ids = self.render_chat(P.message_dicts(req.messages), req.add_generation_prompt,
+                                      P.tool_dicts(req.tools), req.chat_template_kwargs, req.continue_final_message)
         elif req.prompt is not None:
             special = req.add_special_tokens is not False
             ids = list(self.need_tokenizer("prompt").encode(req.prompt, add_special_tokens=special))

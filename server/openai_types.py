@@ -201,6 +201,7 @@ class ChatCompletionRequest(_Request):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     add_generation_prompt: bool | None = None   # vLLM's
+    continue_final_message: bool | None = None   # vLLM's: continue the last message (then no generation prompt)
     chat_template_kwargs: dict[str, Any] | None = None   # vLLM's: more variables for the template (enable_thinking)
     include_reasoning: bool | None = None   # vLLM's: false drops the reasoning (--reasoning-parser) from the answer
     # to the template as `reasoning_effort` (gpt-oss' "Reasoning: low"), over chat_template_kwargs' (as vLLM)

@@ -16,6 +16,7 @@ class TokenizeRequest(_Strict):
     messages: _MessageList | None = None
     tools: list[Tool] | None = None
     add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
