@@ -111,6 +111,19 @@ class LLM:
     def reset_prefix_cache(self) -> None:
         self._on_replicas("reset_prefix_cache")
 
+    def apply_model(self, func) -> list:
+        """func(model) on each data-parallel replica's model (a Flax NNX module over its weights, on its
+        devices), as vLLM runs it in each worker; their results. func may write weights in place, with their
+        shapes and dtypes (LLMEngine.apply_model); the prefix cache then starts afresh."""
+        return self._on_replicas("apply_model", func)
+
+    def collective_rpc(self, method, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None) -> list:
+        """vLLM's: call `method` (a ModelRunner method's name, or a function taking the runner first) on each
+        replica's worker (with several hosts, this process's); their results. `timeout` is accepted and unused:
+        the calls run here, in order."""
+        return self._on_replicas("collective_rpc", method, args, kwargs)
+
     def pause_generation(self) -> None:
         """Requests in flight stop where they are (until resume_generation) and continue on whatever
         weights update_weights writes meanwhile."""

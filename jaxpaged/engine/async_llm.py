@@ -177,6 +177,11 @@ class AsyncLLM(AsyncResearchMixin, OutputThread):
             raise RuntimeError("AsyncLLM is shut down")
         return await done
 
+    async def collective_rpc(self, method, timeout: float | None = None, args: tuple = (),
+                             kwargs: dict | None = None) -> list:
+        """vLLM's: LLMEngine.collective_rpc on each replica, on the engine thread between two steps."""
+        return await self.call(lambda engine: [e.collective_rpc(method, args, kwargs) for e in engine.replicas()])
+
     def get_metrics(self) -> dict[str, float]:
         """The engine's `jaxpaged:*` counters and gauges as of its last step or command (summed over
         data-parallel replicas; KV cache usage averaged)."""

@@ -2,6 +2,10 @@
 written in place, generation paused and resumed, sleep and wake, and LoRA adapters registered and
 placed in device slots. Each runs on the engine's thread, between two steps."""
 
+import functools
+
+import jax
+import numpy as np
 from flax import nnx
 
 from jaxpaged.lora.request import lora_cache_salt
@@ -31,6 +35,44 @@ class ResearchMixin:
         apply_updates(self.runner.state, self._weight_targets, weights, self.model_config.tie_word_embeddings)
         self.kv_cache.reset_prefix_cache(new_weights=True)
         return outputs
+
+    def apply_model(self, func):
+        """func(model) (vLLM's apply_model): the model a Flax NNX module over this engine's weights, on its
+        devices; returns func's result. func may write weights in place (`model.embed.set_value(...)`) with
+        their shapes and dtypes: they are placed as the old ones were and the prefix cache forgets what
+        was computed before (as update_weights); nothing recompiles. A weight given another shape or
+        dtype is a ValueError naming it, and no change is kept. ValueError while the engine sleeps."""
+        if self.runner.is_sleeping:
+            raise ValueError("apply_model: the engine is sleeping; call wake_up() first")
+        before = [(path, v, v.get_value()) for path, v in nnx.to_flat_state(self.runner.state)]
+        result = func(nnx.merge(self.runner.graphdef, self.runner.state))
+        changed = [(path, v, old) for path, v, old in before if v.get_value() is not old]
+        for path, v, old in changed:
+            new = v.get_value()
+            kinds = [jax.tree.map(lambda a: (tuple(np.shape(a)), np.dtype(a.dtype).name), x) for x in (old, new)]
+            if jax.tree.structure(old) != jax.tree.structure(new) or kinds[0] != kinds[1]:
+                for _, w, value in changed:
+                    w.set_value(value)
+                raise ValueError(f"apply_model changed weight {'.'.join(map(str, path))} from {kinds[0]} to "
+                                 f"{kinds[1]}; weights keep their shapes and dtypes (no change was kept)")
+        for _, v, old in changed:   # on the devices and in the sharding the compiled step was built for
+            v.set_value(jax.tree.map(lambda n, o: jax.device_put(n, o.sharding), v.get_value(), old))
+        if changed:
+            self.kv_cache.reset_prefix_cache(new_weights=True)
+        return result
+
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None):
+        """vLLM's collective_rpc on this engine's one worker, its ModelRunner: `method` a name of one of its
+        methods, or a function called as method(runner, *args, **kwargs); returns the result."""
+        if isinstance(method, str):
+            fn = getattr(self.runner, method, None)
+            if method.startswith("_") or not callable(fn):
+                raise ValueError(f"collective_rpc: the model runner has no public method {method!r}")
+        elif callable(method):
+            fn = functools.partial(method, self.runner)
+        else:
+            raise ValueError(f"collective_rpc's method must be a method name or a callable, got {method!r}")
+        return fn(*args, **(kwargs or {}))
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block no request holds."""
