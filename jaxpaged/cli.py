@@ -12,6 +12,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     d = EngineArgs()
     parser.add_argument("--model", default=None, help="hub id, folder or .gguf (default: built-in SmolLM2)")
     parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--tokenizer-revision", default=None)
+    parser.add_argument("--tokenizer-mode", default=d.tokenizer_mode, choices=["auto", "slow"])
+    parser.add_argument("--skip-tokenizer-init", action="store_true",
+                        help="load no tokenizer: prompts are token ids, outputs carry no text")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="let a checkpoint's own config and tokenizer code run (transformers')")
+    parser.add_argument("--hf-overrides", default=None, metavar="JSON",
+                        help="fields of the checkpoint's config changed before loading, e.g. "
+                             '\'{"max_position_embeddings": 8192}\'')
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="vLLM's flag, accepted: there are no CUDA graphs to skip, the step is XLA's programs")
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=d.pipeline_parallel_size,
+                        help="only 1: scale out with --tensor-parallel-size, --data-parallel-size, --num-nodes")
     parser.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--quantization", "-q", default=d.quantization, type=lambda v: None if v == "none" else v,
                         help="auto (the checkpoint's own; a GGUF's blocks are de-quantized at load where float "

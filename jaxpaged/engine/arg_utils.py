@@ -26,7 +26,8 @@ def xla_compiler_options(optimization_level: int) -> dict:
 
 def json_config(name: str, value, keys) -> dict:
     """A dict-valued engine argument (speculative_config, pooler_config) as a dict: given as one, or as
-    a JSON string of one (the CLI's); ValueError naming the argument for anything else or a key not in `keys`."""
+    a JSON string of one (the CLI's); ValueError naming the argument for anything else or a key not in `keys`
+    (None: any key)."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -34,7 +35,7 @@ def json_config(name: str, value, keys) -> dict:
             raise ValueError(f"{name} must be a JSON object, got {value!r} ({exc})") from None
     if not isinstance(value, dict):
         raise ValueError(f"{name} must be a dict, got {type(value).__name__}")
-    unknown = set(value) - set(keys)
+    unknown = set(value) - set(keys) if keys is not None else ()
     if unknown:
         raise ValueError(f"{name} has unknown key(s) {sorted(unknown)}; allowed: {list(keys)}")
     return dict(value)
@@ -45,6 +46,13 @@ class EngineArgs:
     model: str | None = None                  # hub id, local folder or .gguf; None = the built-in model
     tokenizer: str | None = None              # defaults to the model's own
     revision: str | None = None
+    tokenizer_revision: str | None = None     # the tokenizer's hub revision (vLLM's)
+    tokenizer_mode: str = "auto"              # "auto" | "slow" (transformers' use_fast=False)
+    skip_tokenizer_init: bool = False         # no tokenizer: token-id prompts, outputs without text
+    trust_remote_code: bool = False           # a checkpoint's own config / tokenizer code may run (transformers')
+    hf_overrides: object = None               # config fields changed before the model is built: dict or function
+    enforce_eager: bool = False               # vLLM's (no CUDA graphs there), accepted: XLA runs compiled programs
+    pipeline_parallel_size: int = 1           # vLLM's; only 1 (tensor_parallel_size and num_nodes scale out)
     dtype: str = "auto"                       # auto | float32 | bfloat16 | float16
     quantization: str | None = "auto"         # auto: the checkpoint's own (GGUF blocks kept); None | int8 | fp8 | int4
     load_format: str = "auto"                 # auto: the checkpoint's weights; dummy: random ones, the config's shapes
@@ -187,6 +195,16 @@ class EngineArgs:
         require("enable_lora", not self.enable_lora or spec is None or spec.method == "ngram",
                 "False with a draft model (speculative_config method 'draft_model'); prompt lookup works")
         require("enable_prompt_embeds", isinstance(self.enable_prompt_embeds, bool), "True or False")
+        require("tokenizer_mode", self.tokenizer_mode in ("auto", "slow"), "'auto' or 'slow'")
+        for flag in ("skip_tokenizer_init", "trust_remote_code", "enforce_eager"):
+            require(flag, isinstance(getattr(self, flag), bool), "True or False")
+        if isinstance(self.hf_overrides, str):   # the CLI's JSON
+            self.hf_overrides = json_config("hf_overrides", self.hf_overrides, None)
+        require("hf_overrides", self.hf_overrides is None or isinstance(self.hf_overrides, dict)
+                or callable(self.hf_overrides), "None, a dict of config fields or a function of the config")
+        require("pipeline_parallel_size", self.pipeline_parallel_size == 1,
+                "1 (pipeline parallelism is not supported: scale out with tensor_parallel_size, data_parallel_size "
+                "and num_nodes)")
         for name, ok in (("speculative_config", spec is None), ("num_nodes", self.num_nodes == 1),
                          ("runner", self.runner != "pooling")):
             require("enable_prompt_embeds", not self.enable_prompt_embeds or ok,

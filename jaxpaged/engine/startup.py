@@ -9,6 +9,7 @@ import jax
 from jaxpaged.core.kv_cache_manager import cdiv
 from jaxpaged.engine import memory
 from jaxpaged.engine.arg_utils import EngineArgs, xla_compiler_options
+from jaxpaged.models.hub_options import HubOptions
 from jaxpaged.models.loader import LoadedModel, load_model
 from jaxpaged.parallel import ShardPlan
 from jaxpaged.runner import multihost
@@ -30,9 +31,16 @@ def enable_compilation_cache() -> None:
 
 
 def load_tokenizer(args: EngineArgs, loaded: LoadedModel):
+    """The model's tokenizer (or `tokenizer`'s), as vLLM's tokenizer_mode ("slow": transformers' Python
+    tokenizer), tokenizer_revision and trust_remote_code ask; None with skip_tokenizer_init (token-id prompts,
+    outputs without text)."""
     from transformers import AutoTokenizer
+    if args.skip_tokenizer_init:
+        return None
+    options = dict(trust_remote_code=args.trust_remote_code, revision=args.tokenizer_revision,
+                   **({"use_fast": False} if args.tokenizer_mode == "slow" else {}))
     if args.tokenizer is not None:
-        return AutoTokenizer.from_pretrained(args.tokenizer)
+        return AutoTokenizer.from_pretrained(args.tokenizer, **options)
     if loaded.source.endswith(".gguf"):
         from jaxpaged.models.gguf_loader import load_gguf_tokenizer
         return load_gguf_tokenizer(loaded.source)
@@ -40,7 +48,7 @@ def load_tokenizer(args: EngineArgs, loaded: LoadedModel):
     if not any(os.path.exists(os.path.join(loaded.source, n)) for n in names):
         logger.warning("no tokenizer in %s: only token-id prompts will work", loaded.source)
         return None
-    tokenizer = AutoTokenizer.from_pretrained(loaded.source)
+    tokenizer = AutoTokenizer.from_pretrained(loaded.source, **options)
     if getattr(tokenizer, "chat_template", None) is None:   # a vision-language model's processor may hold it
         tokenizer.chat_template = processor_chat_template(loaded.source)
     return tokenizer
@@ -91,7 +99,8 @@ def load_model_and_tokenizer(args: EngineArgs, data_rank: int = 0):
     # one replica on one device keeps JAX's default placement; replicas pin their own devices
     plan = ShardPlan.for_devices(engine_devices(args, data_rank), pin=args.data_parallel_size > 1)
     loaded = load_model(model, args.dtype, args.revision, attention_backend=backend, scan_layers=args.scan_layers,
-                        shard_plan=plan, quantization=args.quantization, load_format=args.load_format)
+                        shard_plan=plan, quantization=args.quantization, load_format=args.load_format,
+                        hub=HubOptions.of(args))
     if args.attention_backend == "auto" and jax.devices()[0].platform == "gpu":
         cfg = loaded.config
         loaded.model.attention_backend = resolve_backend(
@@ -226,7 +235,7 @@ def load_draft_model(args: EngineArgs, spec, target: LoadedModel) -> LoadedModel
     target's vocabulary."""
     loaded = load_model(spec.model, args.dtype, args.revision, attention_backend=target.model.attention_backend,
                         scan_layers=args.scan_layers, shard_plan=target.model.shard_plan,
-                        quantization=args.quantization)
+                        quantization=args.quantization, hub=HubOptions(args.trust_remote_code))
     if loaded.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"speculative_config model {spec.model!r} has a vocabulary of {loaded.config.vocab_size} "
                          f"tokens, the target {target.config.vocab_size}: the draft must share the target's tokenizer")

@@ -15,6 +15,7 @@ import numpy as np
 
 from jaxpaged.models.config import ModelConfig, model_config_from_hf
 from jaxpaged.models.hf_names import QUANTIZABLE
+from jaxpaged.models.hub_options import HubOptions
 from jaxpaged.models.llama import layer_weight_shapes, weight_shapes
 from jaxpaged.models.loader import (_DTYPES, LoadedModel, _local_folder, put_weight, resolve_dtype,
                                     resolve_scan_layers, sharded_config)
@@ -65,15 +66,13 @@ def dummy_weights(cfg: ModelConfig, dtype: str, scan_layers: bool, plan: ShardPl
 
 
 def load_dummy(model: str, dtype: str, revision: str | None, attention_backend: str, scan_layers: bool | None,
-               shard_plan: ShardPlan, quantization: str | None):
+               shard_plan: ShardPlan, quantization: str | None, hub: HubOptions = HubOptions()):
     """loader.load_model for load_format="dummy": the config of `model` (a folder holding config.json, or
     a hub id), random weights. dtype "auto" is the config's (`torch_dtype`; float32 when it names none)."""
-    from transformers import AutoConfig
-
     if model.endswith(".gguf"):
         raise ValueError("load_format='dummy' takes a model folder with config.json or a hub id, not a .gguf file")
     folder = _local_folder(model, revision, weights=False)
-    hf_config = AutoConfig.from_pretrained(folder)
+    hf_config = hub.config(folder)
     cfg = model_config_from_hf(hf_config)
     configured = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)   # older transformers
     configured = str(configured or "float32").removeprefix("torch.")

@@ -20,6 +20,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxpaged.models.config import ModelConfig, model_config_from_hf
+from jaxpaged.models.hub_options import HubOptions
 from jaxpaged.models.hf_names import (EXPERT_WEIGHTS, F32_WEIGHTS, QUANTIZABLE, _hf_layer_sources, hf_part_shape,
                                         hf_reader, hf_tensor, hf_to_ours, hf_top_sources)
 from jaxpaged.models.registry import model_class_for
@@ -242,7 +243,7 @@ converted folder) and dummy (random weights of the config's shapes, jaxpaged.mod
 def load_model(model: str, dtype: str = "auto", revision: str | None = None,
                attention_backend: str = "reference", scan_layers: bool | None = None,
                shard_plan: ShardPlan = ShardPlan(), quantization: str | None = "auto",
-               load_format: str = "auto") -> LoadedModel:
+               load_format: str = "auto", hub: HubOptions = HubOptions()) -> LoadedModel:
     """Load weights and config; `model` is a .gguf path, a local folder or a hub id.
 
     `scan_layers`: stack the layer weights and scan over them (True), keep one set of arrays
@@ -251,13 +252,14 @@ def load_model(model: str, dtype: str = "auto", revision: str | None = None,
     returned config is then `sharded_config` (KV heads repeated where tp exceeds them).
     `quantization`: see `jaxpaged.models.quantization.resolve_quantization` ("auto" keeps a GGUF
     file's Q8_0/Q4_0/Q4_1 matrices quantized only where float weights would not fit: see
-    `_dequantize_gguf_at_load`). `load_format`: one of LOAD_FORMATS.
+    `_dequantize_gguf_at_load`). `load_format`: one of LOAD_FORMATS. `hub`: trust_remote_code and
+    hf_overrides (models/hub_options.py).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(map(repr, LOAD_FORMATS))}, got {load_format!r}")
     if load_format == "dummy":
         from jaxpaged.models.dummy import load_dummy
-        return load_dummy(model, dtype, revision, attention_backend, scan_layers, shard_plan, quantization)
+        return load_dummy(model, dtype, revision, attention_backend, scan_layers, shard_plan, quantization, hub)
     requested_scan = scan_layers
     if model.endswith(".gguf"):
         from jaxpaged.models.gguf_loader import load_gguf, num_elements, open_gguf, quantized_tensor_types
@@ -270,6 +272,7 @@ def load_model(model: str, dtype: str = "auto", revision: str | None = None,
         if requested == "auto" and native and _dequantize_gguf_at_load(num_elements(reader), dtype):
             quantization = None
         hf_config, tensors = load_gguf(reader, keep_quantized=quantization == "gguf")
+        hf_config = hub.override(hf_config)
         del reader
         cfg = model_config_from_hf(hf_config)
         scan_layers = resolve_scan_layers(requested_scan, cfg)
@@ -278,8 +281,7 @@ def load_model(model: str, dtype: str = "auto", revision: str | None = None,
         del tensors
         source = model
     elif is_converted(model):   # `jaxpaged convert`'s orbax folder: restored straight into the shardings
-        from transformers import AutoConfig
-        hf_config = AutoConfig.from_pretrained(model)
+        hf_config = hub.config(model)
         cfg = model_config_from_hf(hf_config)
         scan_layers = resolve_scan_layers(requested_scan, cfg)
         check_tensor_parallel(cfg, shard_plan.size)
@@ -295,13 +297,11 @@ def load_model(model: str, dtype: str = "auto", revision: str | None = None,
             weights = quantize_loaded(weights, quantization, shard_plan)
         source = model
     else:
-        from transformers import AutoConfig
-
         from jaxpaged.models.safetensors_io import Checkpoint
         folder = _local_folder(model, revision)
         if not os.path.exists(os.path.join(folder, "config.json")):
             raise FileNotFoundError(f"no config.json in model folder {folder!r}")
-        hf_config = AutoConfig.from_pretrained(folder)
+        hf_config = hub.config(folder)
         cfg = model_config_from_hf(hf_config)
         scan_layers = resolve_scan_layers(requested_scan, cfg)
         checkpoint = Checkpoint(folder)
