@@ -63,8 +63,17 @@ _STORAGES = {"FloatStorage": np.float32, "DoubleStorage": np.float64, "HalfStora
 
 
 def _rebuild_tensor(storage, offset, size, stride, *_):
+    """The tensor's view of its storage, copied; its sizes and strides checked to stay inside the storage
+    (as_strided reads whatever they point at)."""
+    size, stride = tuple(size), tuple(stride)
+    ints = all(isinstance(v, int) and v >= 0 for v in (offset, *size, *stride))
+    if not ints or len(size) != len(stride):
+        raise ValueError(f"a tensor of sizes {size} and strides {stride} at {offset}")
+    extent = offset + sum((n - 1) * st for n, st in zip(size, stride)) + 1 if all(size) else offset
+    if extent > len(storage):
+        raise ValueError(f"a tensor of sizes {size} and strides {stride} reaches past its storage of {len(storage)}")
     itemsize = storage.dtype.itemsize
-    return np.lib.stride_tricks.as_strided(storage[offset:], tuple(size), tuple(s * itemsize for s in stride)).copy()
+    return np.lib.stride_tricks.as_strided(storage[offset:], size, tuple(st * itemsize for st in stride)).copy()
 
 
 class _TorchUnpickler(pickle.Unpickler):

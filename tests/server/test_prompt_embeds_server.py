@@ -120,3 +120,24 @@ def test_the_default_body_limit_holds_a_whole_context_of_fp32_rows():
         torch_b64(np.zeros((context - 1, width), np.float32)))
     assert body <= default_max_request_body_bytes(context, width)
     assert default_max_request_body_bytes(context) < body   # what a token-only server allows would not do
+
+
+def test_a_tensor_reaching_past_its_storage_is_refused():
+    """Sizes and strides are the file's to claim: a view past the stored values is an error, not a read."""
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(torch.zeros(2, 3), buffer)
+    raw = buffer.getvalue()
+    with zipfile.ZipFile(io.BytesIO(raw)) as z:
+        files = {name: z.read(name) for name in z.namelist()}
+    pkl = next(name for name in files if name.endswith("data.pkl"))
+    # the pickled size (2, 3) becomes (2, 300): 600 values claimed of 6 stored
+    files[pkl] = files[pkl].replace(b"K\x02K\x03\x86", b"K\x02M,\x01\x86")
+    assert files[pkl] != pickle.dumps(None) and b"M,\x01" in files[pkl]
+    forged = io.BytesIO()
+    with zipfile.ZipFile(forged, "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+    with pytest.raises(ValueError, match="past its storage"):
+        decode_base64(base64.b64encode(forged.getvalue()).decode())
