@@ -293,6 +293,9 @@ class LLM:
                              "(n > 1 for several candidates) to constrain the output")
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if self.llm_engine.args.logprobs_mode.endswith("_logits"):   # beams are ranked by summed logprobs
+            raise ValueError(f"beam search ranks beams by logprobs; this engine's logprobs_mode is "
+                             f"{self.llm_engine.args.logprobs_mode!r} (allowed: 'raw_logprobs', 'processed_logprobs')")
         if any(e.speculator is not None for e in self.llm_engine.replicas()):
             raise ValueError("beam search is not supported with speculative_config: make an LLM without "
                              "speculative_config for beam search")

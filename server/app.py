@@ -86,6 +86,16 @@ async def _close(gens) -> None:
         await gen.aclose()
 
 
+def _truncated(prompt: dict, ids: list[int], cut: list[int]) -> tuple[dict, list[int]]:
+    """An input whose tokens `ids` were cut to their last `cut`: its prompt dict then holds only those (a
+    prompt of embeddings, its last rows)."""
+    if len(cut) == len(ids):
+        return prompt, ids
+    if "prompt_embeds" in prompt:
+        return {"prompt_embeds": prompt["prompt_embeds"][len(ids) - len(cut):]}, cut
+    return {"prompt_token_ids": cut}, cut
+
+
 def engine_dead() -> P.APIError:
     return P.APIError(503, "the engine loop is not running", code="engine_dead", type="server_error")
 
@@ -207,10 +217,8 @@ class _Server:
         keep = req.request.truncate_prompt_tokens
         if keep is not None:   # vLLM's left truncation, before the context-length rule is checked; a cut
             # prompt's text is dropped, so that an echo shows the tokens the model saw
-            cuts = [(prompt, truncate_prompt(ids, keep, self.engine.max_model_len)) for prompt, ids in inputs]
-            inputs = [(prompt if len(cut) == len(ids) else {"prompt_embeds": prompt["prompt_embeds"][-len(cut):]}
-                       if "prompt_embeds" in prompt else {"prompt_token_ids": cut}, cut)
-                      for (prompt, cut), (_, ids) in zip(cuts, inputs)]
+            inputs = [_truncated(prompt, ids, truncate_prompt(ids, keep, self.engine.max_model_len))
+                      for prompt, ids in inputs]
         P.plan_reasoning(req, self.engine.args.reasoning_parser)
         params = [P.build_sampling_params(req, len(ids), self.engine.max_model_len) for _, ids in inputs]
         request_id = f"{prefix}-{uuid.uuid4().hex}"

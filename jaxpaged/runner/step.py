@@ -167,9 +167,7 @@ def sample_fn(statics: SampleStatics, state, slots: SlotState, rows: SampleRows,
                             jnp.arange(S, dtype=jnp.int32) - rows.first)
     # decode buckets are at most half padding; a prompt step's many padding rows skip the matmul
     num_rows = jnp.sum(rows.row_slots != slots.params.shape[0] - 1) if statics.skip_padding else None
-    layout = statics.layout
-
-    mode = statics.logprobs_mode
+    layout, mode = statics.layout, statics.logprobs_mode
 
     def greedy(h):   # the common decode case
         if layout.vocab_major_greedy:

@@ -105,6 +105,13 @@ def test_raw_logits_are_transformers_logits():
     assert plain[0].outputs[0].logprobs[0][token].logprob == pytest.approx(float(expected[token]), abs=1e-3)
 
 
+def test_beam_search_refuses_logits_in_place_of_logprobs():
+    from jaxpaged import BeamSearchParams
+
+    with pytest.raises(ValueError, match="beam search ranks beams by logprobs"):
+        mode_llm("raw_logits").beam_search([[5, 17, 42]], BeamSearchParams(beam_width=2, max_tokens=2))
+
+
 def test_an_unknown_mode_is_a_value_error_naming_the_choices():
     with pytest.raises(ValueError, match="logprobs_mode must be one of 'raw_logprobs', 'raw_logits'"):
         EngineArgs(logprobs_mode="logits")
