@@ -57,10 +57,7 @@ class InputProcessor:
         cache_salt = self.cache_salt(prompt)
         token_ids = self.truncate(token_ids, params.truncate_prompt_tokens)
         self.validate(token_ids, params)
-        bad_words = self.bad_words_token_ids(params.bad_words)
-        if params.allowed_token_ids and set(params.allowed_token_ids) <= {w[0] for w in bad_words if len(w) == 1}:
-            raise ValueError("allowed_token_ids leaves no token to sample: bad_words bans every one of them")
-        return ProcessedPrompt(text, token_ids, cache_salt, bad_words)
+        return ProcessedPrompt(text, token_ids, cache_salt, self.banned_words(params))
 
     def process_embeds(self, prompt: dict, params: SamplingParams) -> ProcessedPrompt:
         """An EmbedsPrompt: its rows checked against the model and truncated as asked."""
@@ -73,8 +70,7 @@ class InputProcessor:
             embeds = embeds[kept[0]:]
         token_ids = [0] * len(embeds)
         self.validate(token_ids, params)
-        bad_words = self.bad_words_token_ids(params.bad_words)
-        return ProcessedPrompt(None, token_ids, self.cache_salt(prompt), bad_words, embeds,
+        return ProcessedPrompt(None, token_ids, self.cache_salt(prompt), self.banned_words(params), embeds,
                                block_digests(embeds, self.embeds.block_size))
 
     def prompt_embeds(self, prompt: dict) -> np.ndarray:
@@ -135,6 +131,13 @@ class InputProcessor:
             bad = [t for t in ids if not 0 <= int(t) < vocab]
             if bad:
                 raise ValueError(f"{name} token id {bad[0]} is out of range [0, {vocab})")
+
+    def banned_words(self, params: SamplingParams) -> list[list[int]]:
+        """The request's bad words as token ids; ValueError when they ban every allowed token."""
+        bad_words = self.bad_words_token_ids(params.bad_words)
+        if params.allowed_token_ids and set(params.allowed_token_ids) <= {w[0] for w in bad_words if len(w) == 1}:
+            raise ValueError("allowed_token_ids leaves no token to sample: bad_words bans every one of them")
+        return bad_words
 
     def bad_words_token_ids(self, bad_words: list[str] | None) -> list[list[int]]:
         """Each bad word as token ids, as vLLM tokenizes them: the word with its leading spaces
