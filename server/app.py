@@ -37,7 +37,7 @@ from jaxpaged.server.response_types import ModelList
 from jaxpaged.server.responses import Reply, internal_error, prepend
 from jaxpaged.server.tools import ToolSettings, plan_tools
 from jaxpaged.server.responses_api import ResponseStore, create_response, stored_response
-from jaxpaged.server.vllm_types import DetokenizeRequest, TokenizeRequest
+from jaxpaged.server.tokens import detokenize, tokenize
 
 logger = logging.getLogger(__name__)
 
@@ -259,7 +259,7 @@ class _Server:
         return _json(reply.whole(finals))
 
     def route(self, serve):
-        """The handler of a route served elsewhere (server/embeddings.py, responses_api.py, adapters.py):
+        """The handler of a route served elsewhere (server/embeddings.py, responses_api.py, adapters.py, tokens.py):
         `serve(server, request)` returns its Response, or a body sent as JSON."""
         async def handler(request: Request) -> Response:
             out = await serve(self, request)
@@ -275,29 +275,6 @@ class _Server:
                   "root": lora.lora_path, "parent": self.names[0], "max_model_len": self.engine.max_model_len}
                  for name, lora in (self.loras or {}).items()]
         return _json(ModelList.model_validate({"object": "list", "data": data}).model_dump(mode="json"))
-
-    async def tokenize(self, request: Request) -> Response:
-        req = P.validate(TokenizeRequest, await self.read_json(request))
-        self.model(req.model)
-        if req.messages is not None:
-            _, ids = self.render_chat(P.message_dicts(req.messages), req.add_generation_prompt,
-                                      P.tool_dicts(req.tools), req.chat_template_kwargs, req.continue_final_message)
-        elif req.prompt is not None:
-            special = req.add_special_tokens is not False
-            ids = list(self.need_tokenizer("prompt").encode(req.prompt, add_special_tokens=special))
-        else:
-            raise P.APIError(400, "tokenize needs prompt (a string) or messages", "prompt",
-                             "missing_required_parameter")
-        return _json({"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids})
-
-    async def detokenize(self, request: Request) -> Response:
-        req = P.validate(DetokenizeRequest, await self.read_json(request))
-        self.model(req.model)
-        tokens, vocab = req.tokens, self.engine.model_config.vocab_size
-        if not all(0 <= t < vocab for t in tokens):
-            raise P.APIError(400, f"tokens must be a list of token ids in [0, {vocab}), got {P.brief_repr(tokens)}",
-                             "tokens", "invalid_value")
-        return _json({"prompt": self.need_tokenizer("tokens").decode(tokens)})
 
     async def health(self, request: Request) -> Response:
         if self.engine.is_running:
@@ -382,8 +359,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str] | None = None, api
              *[(path, server.route(create_score), "POST") for path in ("/score", "/v1/score")],
              *[(path, server.route(create_rerank), "POST") for path in ("/rerank", "/v1/rerank", "/v2/rerank")],
              ("/health", server.health, "GET"),
-             ("/metrics", server.metrics_text, "GET"), ("/tokenize", server.tokenize, "POST"),
-             ("/detokenize", server.detokenize, "POST"), ("/version", server.version, "GET"),
+             ("/metrics", server.metrics_text, "GET"), ("/tokenize", server.route(tokenize), "POST"),
+             ("/detokenize", server.route(detokenize), "POST"), ("/version", server.version, "GET"),
              ("/openapi.json", server.openapi, "GET"),
              ("/v1/load_lora_adapter", server.route(load_lora_adapter), "POST"),
              ("/v1/unload_lora_adapter", server.route(unload_lora_adapter), "POST")]

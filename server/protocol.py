@@ -8,7 +8,6 @@ live in SamplingParams and the engine, whose ValueError messages start with the 
 """
 
 import logging
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,7 +15,6 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from jaxpaged.engine.prompt_embeds import decode_base64
-from jaxpaged.outputs import Logprob
 from jaxpaged.reasoning import KEEPS_SPECIAL_TOKENS, READS_SPECIAL_TOKENS
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.server.openai_types import (_UNSUPPORTED, ChatCompletionRequest, CompletionRequest, Message,
@@ -28,8 +26,6 @@ logger = logging.getLogger(__name__)
 
 # OpenAI's default for /v1/completions (vLLM keeps it); chat defaults to the rest of the context.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-# JSON has no -inf; vLLM reports masked-out candidates with this floor instead.
-_LOGPROB_FLOOR = -9999.0
 
 
 class APIError(Exception):
@@ -328,63 +324,6 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-
-
-def _finite(logprob: float) -> float:
-    return logprob if math.isfinite(logprob) else _LOGPROB_FLOOR
-
-
-def token_id_name(token_id: int) -> str:
-    """A token as vLLM's return_tokens_as_token_ids names it in logprobs (a token that is part of a
-    character has no text of its own)."""
-    return f"token_id:{token_id}"
-
-
-def _token_text(token_id: int, entry: dict[int, Logprob] | None, decode) -> str:
-    if decode is token_id_name:
-        return token_id_name(token_id)
-    lp = entry.get(token_id) if entry else None
-    return lp.decoded_token if lp is not None and lp.decoded_token is not None else decode(token_id)
-
-
-def _best(entry: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
-    return sorted(entry.items(), key=lambda kv: -kv[1].logprob)
-
-
-def prompt_logprobs(entries: list, decode) -> list[dict | None]:
-    """vLLM's prompt_logprobs: per prompt token (None: the first) its candidates by token id."""
-    return [None if entry is None else
-            {str(t): {"logprob": _finite(lp.logprob), "rank": lp.rank, "decoded_token": _token_text(t, entry, decode)}
-             for t, lp in entry.items()} for entry in entries]
-
-
-def completion_logprobs(token_ids: list[int], entries: list, text_offset: int, decode) -> dict:
-    """/v1/completions format; an entry of None (the first prompt token) has no logprob."""
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for token_id, entry in zip(token_ids, entries):
-        text = _token_text(token_id, entry, decode)
-        out["tokens"].append(text)
-        out["token_logprobs"].append(_finite(entry[token_id].logprob) if entry else None)
-        top = None
-        if entry:
-            top = {}
-            for candidate, lp in _best(entry):   # two ids can read the same ("\ufffd"): keep the likelier
-                top.setdefault(_token_text(candidate, entry, decode), _finite(lp.logprob))
-        out["top_logprobs"].append(top)
-        out["text_offset"].append(text_offset)
-        text_offset += len(text)
-    return out
-
-
-def chat_logprobs(token_ids: list[int], entries: list, top_n: int, decode) -> dict:
-    """/v1/chat/completions format: one object per token with its `top_n` best candidates."""
-    def item(token_id, lp: Logprob, entry) -> dict:
-        text = _token_text(token_id, entry, decode)
-        return {"token": text, "logprob": _finite(lp.logprob), "bytes": list(text.encode("utf-8"))}
-
-    return {"content": [{**item(t, entry[t], entry),
-                         "top_logprobs": [item(c, lp, entry) for c, lp in _best(entry)[:top_n]]}
-                        for t, entry in zip(token_ids, entries)]}
 
 
 def response(kind: str, request_id: str, created: int, model: str, choices: list, usage_: dict | None = None,

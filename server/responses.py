@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 from jaxpaged.reasoning import ReasoningParser
+from jaxpaged.server import logprobs as L
 from jaxpaged.server import protocol as P
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ class Reply:
         self.created = int(time.time())
         self.n = params.n
         # a token as logprobs name it: its text, or "token_id:<id>" (vLLM's return_tokens_as_token_ids)
-        self.decode = P.token_id_name if req.request.return_tokens_as_token_ids else server.decode_token
+        self.decode = L.token_id_name if req.request.return_tokens_as_token_ids else server.decode_token
         self.token_ids = bool(req.request.return_token_ids)   # vLLM's return_token_ids
         self.sent_prompt_ids = False   # a chat stream sends the prompt's token ids in its first chunk
         self.cursors: dict[int, _Cursor] = {}
@@ -153,11 +154,11 @@ class Reply:
             if self.req.kind == "completion" and (not self.req.stream or not started):
                 ids["prompt_token_ids"] = None if out.prompt_token_ids is None else list(out.prompt_token_ids)
         if self.req.kind == "completion" and self.req.request.prompt_logprobs is not None:   # never streamed
-            ids["prompt_logprobs"] = P.prompt_logprobs(out.prompt_logprobs or [], self.decode)
+            ids["prompt_logprobs"] = L.prompt_logprobs(out.prompt_logprobs or [], self.decode)
         want = self.req.logprobs is not None
         decode = self.decode
         if self.req.kind == "chat":
-            lps = P.chat_logprobs(token_ids, entries, self.req.logprobs, decode) if want else None
+            lps = L.chat_logprobs(token_ids, entries, self.req.logprobs, decode) if want else None
             if self.req.stream:
                 delta = {} if started else {"role": "assistant"}
                 if text or not started:
@@ -177,7 +178,7 @@ class Reply:
             if want:
                 token_ids = list(out.prompt_token_ids) + list(token_ids)
                 entries = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + list(entries)
-        lps = P.completion_logprobs(token_ids, entries, offset, decode) if want else None
+        lps = L.completion_logprobs(token_ids, entries, offset, decode) if want else None
         return {"index": index, "text": text, "logprobs": lps, **finish, **ids}
 
     def _usage(self, finals) -> dict:
@@ -200,7 +201,7 @@ class Reply:
                         for c in out.outputs]
         chat_lps = None
         if self.req.kind == "chat" and self.req.request.prompt_logprobs is not None:
-            chat_lps = P.prompt_logprobs(finals[0].prompt_logprobs or [], self.decode)
+            chat_lps = L.prompt_logprobs(finals[0].prompt_logprobs or [], self.decode)
         return P.response(self.req.kind, self.request_id, self.created, self.model, choices, self._usage(finals),
                           prompt_token_ids=self._chat_prompt_ids(finals[0]), prompt_logprobs=chat_lps)
 
@@ -231,7 +232,7 @@ class Reply:
                             "finish_reason": None, "stop_reason": None})
             cursor.started = True
         if choices and self.req.logprobs is not None and token_ids:
-            choices[0]["logprobs"] = P.chat_logprobs(token_ids, entries, self.req.logprobs, self.decode)
+            choices[0]["logprobs"] = L.chat_logprobs(token_ids, entries, self.req.logprobs, self.decode)
         if self.token_ids:
             for j, choice in enumerate(choices):
                 choice["token_ids"] = list(token_ids) if j == 0 else []

@@ -74,37 +74,27 @@ class DataParallelEngine:
         first = self.engines[0]
         processor = first.input_processor   # ValueError on a bad prompt, before anything is queued
         salt = processor.cache_salt(prompt)
-        if isinstance(prompt, dict) and "prompt_embeds" in prompt:   # routed by its blocks' hashes too
+        if isinstance(prompt, dict) and "prompt_embeds" in prompt:   # routed by its blocks' row digests too
             processed = processor.process(prompt, params or SamplingParams())
-            embeds = {"prompt_embeds": processed.embeds}
-            if salt is not None:
-                embeds["cache_salt"] = salt
-            request_id = self._new_id(request_id)
-            engine = self.route(processed.token_ids, lora_cache_salt(salt, lora_request), processed.embeds_digests)
-            engine.add_request(request_id, embeds, params, arrival_time, lora_request, priority, pooling_params)
-            self._owner[request_id] = engine
-            return request_id
-        text, token_ids = processor.tokenize(prompt)
-        asks = pooling_params if pooling_params is not None else params   # either carries truncate_prompt_tokens
-        token_ids = processor.truncate(token_ids, getattr(asks, "truncate_prompt_tokens", None))
-        request_id = self._new_id(request_id)
-        engine = self.route(token_ids, lora_cache_salt(salt, lora_request))
-        tokenized = {"prompt_token_ids": token_ids}
-        if text is not None:
-            tokenized["prompt"] = text
+            token_ids, digests = processed.token_ids, processed.embeds_digests
+            forwarded = {"prompt_embeds": processed.embeds}
+        else:
+            text, token_ids = processor.tokenize(prompt)
+            asks = pooling_params if pooling_params is not None else params   # either carries truncate_prompt_tokens
+            token_ids = processor.truncate(token_ids, getattr(asks, "truncate_prompt_tokens", None))
+            digests, forwarded = (), {"prompt_token_ids": token_ids}
+            if text is not None:
+                forwarded["prompt"] = text
         if salt is not None:
-            tokenized["cache_salt"] = salt
-        engine.add_request(request_id, tokenized, params, arrival_time, lora_request, priority, pooling_params)
-        self._owner[request_id] = engine
-        return request_id
-
-    def _new_id(self, request_id: str | None) -> str:
-        """The request's id: given (ValueError if in use), or a fresh one the caller has not taken."""
-        if request_id is None:
-            return next(i for i in (f"dp-{n}" for n in self._ids) if i not in self._owner)
+            forwarded["cache_salt"] = salt
+        if request_id is None:   # a fresh id the caller has not taken
+            request_id = next(i for i in (f"dp-{n}" for n in self._ids) if i not in self._owner)
         request_id = str(request_id)
         if request_id in self._owner:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        engine = self.route(token_ids, lora_cache_salt(salt, lora_request), digests)
+        engine.add_request(request_id, forwarded, params, arrival_time, lora_request, priority, pooling_params)
+        self._owner[request_id] = engine
         return request_id
 
     def add_lora(self, lora_request) -> bool:

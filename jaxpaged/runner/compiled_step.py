@@ -115,7 +115,7 @@ class CompiledStep:
             statics = StepStatics(self.graphdef, layout, shape.q_tile, self.block_size, self.plan)
             buffer = layout.empty(self.slot_table.pad_slot)[0]   # its shape only: nothing moves while compiling
             replicated = self.plan.array_sharding(P())
-            embeds = None if not self.prompt_embeds else jax.ShapeDtypeStruct(
+            embeds = None if not self.takes_prompt_embeds else jax.ShapeDtypeStruct(
                 (shape.num_tokens, self.model_config.hidden_size), self.embeds_dtype, sharding=replicated)
             args = (self.state, self.kv_pool_spec, self.slot_state,
                     jax.ShapeDtypeStruct(buffer.shape, buffer.dtype, sharding=replicated),

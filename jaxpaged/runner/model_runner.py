@@ -49,6 +49,7 @@ from jaxpaged.runner.multihost import OP_SAMPLE, OP_STEP, OP_STOP, OP_UPDATES, S
 from jaxpaged.runner.input_batch import (HOST_MASKED, LORA_SLOT, NUM_PLACEHOLDERS, REQUEST, START, GeneralColumns,
                                          InputBatch)
 from jaxpaged.runner.persistent_batch import SlotState, SlotTable, apply_updates, pack_updates
+from jaxpaged.runner.step_args import StepArgs
 from jaxpaged.runner.step_input import StepLayout
 from jaxpaged.runner.step_results import StepResult, unpack_prompt_logprobs
 from jaxpaged.runner.structured_outputs import bitmask_words, step_bitmask
@@ -88,7 +89,7 @@ class _Pending:
         return self._row_of
 
 
-class ModelRunner(CompiledStep, DeviceMemory):
+class ModelRunner(CompiledStep, DeviceMemory, StepArgs):
     def __init__(self, model, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, kv_dtype=None, num_host_blocks: int = 0, host_cache_slots: int = 0,
                  max_logprobs: int = MAX_LOGPROBS, calculate_kv_scales: bool = False,
@@ -99,7 +100,7 @@ class ModelRunner(CompiledStep, DeviceMemory):
         self.logprobs_mode = logprobs_mode   # vLLM's: what sampled tokens' logprobs hold (sampler.LOGPROBS_MODES)
         # enable_prompt_embeds: every forward takes a [T, hidden] input of prompt-embedding rows, read where
         # a token's id is -1 (sent only by steps that hold such tokens; zeros on the device otherwise)
-        self.prompt_embeds = prompt_embeds
+        self.takes_prompt_embeds = prompt_embeds
         self.embeds_dtype = np.dtype(model.dtype)
         self._no_embeds = {}                # step tokens -> zeros [T, hidden] on the device
         # runner="pooling": each step also brings back its sample rows' hidden states (a prompt's last
@@ -342,33 +343,6 @@ class ModelRunner(CompiledStep, DeviceMemory):
             for out in (pending.packed, pending.prompt_packed, pending.pooled_rows):
                 if out is not None and out.is_fully_addressable:
                     out.copy_to_host_async()
-
-    def _embeds_arg(self, shape: BatchShape, embeds: list | None):
-        """The step's prompt-embeddings input (enable_prompt_embeds; else None): [T, hidden] in the model
-        dtype, sent when some token takes its row from a prompt's embeddings, else zeros kept on the device."""
-        if not self.prompt_embeds:
-            return None
-        if embeds:
-            rows = np.zeros((shape.num_tokens, self.model_config.hidden_size), self.embeds_dtype)
-            for flat, values in embeds:
-                rows[flat:flat + len(values)] = values
-            return self.plan.put(rows)
-        zeros = self._no_embeds.get(shape.num_tokens)
-        if zeros is None:   # (made at start-up by warmup: a copy from the host, nothing compiled)
-            zeros = self.plan.put(np.zeros((shape.num_tokens, self.model_config.hidden_size), self.embeds_dtype))
-            self._no_embeds[shape.num_tokens] = zeros
-        return zeros
-
-    def _bitmask_arg(self, shape: BatchShape, bitmask: np.ndarray | None):
-        """The step's bitmask input: sent when some row is constrained, else kept on the device."""
-        if bitmask is not None:
-            return self.plan.put(bitmask)
-        allowed = self._all_allowed.get(shape.num_logits)
-        if allowed is None:
-            with jax.default_device(self.plan.local_device):
-                allowed = self.plan.replicate(jnp.full((shape.num_logits, self.bitmask_words), -1, jnp.int32))
-            self._all_allowed[shape.num_logits] = allowed
-        return allowed
 
     # ---- several hosts ----------------------------------------------------------------------
     def follow(self) -> int:

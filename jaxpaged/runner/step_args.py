@@ -1,0 +1,38 @@
+"""The step's device inputs that stay on the device unless a step needs them sent (ModelRunner inherits
+this): the structured-output bitmask (all ones where no row is constrained) and the prompt-embeddings rows
+(zeros where no token reads one). Each kept one is made once per bucket, at start-up (warmup)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpaged.runner.batch_builder import BatchShape
+
+
+class StepArgs:
+    def _embeds_arg(self, shape: BatchShape, embeds: list | None):
+        """The step's prompt-embeddings input (enable_prompt_embeds; else None): [T, hidden] in the model
+        dtype, sent when some token takes its row from a prompt's embeddings, else zeros kept on the device."""
+        if not self.takes_prompt_embeds:
+            return None
+        if embeds:
+            rows = np.zeros((shape.num_tokens, self.model_config.hidden_size), self.embeds_dtype)
+            for flat, values in embeds:
+                rows[flat:flat + len(values)] = values
+            return self.plan.put(rows)
+        zeros = self._no_embeds.get(shape.num_tokens)
+        if zeros is None:   # (made at start-up by warmup: a copy from the host, nothing compiled)
+            zeros = self.plan.put(np.zeros((shape.num_tokens, self.model_config.hidden_size), self.embeds_dtype))
+            self._no_embeds[shape.num_tokens] = zeros
+        return zeros
+
+    def _bitmask_arg(self, shape: BatchShape, bitmask: np.ndarray | None):
+        """The step's bitmask input: sent when some row is constrained, else kept on the device."""
+        if bitmask is not None:
+            return self.plan.put(bitmask)
+        allowed = self._all_allowed.get(shape.num_logits)
+        if allowed is None:
+            with jax.default_device(self.plan.local_device):
+                allowed = self.plan.replicate(jnp.full((shape.num_logits, self.bitmask_words), -1, jnp.int32))
+            self._all_allowed[shape.num_logits] = allowed
+        return allowed
