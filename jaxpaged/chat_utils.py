@@ -27,6 +27,19 @@ def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None
                                          continue_final_message=continue_final_message, **extra)
 
 
+def render_chat_images(tokenizer, messages: list[dict], images, *args, **kwargs) -> tuple[str, list]:
+    """`render_chat` of messages that may hold image parts (engine/multimodal.chat_images), and their images.
+    `images`: the engine's multimodal.ImageInputs, or the reason it takes none (a str: ValueError naming the
+    first image part). A template that places no image token (it reads content as a string) gets each image's
+    placeholder before the message's text, as vLLM's "string" content format."""
+    from jaxpaged.engine.multimodal import chat_images, text_content
+    messages, found = chat_images(messages, images if isinstance(images, str) else None)
+    text = render_chat(tokenizer, messages, *args, **kwargs)
+    if found and text.count(images.placeholder) < len(found):
+        text = render_chat(tokenizer, text_content(messages, images.placeholder), *args, **kwargs)
+    return text, found
+
+
 def template_messages(messages: list[dict]) -> list[dict]:
     """Messages as chat templates expect them: a tool call's arguments as an object (OpenAI sends
     a JSON string; Hermes-style templates apply `tojson` to it)."""

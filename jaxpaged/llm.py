@@ -4,7 +4,7 @@ import dataclasses
 import time
 from typing import Any, Sequence
 
-from jaxpaged.chat_utils import render_chat
+from jaxpaged.chat_utils import render_chat_images
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.dp_engine import make_engine
 from jaxpaged.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput,
@@ -269,11 +269,15 @@ class LLM:
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
+        processor = self.llm_engine.replicas()[0].input_processor
         prompts = []
         for conversation in conversations:
-            text = render_chat(tokenizer, conversation, tools, chat_template, add_generation_prompt,
-                               chat_template_kwargs, continue_final_message)
+            text, images = render_chat_images(tokenizer, conversation, processor.images or processor.no_images,
+                                              tools, chat_template, add_generation_prompt, chat_template_kwargs,
+                                              continue_final_message)
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+            if images:   # (a message's image parts, as vLLM's chat: `image_url`, `image_pil`)
+                prompts[-1]["multi_modal_data"] = {"image": images}
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,

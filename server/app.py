@@ -24,7 +24,7 @@ from starlette.routing import Route
 
 import jaxpaged
 from jaxpaged import AsyncLLM
-from jaxpaged.chat_utils import render_chat
+from jaxpaged.chat_utils import render_chat_images
 from jaxpaged.engine.async_llm import EngineOverloadedError
 from jaxpaged.sampling_params import truncate_prompt
 from jaxpaged.server import protocol as P
@@ -107,7 +107,11 @@ class _Server:
                  max_request_body_bytes: int | None = None):
         self.engine, self.api_key = engine, api_key
         embeds_width = engine.model_config.hidden_size if engine.args.enable_prompt_embeds else 0
-        self.max_request_body_bytes = default_max_request_body_bytes(engine.max_model_len, embeds_width) \
+        # images in chat messages: the engine's ImageInputs, or why it takes none (chat_utils.render_chat_images)
+        inputs = engine.engine.replicas()[0].input_processor
+        self.images = inputs.images or inputs.no_images
+        self.max_request_body_bytes = default_max_request_body_bytes(
+            engine.max_model_len, embeds_width, inputs.images is not None) \
             if max_request_body_bytes is None else max_request_body_bytes
         # --enable-lora: adapter name -> LoRARequest (None: LoRA off, the adapter routes answer 404)
         self.loras = None if loras is None else {r.lora_name: r for r in loras}
@@ -158,21 +162,22 @@ class _Server:
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool | None = True,
                     tools: list[dict] | None = None, template_kwargs: dict | None = None,
-                    continue_final_message: bool | None = False) -> tuple[str, list[int]]:
-        """The conversation's text and token ids. add_generation_prompt None: not given, so true unless
-        continue_final_message (vLLM's fields); 400 naming the field for what the template refuses."""
+                    continue_final_message: bool | None = False) -> tuple[str, list[int], list]:
+        """The conversation's text, token ids and images (image_url parts). add_generation_prompt None: not given,
+        so true unless continue_final_message (vLLM's fields); 400 naming the field for what the template
+        refuses, or for an image this model cannot take or Pillow cannot read."""
         tokenizer = self.need_tokenizer("messages")
         if add_generation_prompt is None:
             add_generation_prompt = not continue_final_message
         try:
-            text = render_chat(tokenizer, messages, tools, self.chat_template, add_generation_prompt, template_kwargs,
-                               bool(continue_final_message))
+            text, images = render_chat_images(tokenizer, messages, self.images, tools, self.chat_template,
+                                              add_generation_prompt, template_kwargs, bool(continue_final_message))
         except Exception as exc:   # no template, the template's own checks (roles, order), a clashing variable
             param = next((p for p in ("chat_template_kwargs", "continue_final_message") if str(exc).startswith(p)),
                          "messages")
             raise P.APIError(400, f"messages could not be rendered with the chat template: {exc}", param,
                              "invalid_value") from None
-        return text, list(tokenizer.encode(text, add_special_tokens=False))
+        return text, list(tokenizer.encode(text, add_special_tokens=False)), images
 
     def observe(self, out) -> None:
         if out.finished:
@@ -198,11 +203,14 @@ class _Server:
         forced = tools is not None and tools.constraint is not None   # "required" or a named function
         if forced:
             req.tool_constraint = tools.constraint
-        text, ids = self.render_chat(req.messages, req.request.add_generation_prompt, req.tools,
-                                     req.request.chat_template_kwargs, req.request.continue_final_message)
+        text, ids, images = await asyncio.to_thread(   # (an image URL is fetched and decoded off the loop)
+            self.render_chat, req.messages, req.request.add_generation_prompt, req.tools,
+            req.request.chat_template_kwargs, req.request.continue_final_message)
+        prompt = {"prompt": text, "prompt_token_ids": ids}
+        if images:
+            prompt["multi_modal_data"] = {"image": images}
         try:
-            return await self.generate(request, req, [({"prompt": text, "prompt_token_ids": ids}, ids)], "chatcmpl",
-                                       tools)
+            return await self.generate(request, req, [(prompt, ids)], "chatcmpl", tools)
         except P.APIError as exc:
             if forced and exc.param == "structured_outputs":   # the constraint is built from the tools
                 raise P.APIError(exc.status, f"the tools' parameters do not compile as a JSON schema: {exc.message}",

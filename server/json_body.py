@@ -28,11 +28,16 @@ _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")   # lone surrogates only come from \u escapes
 
 
-def default_max_request_body_bytes(max_model_len: int, embeds_width: int = 0) -> int:
+IMAGE_BODY_BYTES = 32 << 20
+
+
+def default_max_request_body_bytes(max_model_len: int, embeds_width: int = 0, images: bool = False) -> int:
     """`embeds_width` (--enable-prompt-embeds: the hidden size): a context of fp32 prompt embeddings in base64
-    (4 bytes a value, 4/3 of that in base64) fits too, with room for a torch.save file's own bytes."""
+    (4 bytes a value, 4/3 of that in base64) fits too, with room for a torch.save file's own bytes. `images`
+    (a vision-language model): 32 MiB more, for images sent as data URLs."""
     per_token = BODY_BYTES_PER_TOKEN + (embeds_width * 4 * 4 + 2) // 3
-    return max(MIN_DEFAULT_BODY_BYTES, per_token * max_model_len + (64 << 10 if embeds_width else 0))
+    return max(MIN_DEFAULT_BODY_BYTES, per_token * max_model_len + (64 << 10 if embeds_width else 0)) + \
+        (IMAGE_BODY_BYTES if images else 0)
 
 
 async def read_json(request: Request, max_bytes: int) -> dict:

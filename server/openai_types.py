@@ -42,6 +42,16 @@ class TextPart(_Strict):
     text: str
 
 
+class ImageURL(_Strict):
+    url: str   # data:image/<format>;base64,... or http(s)://
+    detail: Literal["auto", "low", "high"] | None = None   # (accepted; the image processor's size is the model's)
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class FunctionCall(_Strict):
     name: str
     arguments: str   # JSON, as the model wrote it
@@ -55,7 +65,8 @@ class ToolCall(_Strict):
 
 class Message(_Strict):
     role: str
-    content: str | list[TextPart] | None = None   # only text parts can be served
+    # images: a vision-language model's (the part's type picks its model, so an error names the right field)
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None      # an assistant's earlier calls
     tool_call_id: str | None = None               # a tool message: the call it answers

@@ -139,6 +139,8 @@ def _api_error(exc: ValidationError, model: type[BaseModel], body: dict) -> APIE
         detail, got = f"{path} needs {first['loc'][-1]}", _NOTHING
     elif all(e["type"] in _TYPE_WORDS for e in closest):
         detail, got = f"{path} must be {' or '.join(dict.fromkeys(_TYPE_WORDS[e['type']] for e in closest))}", value
+    elif first["type"] == "union_tag_invalid":   # a content part's type (openai_types.Message.content)
+        detail, got = f"{path}.type must be one of {first['ctx']['expected_tags']}", first["ctx"]["tag"]
     elif len(closest) == 1 and first["msg"].startswith("Input should be "):   # a literal's values
         detail, got = f"{path} must be {first['msg'].removeprefix('Input should be ')}", value
     else:
@@ -231,7 +233,9 @@ def tool_dicts(tools: list[Tool] | None) -> list[dict] | None:
 
 def _message_dict(message: Message) -> dict:
     content = message.content
-    if isinstance(content, list):
+    if isinstance(content, list) and any(part.type == "image_url" for part in content):
+        content = [part.model_dump(exclude_none=True) for part in content]   # (to chat_utils.render_chat_images)
+    elif isinstance(content, list):
         content = "\n".join(part.text for part in content)
     out = {"role": message.role, "content": content or ""}
     if message.name is not None:

@@ -125,7 +125,7 @@ async def create_response(server, request):
         tools = plan_tools(parsed, server.tool_settings)
         if tools is not None and tools.constraint is not None:
             parsed.tool_constraint = tools.constraint
-        text, ids = server.render_chat(parsed.messages, True, parsed.tools, parsed.request.chat_template_kwargs)
+        text, ids, _ = server.render_chat(parsed.messages, True, parsed.tools, parsed.request.chat_template_kwargs)
 
         def reply(*args):
             return ResponsesReply(*args, responses=req, history=history)

@@ -43,7 +43,7 @@ class Request:
                  eos_token_ids: tuple[int, ...] = (), arrival_time: float | None = None,
                  seed: int = 0, max_tokens: int | None = None, cache_salt: str | None = None,
                  lora_request: Any = None, priority: int = 0, prompt_embeds: Any = None,
-                 prompt_embeds_digests: tuple[bytes, ...] = ()):
+                 prompt_embeds_digests: tuple[bytes | None, ...] = (), image_rows: tuple = ()):
         self.request_id = request_id
         self.priority = priority              # scheduling_policy="priority": the lower, the sooner
         self.prompt_token_ids = list(prompt_token_ids)
@@ -79,8 +79,12 @@ class Request:
         # a prompt of embeddings (enable_prompt_embeds): its rows (opaque here: the runner reads them) stand
         # for its prompt tokens, which are placeholders; each block's digest of them enters its hash
         self.prompt_embeds = prompt_embeds
-        self.prompt_embeds_digests = prompt_embeds_digests
+        self.prompt_embeds_digests = prompt_embeds_digests   # (images': None for a block of text alone)
         self.num_embeds_tokens = len(prompt_token_ids) if prompt_embeds is not None else 0
+        # the prompt's runs of rows the step reads in place of tokens, (first position, rows): the prompt of
+        # embeddings whole, or each image's rows where its tokens are (engine/multimodal.py)
+        self.embed_ranges = ((0, prompt_embeds),) if prompt_embeds is not None else tuple(image_rows)
+        self.embeds_end = max((first + len(rows) for first, rows in self.embed_ranges), default=0)
         # tokens it had when its K/V began from the first token: a length-dependent rope (LongRoPE)
         # encodes every position for this length (ForwardBatch.rope_lens); 0: not scheduled yet
         self.rope_len = 0

@@ -132,7 +132,7 @@ class Scheduler(StepUpdates):
             start = request.num_computed_tokens
             length = len(request.all_token_ids) + request.num_placeholders
             if (plain and length - start == 1 and 0 < start % bs < bs - 1 and not request.spec_token_ids
-                    and not request.pending_forks and start >= request.num_embeds_tokens):
+                    and not request.pending_forks and start >= request.embeds_end):
                 if request.num_placeholders and (len(request.output_token_ids) + request.num_placeholders
                                                  >= request.max_tokens or length >= max_len):
                     i += 1   # the step in flight samples its last token

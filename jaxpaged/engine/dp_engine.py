@@ -78,6 +78,10 @@ class DataParallelEngine:
             processed = processor.process(prompt, params or SamplingParams())
             token_ids, digests = processed.token_ids, processed.embeds_digests
             forwarded = {"prompt_embeds": processed.embeds}
+        elif isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            # images: routed by their prompt's text; the replica's own tower makes (and checks) their rows
+            token_ids = processor.tokenize({**prompt, "multi_modal_data": None})[1]
+            digests, forwarded = (), dict(prompt)
         else:
             text, token_ids = processor.tokenize(prompt)
             asks = pooling_params if pooling_params is not None else params   # either carries truncate_prompt_tokens

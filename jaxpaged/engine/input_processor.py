@@ -1,12 +1,14 @@
 """A request's input, made ready for the scheduler (vLLM V1's InputProcessor): the prompt tokenized
 and truncated, every field checked against this model (a ValueError naming the field queues
 nothing), bad words turned into token ids. A prompt of embeddings (`{"prompt_embeds": ...}`, with
-enable_prompt_embeds) becomes placeholder token ids and its rows (engine/prompt_embeds.py)."""
+enable_prompt_embeds) becomes placeholder token ids and its rows (engine/prompt_embeds.py); a prompt's images
+(`multi_modal_data`, a vision-language model) become their tokens and rows (engine/multimodal.py)."""
 
 import dataclasses
 
 import numpy as np
 
+from jaxpaged.engine.multimodal import image_list
 from jaxpaged.engine.prompt_embeds import as_embeds, block_digests
 from jaxpaged.sampling_params import SamplingParams, truncate_prompt
 
@@ -18,7 +20,8 @@ class ProcessedPrompt:
     cache_salt: str | None
     bad_words_token_ids: list[list[int]]
     embeds: np.ndarray | None = None       # a prompt of embeddings: its rows (token_ids are placeholders)
-    embeds_digests: tuple[bytes, ...] = ()  # ... and each block's SHA-256 (the prefix cache's hash keys)
+    embeds_digests: tuple[bytes | None, ...] = ()  # ... and each block's SHA-256 (the prefix cache's hash keys)
+    image_rows: tuple = ()                 # images: ((first position, rows), ...) (Request.embed_ranges)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,9 +35,12 @@ class EmbedsSpec:
 
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_logprobs: int, check_prompt_len,
-                 scheduling_policy: str = "fcfs", embeds: EmbedsSpec | None = None):
+                 scheduling_policy: str = "fcfs", embeds: EmbedsSpec | None = None, images=None,
+                 no_images: str = "this model takes text only"):
         self.tokenizer = tokenizer
         self.embeds = embeds   # None: prompt_embeds refused (enable_prompt_embeds off)
+        self.images = images   # multimodal.ImageInputs; None: multi_modal_data refused (`no_images` says why)
+        self.no_images = no_images
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
@@ -53,6 +59,8 @@ class InputProcessor:
     def process(self, prompt, params: SamplingParams) -> ProcessedPrompt:
         if isinstance(prompt, dict) and "prompt_embeds" in prompt:
             return self.process_embeds(prompt, params)
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            return self.process_images(prompt, params)
         text, token_ids = self.tokenize(prompt)
         cache_salt = self.cache_salt(prompt)
         token_ids = self.truncate(token_ids, params.truncate_prompt_tokens)
@@ -73,19 +81,37 @@ class InputProcessor:
         return ProcessedPrompt(None, token_ids, self.cache_salt(prompt), self.banned_words(params), embeds,
                                block_digests(embeds, self.embeds.block_size))
 
+    def process_images(self, prompt: dict, params: SamplingParams) -> ProcessedPrompt:
+        """A prompt with `multi_modal_data` (images): its tokens with each image's placeholder expanded, and
+        the images' rows from the vision tower."""
+        if self.images is None:
+            raise ValueError(f"multi_modal_data needs a vision-language model whose images jaxpaged runs "
+                             f"(LlavaForConditionalGeneration with a CLIP or SigLIP tower): {self.no_images}")
+        images = image_list(prompt["multi_modal_data"])
+        text, token_ids = self.tokenize({k: v for k, v in prompt.items() if k != "multi_modal_data"})
+        token_ids, rows, digests = self.images.process(
+            token_ids, images, lambda ids: self.truncate(ids, params.truncate_prompt_tokens))
+        self.validate(token_ids, params)
+        return ProcessedPrompt(text, token_ids, self.cache_salt(prompt), self.banned_words(params),
+                               embeds_digests=digests, image_rows=rows)
+
     def prompt_embeds(self, prompt: dict) -> np.ndarray:
         """A prompt dict's `prompt_embeds` as an array [tokens, hidden_size] of the model's dtype."""
         if self.embeds is None:
             raise ValueError("prompt_embeds needs an engine built with enable_prompt_embeds=True "
                              "(--enable-prompt-embeds)")
-        if "prompt_token_ids" in prompt or "prompt" in prompt:
-            raise ValueError("a prompt dict holds 'prompt_embeds' or 'prompt'/'prompt_token_ids', not both")
+        if "prompt_token_ids" in prompt or "prompt" in prompt or prompt.get("multi_modal_data") is not None:
+            raise ValueError("a prompt dict holds 'prompt_embeds' or 'prompt'/'prompt_token_ids' (with "
+                             "multi_modal_data), not both")
         return as_embeds(prompt["prompt_embeds"], self.embeds.hidden_size, self.embeds.dtype)
 
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict) and "prompt_embeds" in prompt:   # process() takes them; the rest, tokens
             raise ValueError("prompt_embeds are taken by generation only (LLM.generate, /v1/completions); "
                              "this call needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            raise ValueError("multi_modal_data (images) is taken by generation only (LLM.generate, LLM.chat, "
+                             "chat completions); this call needs 'prompt' or 'prompt_token_ids' alone")
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]

@@ -34,6 +34,7 @@ from jaxpaged.core.request import Request, RequestStatus
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.generation_config import load_generation_defaults
 from jaxpaged.engine.input_processor import EmbedsSpec, InputProcessor
+from jaxpaged.engine.multimodal import image_inputs
 from jaxpaged.engine.metrics import PREFIX, EngineMetrics
 from jaxpaged.engine.spec_decode import SpeculativeConfig, Speculator
 from jaxpaged.engine.research import ResearchMixin
@@ -106,7 +107,8 @@ class LLMEngine(ResearchMixin):
                                               args.max_logprobs, self.scheduler.check_prompt_len,
                                               args.scheduling_policy,
                                               EmbedsSpec(self.model_config.hidden_size, self.runner.embeds_dtype,
-                                                         args.block_size) if args.enable_prompt_embeds else None)
+                                                         args.block_size) if args.enable_prompt_embeds else None,
+                                              *image_inputs(args, self.loaded, self.tokenizer))
         self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
         if draft is not None:
             self.speculator.use_draft_model(build_draft_proposer(args, draft, num_blocks, self.max_model_len, use_tqdm))
@@ -165,7 +167,8 @@ class LLMEngine(ResearchMixin):
         for i, core_id in enumerate(core_ids):
             seed = self._seed_for(params, i)
             request = Request(core_id, token_ids, params, self.eos_token_ids, arrival_time, seed, max_tokens,
-                              cache_salt, lora_request, priority, processed.embeds, processed.embeds_digests)
+                              cache_salt, lora_request, priority, processed.embeds, processed.embeds_digests,
+                              processed.image_rows)
             request.constrain(matchers[i], processed.bad_words_token_ids)
             sequences.append(SequenceState(request, i, self.tokenizer, request_id))
         embeds = processed.embeds is not None   # a prompt of embeddings: no prompt token ids to show

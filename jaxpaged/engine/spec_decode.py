@@ -214,6 +214,7 @@ class _DraftSequence:
         self.pending_forks = []
         self.lora_slot = -1   # the draft model runs without adapters
         self.num_embeds_tokens = 0   # prompt embeddings are refused with speculative decoding
+        self.embed_ranges, self.embeds_end = (), 0   # a target's images: the draft model reads their tokens
         self.prompt_token_ids = request.prompt_token_ids
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = []

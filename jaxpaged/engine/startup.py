@@ -9,6 +9,7 @@ import jax
 from jaxpaged.core.kv_cache_manager import cdiv
 from jaxpaged.engine import memory
 from jaxpaged.engine.arg_utils import EngineArgs, xla_compiler_options
+from jaxpaged.engine.multimodal import takes_images
 from jaxpaged.models.hub_options import HubOptions
 from jaxpaged.models.loader import LoadedModel, load_model
 from jaxpaged.parallel import ShardPlan
@@ -163,7 +164,9 @@ def _new_runner(args: EngineArgs, loaded: LoadedModel, num_blocks: int, max_mode
                        calculate_kv_scales=args.calculate_kv_scales,
                        num_speculative_tokens=_num_speculative_tokens(args),
                        compiler_options=xla_compiler_options(args.optimization_level),
-                       pooling=args.runner == "pooling", prompt_embeds=args.enable_prompt_embeds,
+                       pooling=args.runner == "pooling",
+                       # rows in place of tokens: prompt embeddings, and a vision-language model's images
+                       prompt_embeds=args.enable_prompt_embeds or takes_images(args, loaded),
                        logprobs_mode=args.logprobs_mode)
 
 

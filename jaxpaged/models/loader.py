@@ -24,6 +24,7 @@ from jaxpaged.models.hub_options import HubOptions
 from jaxpaged.models.hf_names import (EXPERT_WEIGHTS, F32_WEIGHTS, QUANTIZABLE, _hf_layer_sources, hf_part_shape,
                                         hf_reader, hf_tensor, hf_to_ours, hf_top_sources)
 from jaxpaged.models.registry import model_class_for
+from jaxpaged.models.vision import VisionTower, has_vision_tower
 from jaxpaged.models.vision_language import is_vision_language
 from jaxpaged.models.llama import layer_weight_shapes, weight_shapes
 from jaxpaged.models.orbax_io import FORMAT_FILE, is_converted, load_converted
@@ -45,6 +46,7 @@ class LoadedModel:
     dtype: str               # "float32" | "bfloat16" | "float16"
     source: str              # local folder or .gguf path the weights came from
     quantization: str | None = None   # the weights' quantization: None, "int8", "fp8", "int4" or "gguf"
+    vision: Any = None       # a LLaVA checkpoint's vision tower and projector (models/vision.VisionTower)
 
 
 def resolve_dtype(dtype: str, checkpoint_dtype: str, device=None) -> str:
@@ -261,6 +263,7 @@ def load_model(model: str, dtype: str = "auto", revision: str | None = None,
         from jaxpaged.models.dummy import load_dummy
         return load_dummy(model, dtype, revision, attention_backend, scan_layers, shard_plan, quantization, hub)
     requested_scan = scan_layers
+    vision = None
     if model.endswith(".gguf"):
         from jaxpaged.models.gguf_loader import load_gguf, num_elements, open_gguf, quantized_tensor_types
         from jaxpaged.models.quantization import GGUF_NATIVE
@@ -324,10 +327,13 @@ def load_model(model: str, dtype: str = "auto", revision: str | None = None,
         weights = convert_hf_weights(get, checkpoint.__contains__, cfg, dtype, scan_layers, shard_plan,
                                      None if quantization == method else quantization)
         source = folder
+        if has_vision_tower(hf_config):
+            vision = VisionTower(hf_config, checkpoint.get, checkpoint.__contains__, _DTYPES[dtype],
+                                 shard_plan.devices[0])
     model_cls = model_class_for(cfg.architecture)
     cfg = sharded_config(cfg, shard_plan.size)
     return LoadedModel(model_cls(cfg, weights, attention_backend, shard_plan), cfg, hf_config, dtype, source,
-                       quantization)
+                       quantization, vision)
 
 
 def quantize_loaded(weights: dict, quantization: str, plan: ShardPlan) -> dict:

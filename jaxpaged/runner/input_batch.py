@@ -69,10 +69,12 @@ class GeneralColumns:
             self.prev_index.append(flat + n - 1)
             self.prev_source.append(source)
             tokens = tokens + [0]
-        if start < request.num_embeds_tokens:   # prompt embeddings: the step takes these rows, not tokens
-            m = min(n - d, request.num_embeds_tokens - start)
-            self.embeds.append((flat, request.prompt_embeds[start:start + m]))
-            tokens[:m] = [-1] * m
+        if start < request.embeds_end:   # prompt embeddings, images: the step takes these rows, not tokens
+            for first, values in request.embed_ranges:
+                lo, hi = max(start, first), min(start + n - d, first + len(values))
+                if lo < hi:
+                    self.embeds.append((flat + lo - start, values[lo - first:hi - first]))
+                    tokens[lo - start:hi - start] = [-1] * (hi - lo)
         tokens = tokens + drafts
         if request.sampling_params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
             count = min(n, request.num_prompt_tokens - 1 - start)

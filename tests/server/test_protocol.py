@@ -46,7 +46,9 @@ def test_a_bad_completion_field_is_named_with_its_value_and_what_is_allowed(body
 @pytest.mark.parametrize("extra, param, words", [
     ({"messages": []}, "messages", ["non-empty list"]),
     ({"messages": [{"content": "no role"}]}, "messages", ["messages[0] needs role"]),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages", ["content[0].type", "'text'"]),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "messages",
+     ["content[0].type must be one of 'text', 'image_url'"]),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages", ["content[0] needs image_url"]),
     ({"messages": [{"role": "tool", "content": "18C"}]}, "messages", ["tool_call_id"]),
     ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f"}}]}]}, "messages",
      ["function needs arguments"]),

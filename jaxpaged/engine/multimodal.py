@@ -1,0 +1,249 @@
+"""Images in prompts, as vLLM takes them: `{"prompt": ..., "multi_modal_data": {"image": image or [images]}}`
+(PIL images, uint8 arrays [height, width, 3], or URLs: data:, http(s)), and chat messages' `image_url` parts.
+
+For a LLaVA checkpoint (models/vision.py): each image's placeholder token in the prompt (`<image>`, once or
+already repeated) stands for as many tokens as the tower gives rows; the checkpoint's own image processor
+(transformers', on PIL) makes its pixel_values, the tower its rows, and the step reads those rows where
+the prompt holds the image's tokens (Request.embed_ranges). Each block's hash takes a digest of the images
+it holds, so the prefix cache shares blocks only between the same images at the same places."""
+
+import base64
+import binascii
+import collections
+import hashlib
+import io
+import os
+import urllib.request
+
+import numpy as np
+
+_MAX_IMAGE_BYTES = 20 << 20   # an image URL's body (http(s) or data:) beyond this is refused
+_FETCH_TIMEOUT_S = 10
+
+
+def _pil():
+    try:
+        import PIL.Image
+    except ImportError as e:   # (a runtime install has it: pillow is one of jaxpaged's dependencies)
+        raise ValueError("images need Pillow (pip install pillow)") from e
+    return PIL.Image
+
+
+def load_image(image, field: str = "multi_modal_data['image']"):
+    """A PIL image (RGB) from what a user may pass: a PIL image, a uint8 array [height, width, 3 or 4], or a
+    URL string (data:image/...;base64, or http(s)://). ValueError naming `field` for anything else."""
+    Image = _pil()
+    if isinstance(image, Image.Image):
+        return image.convert("RGB")
+    if isinstance(image, np.ndarray):
+        if image.dtype != np.uint8 or image.ndim != 3 or image.shape[-1] not in (3, 4):
+            raise ValueError(f"{field}: an image array must be uint8 [height, width, 3 or 4], got {image.dtype} "
+                             f"{list(image.shape)}")
+        return Image.fromarray(image).convert("RGB")
+    if isinstance(image, str):
+        return _decode(_url_bytes(image, field), field)
+    raise ValueError(f"{field} must be a PIL image, a uint8 array [height, width, 3] or an image URL (data: or "
+                     f"http(s)://), got {type(image).__name__}")
+
+
+def _url_bytes(url: str, field: str) -> bytes:
+    if url.startswith("data:"):
+        head, sep, payload = url.partition(",")
+        if not sep or not head.endswith(";base64") or not head[len("data:"):].startswith("image/"):
+            raise ValueError(f"{field}: a data URL must be data:image/<format>;base64,<data>")
+        if len(payload) > _MAX_IMAGE_BYTES * 4 // 3 + 4:
+            raise ValueError(f"{field}: the image is larger than {_MAX_IMAGE_BYTES >> 20} MiB")
+        try:
+            return base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise ValueError(f"{field}: the data URL is not valid base64 ({e})") from None
+    if url.startswith(("http://", "https://")):
+        try:
+            with urllib.request.urlopen(url, timeout=_FETCH_TIMEOUT_S) as response:
+                body = response.read(_MAX_IMAGE_BYTES + 1)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{field}: could not fetch {url!r} ({e})") from None
+        if len(body) > _MAX_IMAGE_BYTES:
+            raise ValueError(f"{field}: the image at {url!r} is larger than {_MAX_IMAGE_BYTES >> 20} MiB")
+        return body
+    raise ValueError(f"{field}: an image URL must start with data:image/ or http(s)://, got {url[:40]!r}")
+
+
+def _decode(data: bytes, field: str):
+    Image = _pil()
+    try:
+        image = Image.open(io.BytesIO(data))
+        image.load()
+    except Exception as e:   # PIL raises many kinds for bytes that are not an image it reads
+        raise ValueError(f"{field}: not an image Pillow can read ({type(e).__name__}: {e})") from None
+    return image.convert("RGB")
+
+
+def image_list(data, field: str = "multi_modal_data") -> list:
+    """multi_modal_data's images, as a list (one image or several); ValueError for another modality."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{field} must be a dict such as {{'image': image}}, got {type(data).__name__}")
+    other = sorted(set(data) - {"image"})
+    if other:
+        raise ValueError(f"{field} has {other}; allowed: ['image'] (images are the only modality supported)")
+    images = data.get("image")
+    images = list(images) if isinstance(images, (list, tuple)) else [images]
+    if not images or any(i is None for i in images):
+        raise ValueError(f"{field}['image'] must be an image or a non-empty list of images")
+    return images
+
+
+def takes_images(args, loaded) -> bool:
+    """Whether an engine runs its requests' images (its steps then take rows in place of tokens)."""
+    return loaded.vision is not None and args.num_nodes == 1 and args.runner != "pooling"
+
+
+def image_inputs(args, loaded, tokenizer) -> tuple["ImageInputs | None", str]:
+    """An engine's ImageInputs (its vision tower compiled unless compile_on_startup is off), or None and why
+    its requests' images are refused."""
+    arch = (getattr(loaded.hf_config, "architectures", None) or ["this model"])[0]
+    if loaded.vision is None:
+        from jaxpaged.models.vision_language import is_vision_language
+        return None, (f"{arch} runs its language model alone here (its vision tower is not supported yet, or "
+                      "the checkpoint was converted without it)" if is_vision_language(loaded.hf_config)
+                      else f"{arch} takes text only")
+    if not takes_images(args, loaded):
+        return None, ("images are not supported across several hosts (num_nodes > 1)" if args.num_nodes > 1
+                      else "images are not supported with runner='pooling'")
+    if args.compile_on_startup:
+        loaded.vision.warm_up()
+    folder = loaded.source if os.path.isdir(loaded.source) else None
+    return ImageInputs(loaded.vision, folder, args.block_size, tokenizer), ""
+
+
+class ImageInputs:
+    """What an engine with a vision tower does to a prompt's images (InputProcessor.process)."""
+
+    CACHE_IMAGES = 64   # the rows of this many recent images are kept (a conversation sends its image again)
+
+    def __init__(self, tower, folder: str | None, block_size: int, tokenizer=None):
+        self.tower = tower
+        self.folder = folder
+        self.block_size = block_size
+        self.placeholder = tokenizer.convert_ids_to_tokens(tower.image_token_id) if tokenizer is not None else None
+        self._processor = None
+        self._rows = collections.OrderedDict()   # image digest -> rows
+
+    def processor(self):
+        if self._processor is None:
+            if self.folder is None or not os.path.exists(os.path.join(self.folder, "preprocessor_config.json")):
+                raise ValueError("images need the checkpoint's image processor (preprocessor_config.json), which "
+                                 "this model folder does not have")
+            from transformers import AutoImageProcessor
+            self._processor = AutoImageProcessor.from_pretrained(self.folder, backend="pil")
+        return self._processor
+
+    def rows(self, image) -> tuple[bytes, np.ndarray]:
+        """(digest of its pixel_values, its rows [tokens_per_image, hidden])."""
+        pixels = np.asarray(self.processor()(images=[image], return_tensors="np")["pixel_values"][0], np.float32)
+        digest = hashlib.sha256(pixels.tobytes()).digest()
+        rows = self._rows.pop(digest, None)
+        if rows is None:
+            rows = self.tower.encode(pixels)
+        self._rows[digest] = rows
+        while len(self._rows) > self.CACHE_IMAGES:
+            self._rows.popitem(last=False)
+        return digest, rows
+
+    def expand(self, token_ids: list[int], num_images: int) -> tuple[list[int], list[int]]:
+        """The prompt with each image's placeholder repeated tokens_per_image times, and where each image's
+        tokens begin. The prompt holds one placeholder per image, or (already expanded) tokens_per_image each."""
+        image_id, per_image = self.tower.image_token_id, self.tower.tokens_per_image
+        found = [i for i, t in enumerate(token_ids) if t == image_id]
+        if len(found) == num_images:   # one each
+            out, starts = [], []
+            for t in token_ids:
+                if t == image_id:
+                    starts.append(len(out))
+                out += [t] * (per_image if t == image_id else 1)
+            return out, starts
+        starts = found[::per_image]
+        if len(found) != num_images * per_image or any(found[k + per_image - 1] != found[k] + per_image - 1
+                                                       for k in range(0, len(found), per_image)):
+            raise ValueError(f"the prompt has {len(found)} image token(s) ({self.placeholder!r}) for {num_images} "
+                             f"image(s) in multi_modal_data['image']: put one placeholder per image (or "
+                             f"{per_image} in a row, the tokens each stands for)")
+        return list(token_ids), starts
+
+    def process(self, token_ids: list[int], images: list, truncate) -> tuple[list[int], tuple, tuple]:
+        """(token ids, ((first position, rows), ...), each block's digest or None) of a prompt and its images;
+        `truncate`: the prompt's truncation (InputProcessor.truncate), which must not cut into an image."""
+        images = [load_image(image, f"multi_modal_data['image'][{i}]") for i, image in enumerate(images)]
+        expanded, starts = self.expand(token_ids, len(images))
+        kept = truncate(expanded)
+        cut = len(expanded) - len(kept)
+        per_image = self.tower.tokens_per_image
+        if any(s < cut < s + per_image for s in starts):
+            raise ValueError("truncate_prompt_tokens would cut into an image's tokens; keep more tokens")
+        ranges, digests = [], []
+        for image, start in zip(images, starts):
+            if start >= cut:
+                digest, rows = self.rows(image)
+                ranges.append((start - cut, rows))
+                digests.append(digest)
+        return kept, tuple(ranges), self.block_digests(ranges, digests)
+
+    def block_digests(self, ranges: list, digests: list[bytes]) -> tuple:
+        """Per block: a SHA-256 of the images it holds (which, and which of their tokens), None for a block of
+        text alone (hashed as any text block is)."""
+        bs = self.block_size
+        end = max((start + len(rows) for start, rows in ranges), default=0)
+        out = []
+        for b in range(0, end, bs):
+            parts = [digest + np.asarray([max(b, s) - s, min(b + bs, s + len(rows)) - s], np.int64).tobytes()
+                     for (s, rows), digest in zip(ranges, digests) if s < b + bs and b < s + len(rows)]
+            out.append(hashlib.sha256(b"".join(parts)).digest() if parts else None)
+        return tuple(out)
+
+
+_IMAGE_PARTS = ("image_url", "image_pil", "image")
+
+
+def chat_images(messages: list[dict], refused: str | None = None) -> tuple[list[dict], list]:
+    """Messages with image parts (OpenAI's {"type": "image_url", "image_url": {"url": ...}}, vLLM's
+    {"type": "image_pil", "image_pil": img} and {"type": "image", "image": ...}) turned into the {"type": "image"}
+    parts chat templates place their image token for, and the images in order; text-only messages unchanged.
+    `refused`: why this engine takes no images (a ValueError naming the first image part), None: it does."""
+    out, images = [], []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") in _IMAGE_PARTS
+                                                    for p in content):
+            out.append(message)
+            continue
+        parts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in _IMAGE_PARTS:
+                parts.append(part)
+                continue
+            field = f"messages[{i}].content[{j}]"
+            if refused is not None:
+                raise ValueError(f"{field} is an image ({kind!r}) and {refused}")
+            image = part.get(kind)
+            if kind == "image_url" and isinstance(image, dict):
+                image = image.get("url")
+            if image is None:
+                raise ValueError(f"{field}: an {kind!r} part needs its image in {kind!r}")
+            images.append(load_image(image, field))
+            parts.append({"type": "image"})
+        out.append({**message, "content": parts})
+    return out, images
+
+
+def text_content(messages: list[dict], placeholder: str) -> list[dict]:
+    """Messages with image parts as one string each: a placeholder per image, then the text parts."""
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            images = "".join(placeholder + "\n" for p in content if p.get("type") == "image")
+            content = images + "\n".join(p.get("text", "") for p in content if p.get("type") != "image")
+            message = {**message, "content": content}
+        out.append(message)
+    return out

@@ -1,0 +1,213 @@
+"""The vision tower of a LLaVA checkpoint (`LlavaForConditionalGeneration`): a CLIP or SigLIP vision
+transformer whose hidden states at `vision_feature_layer` go through the multimodal projector into rows of
+the language model's input embeddings, one per image token, as transformers' `LlavaModel.get_image_features`.
+
+It runs on one of the engine's devices when a request is added (engine/multimodal.py), one image per call
+(one compiled shape, compiled at start-up), and its rows stand in the prompt for the image's tokens."""
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpaged.models.norms import layer_norm
+
+VISION_TOWERS = ("clip_vision_model", "siglip_vision_model")
+IMAGE_ARCHITECTURES = ("LlavaForConditionalGeneration",)   # the vision-language checkpoints whose images run
+_SELECT_STRATEGIES = ("default", "full")
+
+
+def _act(name: str, x: jax.Array) -> jax.Array:
+    """transformers' activations the towers and projectors use, in f32."""
+    x = x.astype(jnp.float32)
+    if name == "quick_gelu":
+        return x * jax.nn.sigmoid(1.702 * x)
+    if name in ("gelu", "gelu_pytorch_tanh", "gelu_new", "gelu_fast"):
+        return jax.nn.gelu(x, approximate=name != "gelu")
+    if name in ("silu", "swish"):
+        return jax.nn.silu(x)
+    if name == "relu":
+        return jax.nn.relu(x)
+    raise ValueError(f"activation {name!r} is not supported in a vision tower or projector; supported: quick_gelu, "
+                     "gelu, gelu_pytorch_tanh, gelu_new, silu, relu")
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    kind: str                    # "clip_vision_model" (a class token, a norm before the layers) or "siglip_..."
+    hidden_size: int
+    num_heads: int
+    num_layers: int              # the layers run: up to the deepest feature layer
+    patch_size: int
+    image_size: int
+    num_channels: int
+    eps: float
+    act: str
+    projector_act: str
+    feature_layers: tuple[int, ...]   # indices into [embeddings, layer 1, ..., layer N], each >= 0
+    drop_first: bool             # vision_feature_select_strategy "default": the first row (CLS) dropped
+
+    @property
+    def num_positions(self) -> int:
+        return (self.image_size // self.patch_size) ** 2 + (self.kind == "clip_vision_model")
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.num_positions - self.drop_first
+
+
+def has_vision_tower(hf_config: Any) -> bool:
+    """A checkpoint whose images jaxpaged runs: LLaVA with a CLIP or SigLIP tower (other vision-language
+    checkpoints run their language model alone, models/vision_language.py)."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    vc = getattr(hf_config, "vision_config", None)
+    return bool(architectures) and architectures[0] in IMAGE_ARCHITECTURES and \
+        getattr(vc, "model_type", None) in VISION_TOWERS
+
+
+def vision_config(hf_config: Any) -> VisionConfig:
+    """A LLaVA config's vision tower; ValueError for one jaxpaged does not run."""
+    vc = hf_config.vision_config
+    if vc.model_type not in VISION_TOWERS:
+        raise ValueError(f"vision tower {vc.model_type!r} is not supported; supported: {', '.join(VISION_TOWERS)}")
+    strategy = getattr(hf_config, "vision_feature_select_strategy", "default")
+    if strategy not in _SELECT_STRATEGIES:
+        raise ValueError(f"vision_feature_select_strategy must be one of {', '.join(_SELECT_STRATEGIES)}, "
+                         f"got {strategy!r}")
+    layers = hf_config.vision_feature_layer
+    layers = (layers,) if isinstance(layers, int) else tuple(layers)
+    total = vc.num_hidden_layers + 1   # hidden states: the embeddings, then each layer's output
+    if not all(-total <= i < total for i in layers):
+        raise ValueError(f"vision_feature_layer {hf_config.vision_feature_layer!r} is outside the tower's "
+                         f"{total} hidden states")
+    layers = tuple(i % total for i in layers)
+    return VisionConfig(vc.model_type, vc.hidden_size, vc.num_attention_heads, max(layers), vc.patch_size,
+                        vc.image_size, vc.num_channels, vc.layer_norm_eps, vc.hidden_act,
+                        getattr(hf_config, "projector_hidden_act", "gelu"), layers, strategy == "default")
+
+
+def _prefixes(has: Callable[[str], bool]) -> tuple[str, str]:
+    """The tower's and the projector's name prefixes: released checkpoints' ("vision_tower.vision_model."),
+    transformers 5's in memory ("model.vision_tower.") or as it saves them ("vision_tower.")."""
+    towers = [f"{top}vision_tower.{inner}" for top in ("model.", "") for inner in ("vision_model.", "")]
+    tower = next((t for t in towers if has(t + "embeddings.patch_embedding.weight")), None)
+    projector = next((p for p in ("model.multi_modal_projector.", "multi_modal_projector.")
+                      if has(p + "linear_1.weight")), None)
+    if tower is None or projector is None:
+        raise ValueError("the checkpoint has no vision tower or multimodal projector weights "
+                         "(vision_tower.vision_model.embeddings..., multi_modal_projector.linear_1...)")
+    return tower, projector
+
+
+def load_vision_weights(cfg: VisionConfig, get: Callable[[str], np.ndarray], has: Callable[[str], bool],
+                        dtype, device) -> dict:
+    """The tower's weights (its layers stacked, as many as it runs) and the projector's, on `device`."""
+    tower, projector = _prefixes(has)
+
+    def opt(name: str):
+        return get(name) if has(name) else None
+
+    w: dict = {"patch": get(tower + "embeddings.patch_embedding.weight"),
+               "patch_bias": opt(tower + "embeddings.patch_embedding.bias"),
+               "positions": get(tower + "embeddings.position_embedding.weight")[:cfg.num_positions],
+               "class": opt(tower + "embeddings.class_embedding")}
+    w["pre_norm"] = opt(tower + "pre_layrnorm.weight"), opt(tower + "pre_layrnorm.bias")
+    parts = ("layer_norm1.weight", "layer_norm1.bias", "self_attn.q_proj.weight", "self_attn.q_proj.bias",
+             "self_attn.k_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight", "self_attn.v_proj.bias",
+             "self_attn.out_proj.weight", "self_attn.out_proj.bias", "layer_norm2.weight", "layer_norm2.bias",
+             "mlp.fc1.weight", "mlp.fc1.bias", "mlp.fc2.weight", "mlp.fc2.bias")
+    w["layers"] = {p: np.stack([get(f"{tower}encoder.layers.{i}.{p}") for i in range(cfg.num_layers)])
+                   for p in parts} if cfg.num_layers else {}
+    for name in ("linear_1", "linear_2"):
+        w[name] = get(f"{projector}{name}.weight"), opt(f"{projector}{name}.bias")
+
+    def put(x):
+        return None if x is None else jax.device_put(np.asarray(x).astype(dtype), device)
+    return jax.tree.map(put, w, is_leaf=lambda x: x is None)
+
+
+def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Array:
+    """x @ w.T (+ b), as torch's nn.Linear (w [out, in]), accumulated in f32."""
+    y = jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32)
+    return y if b is None else y + b.astype(jnp.float32)
+
+
+def _layer(cfg: VisionConfig, x: jax.Array, lw: dict) -> jax.Array:
+    """One encoder layer: x + attention(norm(x)), then + mlp(norm(.)); every position sees every other."""
+    n, t, h = x.shape
+    heads, dim = cfg.num_heads, h // cfg.num_heads
+    y = layer_norm(x, lw["layer_norm1.weight"], cfg.eps, bias=lw["layer_norm1.bias"])
+
+    def proj(p):
+        return _linear(y, lw[f"self_attn.{p}_proj.weight"], lw[f"self_attn.{p}_proj.bias"]).reshape(n, t, heads, dim)
+    q, k, v = proj("q"), proj("k"), proj("v")
+    scores = jnp.einsum("nqhd,nkhd->nhqk", q, k) * dim ** -0.5
+    attn = jnp.einsum("nhqk,nkhd->nqhd", jax.nn.softmax(scores, axis=-1), v).reshape(n, t, h).astype(x.dtype)
+    x = x + _linear(attn, lw["self_attn.out_proj.weight"], lw["self_attn.out_proj.bias"]).astype(x.dtype)
+    y = layer_norm(x, lw["layer_norm2.weight"], cfg.eps, bias=lw["layer_norm2.bias"])
+    y = _act(cfg.act, _linear(y, lw["mlp.fc1.weight"], lw["mlp.fc1.bias"])).astype(x.dtype)
+    return x + _linear(y, lw["mlp.fc2.weight"], lw["mlp.fc2.bias"]).astype(x.dtype)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def image_features(cfg: VisionConfig, w: dict, pixels: jax.Array) -> jax.Array:
+    """pixels f32[n, channels, size, size] (the image processor's pixel_values) -> [n, tokens_per_image,
+    text hidden] in the weights' dtype."""
+    dtype = w["patch"].dtype
+    n, c, size, _ = pixels.shape
+    p, g = cfg.patch_size, size // cfg.patch_size
+    patches = pixels.reshape(n, c, g, p, g, p).transpose(0, 2, 4, 1, 3, 5).reshape(n, g * g, c * p * p)
+    x = _linear(patches.astype(dtype), w["patch"].reshape(cfg.hidden_size, -1), w["patch_bias"])
+    if w["class"] is not None:
+        x = jnp.concatenate([jnp.broadcast_to(w["class"].astype(jnp.float32), (n, 1, cfg.hidden_size)), x], axis=1)
+    x = (x + w["positions"].astype(jnp.float32)).astype(dtype)
+    if w["pre_norm"][0] is not None:
+        x = layer_norm(x, w["pre_norm"][0], cfg.eps, bias=w["pre_norm"][1])
+
+    def step(h, lw):
+        h = _layer(cfg, h, lw)
+        return h, h
+    states = [x]
+    if cfg.num_layers:
+        states += list(jax.lax.scan(step, x, w["layers"])[1])
+    chosen = [states[i][:, int(cfg.drop_first):] for i in cfg.feature_layers]
+    feats = jnp.concatenate(chosen, axis=-1)
+    y = _act(cfg.projector_act, _linear(feats, *w["linear_1"])).astype(dtype)
+    return _linear(y, *w["linear_2"]).astype(dtype)
+
+
+class VisionTower:
+    """A LLaVA checkpoint's tower and projector, loaded onto one device: `encode` turns pixel_values into the
+    language model's input rows."""
+
+    def __init__(self, hf_config: Any, get: Callable[[str], np.ndarray], has: Callable[[str], bool], dtype,
+                 device):
+        self.config = vision_config(hf_config)
+        self.image_token_id = int(getattr(hf_config, "image_token_id", None) or hf_config.image_token_index)
+        self.dtype = np.dtype(dtype)
+        self.device = device
+        self.weights = load_vision_weights(self.config, get, has, dtype, device)
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.config.tokens_per_image
+
+    @property
+    def pixel_shape(self) -> tuple[int, int, int]:
+        cfg = self.config
+        return cfg.num_channels, cfg.image_size, cfg.image_size
+
+    def encode(self, pixels: np.ndarray) -> np.ndarray:
+        """f32[channels, size, size] -> [tokens_per_image, text hidden] in the model's dtype (on the host)."""
+        if pixels.shape != self.pixel_shape:
+            raise ValueError(f"the image processor gave pixel_values of shape {pixels.shape}; this vision tower "
+                             f"takes {self.pixel_shape}")
+        x = jax.device_put(np.asarray(pixels, np.float32)[None], self.device)
+        return np.asarray(image_features(self.config, self.weights, x)[0])
+
+    def warm_up(self) -> None:
+        """Compile the one shape `encode` runs (engines compile nothing after start-up)."""
+        self.encode(np.zeros(self.pixel_shape, np.float32))

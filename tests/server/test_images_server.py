@@ -1,0 +1,89 @@
+"""Images in chat completions (OpenAI's image_url parts, data URLs and http): a LLaVA server answers with the
+tokens LLM.chat gives; a bad image, or an image sent to a text-only model, is a 400 naming messages, and the
+server serves on."""
+
+import http.server
+import threading
+
+import httpx
+import pytest
+
+from jaxpaged import AsyncLLM, SamplingParams
+from jaxpaged.server import build_app
+from tests.engine.test_images import GREEDY, data_url, engine, image, llava
+from tests.server.helpers import MODEL, serving
+from tests.server.test_async_llm import tiny_engine_args
+
+
+@pytest.fixture(scope="module")
+def urls():
+    path, _ = llava()
+    engines = [AsyncLLM.from_engine_args(tiny_engine_args(model=path), use_tqdm=False),
+               AsyncLLM.from_engine_args(tiny_engine_args(), use_tqdm=False)]
+    try:
+        with serving(*(build_app(e, [MODEL]) for e in engines)) as urls:
+            yield urls
+    finally:
+        for e in engines:
+            e.shutdown()
+
+
+def chat(url: str, content) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": True,
+        "messages": [{"role": "user", "content": content}]})
+
+
+def png_server(body: bytes):
+    """A loopback HTTP server answering every GET with `body` as image/png; (server, url)."""
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}/cat.png"
+
+
+def test_chat_completions_take_image_urls(urls):
+    import base64
+    path, _ = llava()
+    a = image(11)
+    content = [{"type": "image_url", "image_url": {"url": data_url(a)}}, {"type": "text", "text": "what is it?"}]
+    response = chat(urls[0], content)
+    assert response.status_code == 200, response.text
+    got = response.json()["choices"][0]
+    ref = engine(path).chat([{"role": "user", "content": content}], SamplingParams(**GREEDY), use_tqdm=False)[0]
+    assert [t["token"] for t in got["logprobs"]["content"]] == [
+        ref.outputs[0].logprobs[i][t].decoded_token for i, t in enumerate(ref.outputs[0].token_ids)]
+    assert response.json()["usage"]["prompt_tokens"] == len(ref.prompt_token_ids)
+    server, url = png_server(base64.b64decode(data_url(a).split(",", 1)[1]))
+    try:
+        fetched = chat(urls[0], [{**content[0], "image_url": {"url": url}}, content[1]])
+    finally:
+        server.shutdown()
+    assert fetched.status_code == 200, fetched.text
+    assert fetched.json()["choices"][0]["message"]["content"] == got["message"]["content"]
+
+
+@pytest.mark.parametrize("server, content, words", [
+    (1, "IMAGE", ["messages[0].content[0] is an image", "takes text only"]),
+    (0, [{"type": "image_url", "image_url": {"url": "data:image/png;base64,QUJD"}}], ["not an image"]),
+    (0, [{"type": "image_url", "image_url": {"url": "ftp://x/y.png"}}], ["data:image/ or http(s)://"]),
+    (0, [{"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/none.png"}}], ["could not fetch"]),
+    (0, [{"type": "input_audio"}], ["must be one of 'text', 'image_url'"]),
+])
+def test_bad_images_are_400s_naming_messages(urls, server, content, words):
+    if content == "IMAGE":
+        content = [{"type": "image_url", "image_url": {"url": data_url(image(1))}}]
+    response = chat(urls[server], content)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages" and all(w in error["message"] for w in words), error["message"]
+    assert chat(urls[server], "hello").status_code == 200   # the engine serves on
