@@ -91,6 +91,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-prompt-embeds", action="store_true",
                         help="prompts may be rows of input embeddings (/v1/completions' prompt_embeds: base64 of "
                              "torch.save(tensor) or a .npy file)")
+    parser.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
+                        help='a prompt\'s most images, e.g. \'{"image": 2}\' (0: images refused)')
     parser.add_argument("--max-loras", type=int, default=d.max_loras, help="adapters in one batch (default 1)")
     parser.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank, help="the largest adapter rank")
     parser.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in host memory")

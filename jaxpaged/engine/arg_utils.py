@@ -99,6 +99,7 @@ class EngineArgs:
     profiler_config: dict | str | None = None  # {"profiler": "jax", "profiler_dir": DIR}: start_profile() works
     reasoning_parser: str | None = None       # jaxpaged.reasoning's: structured outputs apply after </think>
     enable_prompt_embeds: bool = False        # prompts may be rows of input embeddings ({"prompt_embeds": array})
+    limit_mm_per_prompt: dict | str | None = None   # {"image": N}: a prompt's most images (None: no bound)
 
     def batched_tokens(self, max_model_len: int) -> int:
         """The per-step token budget: given, or 2048 (at least max_model_len without chunked prefill)."""
@@ -195,6 +196,11 @@ class EngineArgs:
         require("enable_lora", not self.enable_lora or spec is None or spec.method == "ngram",
                 "False with a draft model (speculative_config method 'draft_model'); prompt lookup works")
         require("enable_prompt_embeds", isinstance(self.enable_prompt_embeds, bool), "True or False")
+        if self.limit_mm_per_prompt is not None:
+            self.limit_mm_per_prompt = json_config("limit_mm_per_prompt", self.limit_mm_per_prompt, ("image",))
+            count = self.limit_mm_per_prompt.get("image")
+            require("limit_mm_per_prompt", count is None or (isinstance(count, int) and not isinstance(count, bool)
+                                                             and count >= 0), "{'image': an int >= 0}")
         require("tokenizer_mode", self.tokenizer_mode in ("auto", "slow"), "'auto' or 'slow'")
         for flag in ("skip_tokenizer_init", "trust_remote_code", "enforce_eager"):
             require(flag, isinstance(getattr(self, flag), bool), "True or False")

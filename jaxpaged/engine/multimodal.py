@@ -112,8 +112,11 @@ def image_inputs(args, loaded, tokenizer) -> tuple["ImageInputs | None", str]:
                       else "images are not supported with runner='pooling'")
     if args.compile_on_startup:
         loaded.vision.warm_up()
+    limit = (args.limit_mm_per_prompt or {}).get("image")
+    if limit == 0:
+        return None, "limit_mm_per_prompt={'image': 0} allows none"
     folder = loaded.source if os.path.isdir(loaded.source) else None
-    return ImageInputs(loaded.vision, folder, args.block_size, tokenizer), ""
+    return ImageInputs(loaded.vision, folder, args.block_size, tokenizer, limit), ""
 
 
 class ImageInputs:
@@ -121,8 +124,9 @@ class ImageInputs:
 
     CACHE_IMAGES = 64   # the rows of this many recent images are kept (a conversation sends its image again)
 
-    def __init__(self, tower, folder: str | None, block_size: int, tokenizer=None):
+    def __init__(self, tower, folder: str | None, block_size: int, tokenizer=None, limit: int | None = None):
         self.tower = tower
+        self.limit = limit   # limit_mm_per_prompt's: a prompt's most images (None: no bound)
         self.folder = folder
         self.block_size = block_size
         self.placeholder = tokenizer.convert_ids_to_tokens(tower.image_token_id) if tokenizer is not None else None
@@ -173,6 +177,9 @@ class ImageInputs:
     def process(self, token_ids: list[int], images: list, truncate) -> tuple[list[int], tuple, tuple]:
         """(token ids, ((first position, rows), ...), each block's digest or None) of a prompt and its images;
         `truncate`: the prompt's truncation (InputProcessor.truncate), which must not cut into an image."""
+        if self.limit is not None and len(images) > self.limit:
+            raise ValueError(f"multi_modal_data['image'] holds {len(images)} images; this engine's "
+                             f"limit_mm_per_prompt allows {self.limit} (LLM(..., limit_mm_per_prompt={{'image': N}}))")
         images = [load_image(image, f"multi_modal_data['image'][{i}]") for i, image in enumerate(images)]
         expanded, starts = self.expand(token_ids, len(images))
         kept = truncate(expanded)

@@ -75,7 +75,8 @@ def hf_greedy(model, path: str, token_ids: list[int], images: list, max_tokens: 
                              max_new_tokens=max_tokens, min_new_tokens=max_tokens, output_logits=True,
                              return_dict_in_generate=True)
     tokens = out.sequences[0, len(token_ids):].tolist()
-    logprobs = [torch.log_softmax(s[0], -1)[t].item() for s, t in zip(out.logits, tokens)]   # raw: before min_new_tokens
+    # raw logits: min_new_tokens' processor masks EOS in the scores
+    logprobs = [torch.log_softmax(s[0], -1)[t].item() for s, t in zip(out.logits, tokens)]
     return tokens, logprobs
 
 
@@ -198,6 +199,25 @@ def test_bad_images_are_value_errors_naming_the_field_and_lose_nothing():
     text_model = LLM(dtype="float32", max_model_len=64, compile_on_startup=False, num_gpu_blocks_override=16)
     with pytest.raises(ValueError, match="multi_modal_data needs a vision-language model.*takes text only"):
         text_model.generate({"prompt": "hi", "multi_modal_data": {"image": image(1)}}, use_tqdm=False)
+
+
+def test_limit_mm_per_prompt_bounds_a_prompts_images():
+    import argparse
+    from jaxpaged.cli import add_engine_args, engine_kwargs
+    from jaxpaged.engine.arg_utils import EngineArgs
+    path, _ = llava()
+    two = {"prompt": "<image> <image>", "multi_modal_data": {"image": [image(1), image(2)]}}
+    with pytest.raises(ValueError, match="holds 2 images; this engine's limit_mm_per_prompt allows 1"):
+        engine(path, limit_mm_per_prompt={"image": 1}).generate(two, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"limit_mm_per_prompt=\{'image': 0\} allows none"):
+        engine(path, limit_mm_per_prompt='{"image": 0}').generate(two, use_tqdm=False)
+    for bad in ({"video": 1}, {"image": -1}, "[1]"):
+        with pytest.raises(ValueError, match="limit_mm_per_prompt"):
+            engine(path, limit_mm_per_prompt=bad)
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    kwargs = engine_kwargs(parser.parse_args(["--limit-mm-per-prompt", '{"image": 3}']))
+    assert EngineArgs(**kwargs).limit_mm_per_prompt == {"image": 3}
 
 
 def test_a_checkpoint_without_an_image_processor_refuses_images():
