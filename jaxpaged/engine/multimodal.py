@@ -143,36 +143,39 @@ class ImageInputs:
         return self._processor
 
     def rows(self, image) -> tuple[bytes, np.ndarray]:
-        """(digest of its pixel_values, its rows [tokens_per_image, hidden])."""
-        pixels = np.asarray(self.processor()(images=[image], return_tensors="np")["pixel_values"][0], np.float32)
-        digest = hashlib.sha256(pixels.tobytes()).digest()
+        """(digest of its pixel_values, its rows [tokens, hidden])."""
+        out = self.processor()(images=[image], return_tensors="np")
+        pixels = np.asarray(out["pixel_values"][0], np.float32)
+        size = out.get("image_sizes")   # LLaVA-NeXT: the image's (height, width), which shapes its grid
+        size = None if size is None else tuple(int(v) for v in size[0])
+        digest = hashlib.sha256(pixels.tobytes() + repr(size).encode()).digest()
         rows = self._rows.pop(digest, None)
         if rows is None:
-            rows = self.tower.encode(pixels)
+            rows = self.tower.image_rows(pixels, size)
         self._rows[digest] = rows
         while len(self._rows) > self.CACHE_IMAGES:
             self._rows.popitem(last=False)
         return digest, rows
 
-    def expand(self, token_ids: list[int], num_images: int) -> tuple[list[int], list[int]]:
-        """The prompt with each image's placeholder repeated tokens_per_image times, and where each image's
-        tokens begin. The prompt holds one placeholder per image, or (already expanded) tokens_per_image each."""
-        image_id, per_image = self.tower.image_token_id, self.tower.tokens_per_image
+    def expand(self, token_ids: list[int], counts: list[int]) -> tuple[list[int], list[int]]:
+        """The prompt with each image's placeholder repeated as many times as the image has rows (`counts`), and
+        where each image's tokens begin. The prompt holds one placeholder per image, or (already expanded) each
+        image's count in a row."""
+        image_id = self.tower.image_token_id
         found = [i for i, t in enumerate(token_ids) if t == image_id]
-        if len(found) == num_images:   # one each
+        if len(found) == len(counts):   # one each
             out, starts = [], []
             for t in token_ids:
                 if t == image_id:
                     starts.append(len(out))
-                out += [t] * (per_image if t == image_id else 1)
+                out += [t] * (counts[len(starts) - 1] if t == image_id else 1)
             return out, starts
-        starts = found[::per_image]
-        if len(found) != num_images * per_image or any(found[k + per_image - 1] != found[k] + per_image - 1
-                                                       for k in range(0, len(found), per_image)):
-            raise ValueError(f"the prompt has {len(found)} image token(s) ({self.placeholder!r}) for {num_images} "
-                             f"image(s) in multi_modal_data['image']: put one placeholder per image (or "
-                             f"{per_image} in a row, the tokens each stands for)")
-        return list(token_ids), starts
+        firsts = np.cumsum([0] + counts[:-1]).tolist()
+        if len(found) != sum(counts) or any(found[k + n - 1] != found[k] + n - 1 for k, n in zip(firsts, counts)):
+            raise ValueError(f"the prompt has {len(found)} image token(s) ({self.placeholder!r}) for {len(counts)} "
+                             f"image(s) in multi_modal_data['image']: put one placeholder per image (or as many "
+                             f"in a row as the image has tokens: {', '.join(map(str, counts))})")
+        return list(token_ids), [found[k] for k in firsts]
 
     def process(self, token_ids: list[int], images: list, truncate) -> tuple[list[int], tuple, tuple]:
         """(token ids, ((first position, rows), ...), each block's digest or None) of a prompt and its images;
@@ -181,19 +184,19 @@ class ImageInputs:
             raise ValueError(f"multi_modal_data['image'] holds {len(images)} images; this engine's "
                              f"limit_mm_per_prompt allows {self.limit} (LLM(..., limit_mm_per_prompt={{'image': N}}))")
         images = [load_image(image, f"multi_modal_data['image'][{i}]") for i, image in enumerate(images)]
-        expanded, starts = self.expand(token_ids, len(images))
+        found = sum(t == self.tower.image_token_id for t in token_ids)
+        if found < len(images):   # (before the tower runs)
+            raise ValueError(f"the prompt has {found} image token(s) ({self.placeholder!r}) for {len(images)} "
+                             f"image(s) in multi_modal_data['image']: put one placeholder per image")
+        digests, rows = zip(*(self.rows(image) for image in images))
+        expanded, starts = self.expand(token_ids, [len(r) for r in rows])
         kept = truncate(expanded)
         cut = len(expanded) - len(kept)
-        per_image = self.tower.tokens_per_image
-        if any(s < cut < s + per_image for s in starts):
+        if any(s < cut < s + len(r) for s, r in zip(starts, rows)):
             raise ValueError("truncate_prompt_tokens would cut into an image's tokens; keep more tokens")
-        ranges, digests = [], []
-        for image, start in zip(images, starts):
-            if start >= cut:
-                digest, rows = self.rows(image)
-                ranges.append((start - cut, rows))
-                digests.append(digest)
-        return kept, tuple(ranges), self.block_digests(ranges, digests)
+        kept_images = [(s - cut, r, d) for s, r, d in zip(starts, rows, digests) if s >= cut]
+        ranges = [(s, r) for s, r, _ in kept_images]
+        return kept, tuple(ranges), self.block_digests(ranges, [d for _, _, d in kept_images])
 
     def block_digests(self, ranges: list, digests: list[bytes]) -> tuple:
         """Per block: a SHA-256 of the images it holds (which, and which of their tokens), None for a block of

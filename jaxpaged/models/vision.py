@@ -16,7 +16,9 @@ import numpy as np
 from jaxpaged.models.norms import layer_norm
 
 VISION_TOWERS = ("clip_vision_model", "siglip_vision_model")
-IMAGE_ARCHITECTURES = ("LlavaForConditionalGeneration",)   # the vision-language checkpoints whose images run
+# the vision-language checkpoints whose images run: LLaVA (one tile), LLaVA-NeXT (a base tile and a grid of them)
+LLAVA_NEXT = "LlavaNextForConditionalGeneration"
+IMAGE_ARCHITECTURES = ("LlavaForConditionalGeneration", LLAVA_NEXT)
 _SELECT_STRATEGIES = ("default", "full")
 
 
@@ -57,6 +59,29 @@ class VisionConfig:
     @property
     def tokens_per_image(self) -> int:
         return self.num_positions - self.drop_first
+
+
+def pack_tiles(tiles: np.ndarray, rows: int, cols: int, image_size: tuple[int, int], newline: np.ndarray):
+    """LLaVA-NeXT's rows of an image (transformers' pack_image_features, "spatial_unpad"): the whole image's
+    tile, then the grid's features as one picture, the padding the processor added cut off again, each of its
+    rows ended by `newline`. tiles: [1 + rows x cols, side x side, hidden]."""
+    base, grid = tiles[0], tiles[1:]
+    if not len(grid):
+        return np.concatenate([base, newline[None]])
+    side = int(round(grid.shape[1] ** 0.5))
+    hidden = grid.shape[-1]
+    picture = grid.reshape(rows, cols, side, side, hidden).transpose(4, 0, 2, 1, 3).reshape(
+        hidden, rows * side, cols * side)
+    (height, width), (cur_h, cur_w) = image_size, picture.shape[1:]
+    if width / height > cur_w / cur_h:   # padded above and below
+        pad = (cur_h - int(round(height * (cur_w / width), 7))) // 2
+        picture = picture[:, pad:cur_h - pad]
+    else:                                # padded left and right
+        pad = (cur_w - int(round(width * (cur_h / height), 7))) // 2
+        picture = picture[:, :, pad:cur_w - pad]
+    ends = np.broadcast_to(newline[:, None, None], (hidden, picture.shape[1], 1)).astype(picture.dtype)
+    picture = np.concatenate([picture, ends], axis=-1).reshape(hidden, -1).T
+    return np.concatenate([base, picture])
 
 
 def has_vision_tower(hf_config: Any) -> bool:
@@ -180,8 +205,8 @@ def image_features(cfg: VisionConfig, w: dict, pixels: jax.Array) -> jax.Array:
 
 
 class VisionTower:
-    """A LLaVA checkpoint's tower and projector, loaded onto one device: `encode` turns pixel_values into the
-    language model's input rows."""
+    """A LLaVA or LLaVA-NeXT checkpoint's tower and projector, loaded onto one device: `image_rows` turns an
+    image's pixel_values into the language model's input rows."""
 
     def __init__(self, hf_config: Any, get: Callable[[str], np.ndarray], has: Callable[[str], bool], dtype,
                  device):
@@ -190,10 +215,23 @@ class VisionTower:
         self.dtype = np.dtype(dtype)
         self.device = device
         self.weights = load_vision_weights(self.config, get, has, dtype, device)
+        self.grid_pinpoints = None   # LLaVA-NeXT: the resolutions an image's grid of tiles may take
+        if hf_config.architectures[0] == LLAVA_NEXT:
+            self.grid_pinpoints = [list(p) for p in hf_config.image_grid_pinpoints]
+            name = next(n for n in ("model.image_newline", "image_newline") if has(n))
+            self.newline = np.asarray(get(name)).astype(dtype)   # ends each row of the grid's features
 
-    @property
-    def tokens_per_image(self) -> int:
-        return self.config.tokens_per_image
+    def image_rows(self, pixels: np.ndarray, image_size: tuple[int, int] | None = None) -> np.ndarray:
+        """One image's rows [tokens, text hidden]: pixel_values [channels, size, size] (LLaVA), or LLaVA-NeXT's
+        [tiles, channels, size, size] (the whole image, then its grid) with the image's (height, width)."""
+        if self.grid_pinpoints is None:
+            return self.encode(pixels)
+        from transformers.image_processing_utils import select_best_resolution
+        height, width = select_best_resolution(image_size, self.grid_pinpoints)
+        size = self.config.image_size
+        rows, cols = height // size, width // size
+        tiles = np.stack([self.encode(tile) for tile in pixels[:1 + rows * cols]])
+        return pack_tiles(tiles, rows, cols, image_size, self.newline)
 
     @property
     def pixel_shape(self) -> tuple[int, int, int]:

@@ -9,7 +9,8 @@ from typing import Any
 # tensors under either of their names (hf_names.hf_reader). Qwen's multimodal rope (mrope) is the plain rope
 # on text: its three position streams are the same positions.
 VISION_LANGUAGE_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration",
-                                 "LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
+                                 "LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
+                                 "Qwen2VLForConditionalGeneration",
                                  "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
 _TEXT_MODELS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                 "qwen2_vl_text": "Qwen2ForCausalLM", "qwen2_5_vl_text": "Qwen2ForCausalLM",

@@ -248,3 +248,59 @@ def test_images_compile_nothing_after_startup():
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
     assert compiled == [], f"compiled after start-up: {compiled}"
     assert all(len(o.outputs[0].token_ids) == 5 for o in outs)
+
+
+PINPOINTS = [[32, 64], [64, 32], [64, 64]]
+
+
+@functools.cache
+def llava_next() -> tuple[str, object]:
+    """A tiny random LLaVA-NeXT checkpoint: a CLIP tower on 32 x 32 tiles, a grid of up to 2 x 2 of them."""
+    import torch
+    import transformers
+    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=32, patch_size=8)
+    cfg = transformers.LlavaNextConfig(text_config={**TEXT, "model_type": "mistral", "sliding_window": None},
+                                       vision_config=vision, image_token_index=IMAGE_ID, image_grid_pinpoints=PINPOINTS)
+    torch.manual_seed(8)
+    model = transformers.LlavaNextForConditionalGeneration(cfg).to(torch.float32).eval()
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.15 if p.ndim >= 2 else 1.0 + 0.1 * torch.randn_like(p))
+    path = scratch_folder("llava-next-")
+    model.save_pretrained(path, safe_serialization=True)
+    llava_path, _ = llava()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        with open(os.path.join(llava_path, name), "rb") as src, open(os.path.join(path, name), "wb") as dst:
+            dst.write(src.read())
+    transformers.LlavaNextImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
+                                            image_grid_pinpoints=PINPOINTS).save_pretrained(path)
+    return path, model
+
+
+def test_llava_next_tiles_give_transformers_tokens_and_logprobs():
+    """LLaVA-NeXT: an image's base tile and its grid (wide, tall and square images take different grids and
+    counts of tokens, with the padding cut off and a newline row ending each row), as transformers' processor
+    expands the prompt and its model generates."""
+    import torch
+    import transformers
+    from jaxpaged import SamplingParams
+    path, model = llava_next()
+    processor = transformers.LlavaNextProcessor(transformers.AutoImageProcessor.from_pretrained(path, backend="pil"),
+                                                transformers.AutoTokenizer.from_pretrained(path), patch_size=8,
+                                                vision_feature_select_strategy="default", image_token="<image>",
+                                                num_additional_image_tokens=1)
+    llm = engine(path)
+    text = "USER: <image>\nwhat is it? ASSISTANT:"
+    for img in (image(12, (30, 70)), image(13, (90, 40)), image(14, (50, 50))):
+        ref = processor(text=text, images=[img], return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**ref, do_sample=False, max_new_tokens=6, min_new_tokens=6, output_logits=True,
+                                 return_dict_in_generate=True)
+        n = ref["input_ids"].shape[1]
+        tokens = out.sequences[0, n:].tolist()
+        logprobs = [torch.log_softmax(s[0], -1)[t].item() for s, t in zip(out.logits, tokens)]
+        got = llm.generate({"prompt": text, "multi_modal_data": {"image": img}}, SamplingParams(**GREEDY),
+                           use_tqdm=False)[0]
+        assert got.prompt_token_ids == ref["input_ids"][0].tolist()
+        assert_matches(got, tokens, logprobs)
