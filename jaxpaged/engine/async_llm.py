@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.async_outputs import EngineRequestError, OutputThread
 from jaxpaged.engine.llm_engine import LLMEngine, StepFailedError
+from jaxpaged.engine.multimodal import prepare_images
 from jaxpaged.engine.research import AsyncResearchMixin
 from jaxpaged.engine.streams import CLOSED, RequestMetrics, Stream, merge_deltas, resolve, resolve_value
 from jaxpaged.outputs import PoolingRequestOutput, RequestOutput
@@ -110,6 +111,7 @@ class AsyncLLM(AsyncResearchMixin, OutputThread):
             raise ValueError(f"output_kind must be 'delta' or 'cumulative', got {output_kind!r}")
         params = (sampling_params or SamplingParams()).clone()   # the engine thread owns this copy
         params.output_kind = RequestOutputKind.DELTA
+        prompt = await prepare_images(self.engine, prompt)   # images read and processed off the engine's thread
         # (aclosing: a consumer that stops closes the request's generator at once, which aborts it)
         async with contextlib.aclosing(self._request(request_id, (prompt, params, lora_request, priority, None),
                                                      output_kind)) as outputs:

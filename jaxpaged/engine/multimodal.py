@@ -7,9 +7,11 @@ already repeated) stands for as many tokens as the tower gives rows; the checkpo
 the prompt holds the image's tokens (Request.embed_ranges). Each block's hash takes a digest of the images
 it holds, so the prefix cache shares blocks only between the same images at the same places."""
 
+import asyncio
 import base64
 import binascii
 import collections
+import dataclasses
 import hashlib
 import io
 import os
@@ -119,6 +121,22 @@ def image_inputs(args, loaded, tokenizer) -> tuple["ImageInputs | None", str]:
     return ImageInputs(loaded.vision, folder, args.block_size, tokenizer, limit), ""
 
 
+@dataclasses.dataclass(frozen=True)
+class PreparedImage:
+    """An image as its checkpoint's processor made it: what the tower reads, and the prefix cache's digest."""
+    pixels: np.ndarray             # pixel_values of the image (LLaVA-NeXT: its tiles)
+    size: tuple[int, int] | None   # LLaVA-NeXT: the image's (height, width)
+    digest: bytes
+
+
+async def prepare_images(engine, prompt):
+    """`ImageInputs.prepare_prompt` in a worker thread, for an engine that takes images (else the prompt)."""
+    images = engine.replicas()[0].input_processor.images
+    if images is None or not isinstance(prompt, dict) or prompt.get("multi_modal_data") is None:
+        return prompt
+    return await asyncio.to_thread(images.prepare_prompt, prompt)
+
+
 class ImageInputs:
     """What an engine with a vision tower does to a prompt's images (InputProcessor.process)."""
 
@@ -142,16 +160,35 @@ class ImageInputs:
             self._processor = AutoImageProcessor.from_pretrained(self.folder, backend="pil")
         return self._processor
 
-    def rows(self, image) -> tuple[bytes, np.ndarray]:
-        """(digest of its pixel_values, its rows [tokens, hidden])."""
-        out = self.processor()(images=[image], return_tensors="np")
+    def prepare(self, image, field: str) -> PreparedImage:
+        """An image read and made pixel_values by the checkpoint's processor (the work before the tower)."""
+        if isinstance(image, PreparedImage):
+            return image
+        out = self.processor()(images=[load_image(image, field)], return_tensors="np")
         pixels = np.asarray(out["pixel_values"][0], np.float32)
         size = out.get("image_sizes")   # LLaVA-NeXT: the image's (height, width), which shapes its grid
         size = None if size is None else tuple(int(v) for v in size[0])
-        digest = hashlib.sha256(pixels.tobytes() + repr(size).encode()).digest()
+        return PreparedImage(pixels, size, hashlib.sha256(pixels.tobytes() + repr(size).encode()).digest())
+
+    def prepare_prompt(self, prompt):
+        """The prompt with its multi_modal_data's images prepared (AsyncLLM runs this off the engine's thread,
+        which then only runs the tower); a prompt without images, or one with bad images, as it is (the
+        engine's InputProcessor names what is wrong)."""
+        if not isinstance(prompt, dict) or not isinstance(prompt.get("multi_modal_data"), dict):
+            return prompt
+        try:
+            images = image_list(prompt["multi_modal_data"])
+            images = [self.prepare(image, f"multi_modal_data['image'][{i}]") for i, image in enumerate(images)]
+        except ValueError:
+            return prompt
+        return {**prompt, "multi_modal_data": {"image": images}}
+
+    def rows(self, image: PreparedImage) -> tuple[bytes, np.ndarray]:
+        """(digest of its pixel_values, its rows [tokens, hidden])."""
+        digest = image.digest
         rows = self._rows.pop(digest, None)
         if rows is None:
-            rows = self.tower.image_rows(pixels, size)
+            rows = self.tower.image_rows(image.pixels, image.size)
         self._rows[digest] = rows
         while len(self._rows) > self.CACHE_IMAGES:
             self._rows.popitem(last=False)
@@ -183,7 +220,7 @@ class ImageInputs:
         if self.limit is not None and len(images) > self.limit:
             raise ValueError(f"multi_modal_data['image'] holds {len(images)} images; this engine's "
                              f"limit_mm_per_prompt allows {self.limit} (LLM(..., limit_mm_per_prompt={{'image': N}}))")
-        images = [load_image(image, f"multi_modal_data['image'][{i}]") for i, image in enumerate(images)]
+        images = [self.prepare(image, f"multi_modal_data['image'][{i}]") for i, image in enumerate(images)]
         found = sum(t == self.tower.image_token_id for t in token_ids)
         if found < len(images):   # (before the tower runs)
             raise ValueError(f"the prompt has {found} image token(s) ({self.placeholder!r}) for {len(images)} "

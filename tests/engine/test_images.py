@@ -201,6 +201,40 @@ def test_bad_images_are_value_errors_naming_the_field_and_lose_nothing():
         text_model.generate({"prompt": "hi", "multi_modal_data": {"image": image(1)}}, use_tqdm=False)
 
 
+def test_async_llm_reads_and_processes_images_off_the_engine_thread():
+    """AsyncLLM: the image's decoding and processing run in a worker thread; the engine's thread runs the tower
+    alone, and the tokens are LLM.generate's. A bad image is still a ValueError before any output."""
+    import asyncio
+    import threading
+    from jaxpaged import AsyncLLM, SamplingParams
+    from jaxpaged.engine.arg_utils import EngineArgs
+    from jaxpaged.engine.multimodal import PreparedImage
+    path, _ = llava()
+    llm = AsyncLLM.from_engine_args(EngineArgs(model=path, dtype="float32", block_size=8, num_gpu_blocks_override=64,
+                                               max_model_len=256, compile_on_startup=False), use_tqdm=False)
+    images, threads = llm.engine.input_processor.images, []
+    prepare = images.prepare
+
+    def spy(image, field):
+        if not isinstance(image, PreparedImage):   # (a prepared one is returned as it is)
+            threads.append(threading.current_thread().name)
+        return prepare(image, field)
+    images.prepare = spy
+    prompt = {"prompt": "USER: <image>\nwhat? ASSISTANT:", "multi_modal_data": {"image": data_url(image(6))}}
+
+    async def run(p):
+        return [out async for out in llm.generate(p, SamplingParams(**GREEDY), output_kind="cumulative")][-1]
+    try:
+        got = asyncio.run(run(prompt))
+        assert threads and "jaxpaged-engine" not in threads
+        with pytest.raises(ValueError, match="not valid base64"):
+            asyncio.run(run({**prompt, "multi_modal_data": {"image": "data:image/png;base64,!"}}))
+    finally:
+        llm.shutdown()
+    ref = engine(path).generate(prompt, SamplingParams(**GREEDY), use_tqdm=False)[0]
+    assert got.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
 def test_limit_mm_per_prompt_bounds_a_prompts_images():
     import argparse
     from jaxpaged.cli import add_engine_args, engine_kwargs
