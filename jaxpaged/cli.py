@@ -21,6 +21,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-overrides", default=None, metavar="JSON",
                         help="fields of the checkpoint's config changed before loading, e.g. "
                              '\'{"max_position_embeddings": 8192}\'')
+    parser.add_argument("--download-dir", default=None, help="where a hub id's files are downloaded (default: the "
+                        "Hugging Face cache)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="vLLM's flag, accepted: there are no CUDA graphs to skip, the step is XLA's programs")
     parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=d.pipeline_parallel_size,

@@ -50,6 +50,7 @@ class EngineArgs:
     tokenizer_mode: str = "auto"              # "auto" | "slow" (transformers' use_fast=False)
     skip_tokenizer_init: bool = False         # no tokenizer: token-id prompts, outputs without text
     trust_remote_code: bool = False           # a checkpoint's own config / tokenizer code may run (transformers')
+    download_dir: str | None = None           # where a hub id's files are downloaded (None: the hub's own cache)
     hf_overrides: object = None               # config fields changed before the model is built: dict or function
     enforce_eager: bool = False               # vLLM's (no CUDA graphs there), accepted: XLA runs compiled programs
     pipeline_parallel_size: int = 1           # vLLM's; only 1 (tensor_parallel_size and num_nodes scale out)
@@ -202,6 +203,8 @@ class EngineArgs:
             require("limit_mm_per_prompt", count is None or (isinstance(count, int) and not isinstance(count, bool)
                                                              and count >= 0), "{'image': an int >= 0}")
         require("tokenizer_mode", self.tokenizer_mode in ("auto", "slow"), "'auto' or 'slow'")
+        require("download_dir", self.download_dir is None or (isinstance(self.download_dir, str)
+                                                             and self.download_dir != ""), "None or a folder path")
         for flag in ("skip_tokenizer_init", "trust_remote_code", "enforce_eager"):
             require(flag, isinstance(getattr(self, flag), bool), "True or False")
         if isinstance(self.hf_overrides, str):   # the CLI's JSON

@@ -39,6 +39,7 @@ def load_tokenizer(args: EngineArgs, loaded: LoadedModel):
     if args.skip_tokenizer_init:
         return None
     options = dict(trust_remote_code=args.trust_remote_code, revision=args.tokenizer_revision,
+                   cache_dir=args.download_dir,
                    **({"use_fast": False} if args.tokenizer_mode == "slow" else {}))
     if args.tokenizer is not None:
         return AutoTokenizer.from_pretrained(args.tokenizer, **options)
@@ -238,7 +239,8 @@ def load_draft_model(args: EngineArgs, spec, target: LoadedModel) -> LoadedModel
     target's vocabulary."""
     loaded = load_model(spec.model, args.dtype, args.revision, attention_backend=target.model.attention_backend,
                         scan_layers=args.scan_layers, shard_plan=target.model.shard_plan,
-                        quantization=args.quantization, hub=HubOptions(args.trust_remote_code))
+                        quantization=args.quantization, hub=HubOptions(args.trust_remote_code,
+                                                                        download_dir=args.download_dir))
     if loaded.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"speculative_config model {spec.model!r} has a vocabulary of {loaded.config.vocab_size} "
                          f"tokens, the target {target.config.vocab_size}: the draft must share the target's tokenizer")

@@ -71,7 +71,7 @@ def load_dummy(model: str, dtype: str, revision: str | None, attention_backend: 
     a hub id), random weights. dtype "auto" is the config's (`torch_dtype`; float32 when it names none)."""
     if model.endswith(".gguf"):
         raise ValueError("load_format='dummy' takes a model folder with config.json or a hub id, not a .gguf file")
-    folder = _local_folder(model, revision, weights=False)
+    folder = _local_folder(model, revision, weights=False, cache_dir=hub.download_dir)
     hf_config = hub.config(folder)
     cfg = model_config_from_hf(hf_config)
     configured = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)   # older transformers

@@ -1,7 +1,7 @@
 """vLLM's arguments for what transformers reads beside the weights: `trust_remote_code` (a checkpoint's own
-config or tokenizer code may run) and `hf_overrides` (fields of the checkpoint's config changed before the
+config or tokenizer code may run), `hf_overrides` (fields of the checkpoint's config changed before the
 model is built from it: `{"max_position_embeddings": 8192}`, a nested dict for a sub-config such as
-`text_config`, or a function of the config returning it)."""
+`text_config`, or a function of the config returning it) and `download_dir` (where a hub id's files go)."""
 
 import dataclasses
 from typing import Any
@@ -11,11 +11,12 @@ from typing import Any
 class HubOptions:
     trust_remote_code: bool = False
     hf_overrides: Any = None   # dict | Callable[[PretrainedConfig], PretrainedConfig] | None
+    download_dir: str | None = None   # a hub id's snapshot goes here (None: the hub's cache, HF_HUB_CACHE)
 
     @classmethod
     def of(cls, args) -> "HubOptions":
         """An EngineArgs' options."""
-        return cls(args.trust_remote_code, args.hf_overrides)
+        return cls(args.trust_remote_code, args.hf_overrides, args.download_dir)
 
     def config(self, folder: str):
         """The folder's (or hub id's) transformers config, with the overrides applied."""

@@ -196,8 +196,9 @@ def convert_hf_weights(get: Callable[[str], np.ndarray], has: Callable[[str], bo
     return weights
 
 
-def _local_folder(model: str, revision: str | None = None, weights: bool = True) -> str:
-    """A local folder, or a hub id's snapshot (its weights too unless `weights` is False)."""
+def _local_folder(model: str, revision: str | None = None, weights: bool = True, cache_dir: str | None = None) -> str:
+    """A local folder, or a hub id's snapshot (its weights too unless `weights` is False) in `cache_dir` (None:
+    the hub's own cache)."""
     if os.path.isdir(model):
         return model
     if os.path.exists(model):
@@ -208,7 +209,7 @@ def _local_folder(model: str, revision: str | None = None, weights: bool = True)
     try:
         from huggingface_hub import snapshot_download
         patterns = ["*.json", "*.model", "*.txt", "*.jinja"] + (["*.safetensors"] if weights else [])
-        return snapshot_download(model, revision=revision, allow_patterns=patterns)
+        return snapshot_download(model, revision=revision, allow_patterns=patterns, cache_dir=cache_dir)
     except Exception as exc:  # offline, unknown id, gated repo...
         raise FileNotFoundError(
             f"could not find model {model!r} locally nor download it from the Hugging Face hub "
@@ -301,7 +302,7 @@ def load_model(model: str, dtype: str = "auto", revision: str | None = None,
         source = model
     else:
         from jaxpaged.models.safetensors_io import Checkpoint
-        folder = _local_folder(model, revision)
+        folder = _local_folder(model, revision, cache_dir=hub.download_dir)
         if not os.path.exists(os.path.join(folder, "config.json")):
             raise FileNotFoundError(f"no config.json in model folder {folder!r}")
         hf_config = hub.config(folder)

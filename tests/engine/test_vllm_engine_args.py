@@ -1,5 +1,9 @@
 """Engine arguments vLLM scripts pass that concern what transformers loads: trust_remote_code, hf_overrides,
-skip_tokenizer_init, tokenizer_mode, tokenizer_revision; enforce_eager and pipeline_parallel_size=1 accepted."""
+skip_tokenizer_init, tokenizer_mode, tokenizer_revision, download_dir; enforce_eager and pipeline_parallel_size=1
+accepted."""
+
+import argparse
+import os
 
 import pytest
 
@@ -41,7 +45,32 @@ def test_skip_tokenizer_init_takes_token_ids_only():
         llm.generate("Hello", GREEDY, use_tqdm=False)
 
 
+def test_download_dir_is_where_a_hub_id_is_downloaded(monkeypatch, tmp_path):
+    """A hub id's snapshot (the weights, and the tokenizer's files) goes to download_dir; the hub here is a stub
+    that copies the tiny checkpoint where it is asked to (no network)."""
+    import shutil
+    import huggingface_hub
+    asked = []
+
+    def snapshot_download(repo_id, revision=None, allow_patterns=None, cache_dir=None):
+        asked.append(cache_dir)
+        folder = os.path.join(cache_dir or str(tmp_path / "default"), repo_id.replace("/", "--"))
+        if not os.path.isdir(folder):
+            shutil.copytree(tiny_checkpoint("llama"), folder)
+        return folder
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    llm = LLM("someone/tiny-llama", download_dir=str(tmp_path / "weights"), **TINY)
+    assert asked == [str(tmp_path / "weights")]
+    assert llm.llm_engine.loaded.source.startswith(str(tmp_path / "weights"))
+    assert llm.generate("Hello", GREEDY, use_tqdm=False)[0].outputs[0].text == \
+        LLM(tiny_checkpoint("llama"), **TINY).generate("Hello", GREEDY, use_tqdm=False)[0].outputs[0].text
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert EngineArgs(**engine_kwargs(parser.parse_args(["--download-dir", "/x"]))).download_dir == "/x"
+
+
 @pytest.mark.parametrize("kwargs, name", [({"tokenizer_mode": "mistral"}, "tokenizer_mode"),
+                                          ({"download_dir": ""}, "download_dir"),
                                           ({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
                                           ({"hf_overrides": 3}, "hf_overrides"),
                                           ({"hf_overrides": "[1]"}, "hf_overrides"),
