@@ -3,7 +3,8 @@
 
 An engine made with `runner="pooling"` runs each prompt once and hands back its embedding: the
 final-normed hidden state of the prompt's last token (pooling_type "LAST", vLLM's default for a
-causal LM used as an embedding model), L2-normalized unless asked not to. A sentence-transformers
+causal LM used as an embedding model), the mean of every prompt token's ("MEAN") or the first token's
+("CLS"; runner/pooled_rows.py), L2-normalized unless asked not to. A sentence-transformers
 checkpoint's own pooling (modules.json, 1_Pooling/config.json) decides instead where it has one.
 """
 
@@ -16,7 +17,9 @@ import os
 import numpy as np
 
 RUNNERS = ("auto", "generate", "pooling")
-POOLING_TYPES = ("LAST",)   # MEAN and CLS (the hidden states of every prompt token) are not built yet
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+# sentence-transformers' pooling modes (1_Pooling/config.json's pooling_mode_*) -> ours
+_SENTENCE_TRANSFORMERS_MODES = {"lasttoken": "LAST", "mean_tokens": "MEAN", "cls_token": "CLS"}
 
 
 def resolve_runner(runner: str, hf_config, pooler_config=None, speculative_config=None) -> str:
@@ -51,7 +54,7 @@ class PoolerConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.pooling_type, str) or self.pooling_type.upper() not in POOLING_TYPES:
             raise ValueError(f"pooler_config.pooling_type must be one of {', '.join(POOLING_TYPES)}, got "
-                             f"{self.pooling_type!r} (MEAN and CLS pooling are not supported yet)")
+                             f"{self.pooling_type!r}")
         self.pooling_type = self.pooling_type.upper()
         if not isinstance(self.normalize, bool):
             raise ValueError(f"pooler_config.normalize must be True or False, got {self.normalize!r}")
@@ -83,10 +86,11 @@ def sentence_transformers_pooler(model_path: str | None) -> PoolerConfig | None:
         return None
     with open(pooling_file) as f:
         modes = [k[len("pooling_mode_"):] for k, on in json.load(f).items() if k.startswith("pooling_mode_") and on]
-    if modes != ["lasttoken"]:
-        raise ValueError(f"the checkpoint's sentence-transformers pooling is {modes}; only last-token pooling "
-                         "is supported: pass pooler_config={'pooling_type': 'LAST'} to use it anyway")
-    return PoolerConfig("LAST", normalize="Normalize" in kinds)
+    if len(modes) != 1 or modes[0] not in _SENTENCE_TRANSFORMERS_MODES:
+        raise ValueError(f"the checkpoint's sentence-transformers pooling is {modes}; supported: one of "
+                         f"{', '.join(_SENTENCE_TRANSFORMERS_MODES)}: pass pooler_config={{'pooling_type': 'LAST'}} "
+                         "(or MEAN, CLS) to use it anyway")
+    return PoolerConfig(_SENTENCE_TRANSFORMERS_MODES[modes[0]], normalize="Normalize" in kinds)
 
 
 @dataclasses.dataclass

@@ -85,6 +85,8 @@ class Request:
         # embeddings whole, or each image's rows where its tokens are (engine/multimodal.py)
         self.embed_ranges = ((0, prompt_embeds),) if prompt_embeds is not None else tuple(image_rows)
         self.embeds_end = max((first + len(rows) for first, rows in self.embed_ranges), default=0)
+        # runner="pooling" with MEAN or CLS pooling: what its chunks' hidden states gave so far (opaque here)
+        self.pool_state = None
         # tokens it had when its K/V began from the first token: a length-dependent rope (LongRoPE)
         # encodes every position for this length (ForwardBatch.rope_lens); 0: not scheduled yet
         self.rope_len = 0

@@ -165,10 +165,18 @@ def _new_runner(args: EngineArgs, loaded: LoadedModel, num_blocks: int, max_mode
                        calculate_kv_scales=args.calculate_kv_scales,
                        num_speculative_tokens=_num_speculative_tokens(args),
                        compiler_options=xla_compiler_options(args.optimization_level),
-                       pooling=args.runner == "pooling",
+                       pooling=_pooling_type(args, loaded),
                        # rows in place of tokens: prompt embeddings, and a vision-language model's images
                        prompt_embeds=args.enable_prompt_embeds or takes_images(args, loaded),
                        logprobs_mode=args.logprobs_mode)
+
+
+def _pooling_type(args: EngineArgs, loaded: LoadedModel) -> str | None:
+    """A pooling engine's pooling_type (its pooler_config, or the checkpoint's own); None for a generating one."""
+    if args.runner != "pooling":
+        return None
+    from jaxpaged.pooling_params import PoolerConfig
+    return PoolerConfig.of(args.pooler_config, loaded.source if os.path.isdir(loaded.source) else None).pooling_type
 
 
 def _num_speculative_tokens(args: EngineArgs) -> int:
@@ -281,7 +289,9 @@ def build_scheduler(args: EngineArgs, runner: ModelRunner, num_blocks: int, max_
     if runner.host_cache_slots:   # batches as the runner moves blocks: at most max_moved_blocks, bucketed
         host_cache = HostPrefixCache(runner.host_cache_slots, padded=lambda n: next_bucket(n, 4),
                                      max_batch=runner.max_moved_blocks)
-    kv_cache = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching,
+    # (MEAN and CLS pooling read every prompt token's hidden state: none may come from the prefix cache)
+    caching = args.enable_prefix_caching and not (runner.pooler is not None and runner.pooler.every_token)
+    kv_cache = KVCacheManager(num_blocks, args.block_size, caching,
                               num_host_blocks=runner.swap_space.num_host_blocks if runner.swap_space else 0,
                               rope_switch_len=model_config.rope_switch_len, host_cache=host_cache)
     cost = PreemptionCost(block_bytes=runner.block_bytes())

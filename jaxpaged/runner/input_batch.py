@@ -24,6 +24,8 @@ class InputBatch:
     lp_rows: list[tuple[str, int, int, int]]          # (request_id, first flat token, count, start position)
     sampler_kind: str | None = None                   # the sampler the host picked (None: the step's cond picks)
     embeds: list = dataclasses.field(default_factory=list)   # (flat token index, rows): prompt embeddings
+    prompt_chunks: list = dataclasses.field(default_factory=list)   # (Request, first flat token, count, start) of
+    # the prompt tokens of each chunk other than a plain decode (a pooling runner's MEAN and CLS read them)
 
 
 # column getters over a plan's plain decodes (and their requests): one C-level pass each
@@ -46,6 +48,7 @@ class GeneralColumns:
         self.prev_index, self.prev_source = [], []   # (flat token index, prev's sample row): tokens prev samples
         self.chunk_rows = []                         # per chunk: its (first) sample row
         self.embeds = []                             # (flat token index, rows [n, hidden]): prompt embeddings
+        self.prompt_chunks = []                      # (request, flat token, count, start): prompt tokens
 
     def add(self, chunk, slots: SlotTable, block_size: int, prev, one_token_queries: bool) -> None:
         request = chunk.request
@@ -76,6 +79,8 @@ class GeneralColumns:
                     self.embeds.append((flat + lo - start, values[lo - first:hi - first]))
                     tokens[lo - start:hi - start] = [-1] * (hi - lo)
         tokens = tokens + drafts
+        if start < request.num_prompt_tokens:
+            self.prompt_chunks.append((request, flat, min(n - d, request.num_prompt_tokens - start), start))
         if request.sampling_params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
             count = min(n, request.num_prompt_tokens - 1 - start)
             self.lp_rows.append((request.request_id, flat, count, start))

@@ -49,6 +49,7 @@ from jaxpaged.runner.multihost import OP_SAMPLE, OP_STEP, OP_STOP, OP_UPDATES, S
 from jaxpaged.runner.input_batch import (HOST_MASKED, LORA_SLOT, NUM_PLACEHOLDERS, REQUEST, START, GeneralColumns,
                                          InputBatch)
 from jaxpaged.runner.persistent_batch import SlotState, SlotTable, apply_updates, pack_updates
+from jaxpaged.runner.pooled_rows import PooledRows
 from jaxpaged.runner.step_args import StepArgs
 from jaxpaged.runner.step_input import StepLayout
 from jaxpaged.runner.step_results import StepResult, unpack_prompt_logprobs
@@ -94,7 +95,7 @@ class ModelRunner(CompiledStep, DeviceMemory, StepArgs):
                  max_num_batched_tokens: int, kv_dtype=None, num_host_blocks: int = 0, host_cache_slots: int = 0,
                  max_logprobs: int = MAX_LOGPROBS, calculate_kv_scales: bool = False,
                  num_speculative_tokens: int = 0, compiler_options: dict | None = None,
-                 greedy_only: bool = False, pooling: bool = False, prompt_embeds: bool = False,
+                 greedy_only: bool = False, pooling: str | None = None, prompt_embeds: bool = False,
                  logprobs_mode: str = "raw_logprobs"):
         self.model_config = model.config
         self.logprobs_mode = logprobs_mode   # vLLM's: what sampled tokens' logprobs hold (sampler.LOGPROBS_MODES)
@@ -103,10 +104,10 @@ class ModelRunner(CompiledStep, DeviceMemory, StepArgs):
         self.takes_prompt_embeds = prompt_embeds
         self.embeds_dtype = np.dtype(model.dtype)
         self._no_embeds = {}                # step tokens -> zeros [T, hidden] on the device
-        # runner="pooling": each step also brings back its sample rows' hidden states (a prompt's last
-        # token's: its embedding, once final-normed); their sampled tokens are not used
+        # runner="pooling" (its pooling_type): each step also brings back its sample rows' hidden states (a
+        # prompt's last token's: LAST), or every token's (MEAN, CLS); their sampled tokens are not used
         self.pooling = pooling
-        self._host_weights = {}   # name -> (the device's weight, its f32 host copy): the pooled rows' norm and head
+        self.pooler = PooledRows(self, pooling) if pooling else None
         # every request it runs samples plain greedy, without prompt logprobs (a draft model's runner):
         # no prompt-logprobs programs to compile, and with host_branches one sampler kind
         self.greedy_only = greedy_only
@@ -288,7 +289,7 @@ class ModelRunner(CompiledStep, DeviceMemory, StepArgs):
                 raise RuntimeError(f"this runner compiles only the {self._sampler_kinds} samplers (greedy_only); "
                                    f"its step needs the {kind!r} one")
         return InputBatch(shape, buffer, requests, list(range(k)) + g.rows, constrained, g.spec_rows, g.lp_rows, kind,
-                          g.embeds)
+                          g.embeds, g.prompt_chunks)
 
     def execute_model(self, inputs: InputBatch, prev: _Pending | None = None) -> _Pending:
         """Queue the step's forward (its sampler waits for `sample`)."""
@@ -301,16 +302,17 @@ class ModelRunner(CompiledStep, DeviceMemory, StepArgs):
                                         -1 if kind is None else SAMPLER_KINDS.index(kind), int(bool(inputs.lp_rows))),
                               inputs.buffer)
         prev_tokens = prev.tokens if prev is not None else self._no_prev_tokens
-        sample_rows, prompt_packed = self.run_forward(shape, inputs.buffer, prev_tokens, bool(inputs.lp_rows),
-                                                      inputs.embeds)
+        sample_rows, prompt_packed, hidden = self.run_forward(shape, inputs.buffer, prev_tokens,
+                                                              bool(inputs.lp_rows), inputs.embeds)
         return _Pending(inputs, sample_rows, prompt_packed if inputs.lp_rows else None, self.max_logprobs,
-                        pooled_rows=sample_rows.hidden if self.pooling else None)
+                        pooled_rows=None if self.pooler is None else hidden if self.pooler.every_token
+                        else sample_rows.hidden)
 
     def run_forward(self, shape: BatchShape, buffer: np.ndarray, prev_tokens: jax.Array,
                     prompt_logprobs: bool = False, embeds: list | None = None):
         """Launch the forward of a step (its inputs packed in `buffer`; `embeds`, InputBatch.embeds);
-        returns (sample rows, prompt logprobs), both left on the device (prompt logprobs: None when the
-        step asks none). The first step of an engine calibrating its fp8 KV scales (calculate_kv_scales)
+        returns (sample rows, prompt logprobs, every token's hidden state), left on the device (prompt logprobs:
+        None when the step asks none). The first step of an engine calibrating its fp8 KV scales (calculate_kv_scales)
         sets them for every later step."""
         forward, _ = self._executables(shape)
         self.kv_pool, self.slot_state, sample_rows, hidden, kv_scales = forward(
@@ -321,7 +323,7 @@ class ModelRunner(CompiledStep, DeviceMemory, StepArgs):
             self.state["kv_scales"].set_value(kv_scales)
             self.calibrating_kv_scales = False
         self.steps_run += 1
-        return sample_rows, prompt_packed
+        return sample_rows, prompt_packed, hidden
 
     def sample(self, pending: _Pending) -> None:
         """Queue the sampler of a dispatched step (no-op if queued). Its constrained rows' bitmask is
@@ -363,32 +365,9 @@ class ModelRunner(CompiledStep, DeviceMemory, StepArgs):
         K = pending.num_logprobs
         prompt = unpack_prompt_logprobs(_to_host(pending.prompt_packed), inputs.lp_rows, K) if inputs.lp_rows else {}
         result = StepResult(inputs.requests, inputs.rows, _to_host(pending.packed), K, prompt, inputs.spec_rows)
-        if pending.pooled_rows is not None and inputs.rows:
-            pooled = self._pooled(_to_host(pending.pooled_rows)[inputs.rows])
-            result.pooled = {request.request_id: vector for request, vector in zip(inputs.requests, pooled)}
+        if pending.pooled_rows is not None and (inputs.rows or inputs.prompt_chunks):
+            result.pooled = self.pooler.vectors(_to_host(pending.pooled_rows), inputs)
         return result
-
-    def _pooled(self, hidden: np.ndarray) -> np.ndarray:
-        """f32 rows of what a pooling request gets: the hidden states the LM head would read, through the
-        model's final norm (compute_logits' first step, models/norms.norm: RMSNorm, or a mean-centred
-        LayerNorm, with a bias or not), and a classifier's logits (its `score` head), on the host: a few rows per step, no program
-        per row count."""
-        cfg = self.model_config
-        x = hidden.astype(np.float32)
-        if cfg.layer_norm:
-            x = x - np.mean(x, axis=-1, keepdims=True)
-        x = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(cfg.rms_norm_eps))
-        x = x * (self._host_weight("final_norm") + np.float32(cfg.norm_offset))
-        if cfg.norm_bias:
-            x = x + self._host_weight("final_norm_bias")
-        return x @ self._host_weight("classifier").T if cfg.num_labels else x
-
-    def _host_weight(self, name: str) -> np.ndarray:
-        """A top-level weight's f32 host copy, fetched once per weights (new ones: update_weights, wake_up)."""
-        weight = self.state[name].get_value()
-        if self._host_weights.get(name, (None,))[0] is not weight:
-            self._host_weights[name] = (weight, _to_host(weight).astype(np.float32))
-        return self._host_weights[name][1]
 
 
 def _to_host(x: jax.Array) -> np.ndarray:

@@ -174,7 +174,7 @@ def follow(runner) -> int:
             shape = BatchShape(*args[:4])
             prev_tokens = last_tokens if args[4] else runner._no_prev_tokens
             _, sampler = runner._executables(shape, None if args[6] < 0 else SAMPLER_KINDS[args[6]])
-            sample_rows, _ = runner.run_forward(shape, payload, prev_tokens, bool(args[7]))
+            sample_rows, _, _ = runner.run_forward(shape, payload, prev_tokens, bool(args[7]))
             if args[5]:   # unconstrained: the sampler at once, everything allowed
                 runner.slot_state, _, last_tokens = sampler(runner.state, runner.slot_state, sample_rows,
                                                             runner._bitmask_arg(shape, None))

@@ -56,6 +56,31 @@ def test_embeddings_match_transformers_through_chunks_and_the_prefix_cache():
     assert metrics["jaxpaged:prefix_cache_hits_total"] > 0 and metrics["jaxpaged:kv_cache_usage_perc"] == 0.0
 
 
+@pytest.mark.parametrize("kind", ["MEAN", "CLS"])
+def test_mean_and_cls_pooling_match_transformers_through_chunks_and_preemption(kind):
+    """MEAN: the mean of every prompt token's final hidden state; CLS: the first token's (sentence-transformers'
+    mean_tokens and cls_token over transformers' last_hidden_state), whatever the chunks; the engine keeps no
+    prefix cache (a cached token's hidden state is not computed), and a request recomputed after preemption
+    is pooled from its first token again."""
+    import torch
+
+    llm = embedder(pooler_config=f'{{"pooling_type": "{kind}"}}')
+    outs = llm.embed([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        with torch.no_grad():
+            states = hf_base()(torch.tensor([prompt])).last_hidden_state[0].numpy()
+        np.testing.assert_allclose(out.outputs.embedding, unit(states.mean(0) if kind == "MEAN" else states[0]),
+                                   atol=2e-6)
+    assert not llm.llm_engine.kv_cache.enable_caching
+    tight = LLM(tiny_checkpoint("llama"), dtype="float32", block_size=8, num_gpu_blocks_override=10, max_model_len=72,
+                max_num_batched_tokens=16, max_num_seqs=4, compile_on_startup=False, runner="pooling",
+                preemption_mode="recompute", pooler_config={"pooling_type": kind})
+    crowded = tight.embed([{"prompt_token_ids": PROMPTS[1]}] * 3, use_tqdm=False)   # 3 x 8 blocks of 9 usable
+    assert tight.get_metrics()["jaxpaged:num_preemptions_total"] > 0
+    for out in crowded:
+        np.testing.assert_allclose(out.outputs.embedding, outs[1].outputs.embedding, atol=2e-6)
+
+
 def test_encode_gives_arrays_and_the_requests_options_apply():
     llm = embedder()
     prompt = {"prompt_token_ids": PROMPTS[0]}
@@ -86,7 +111,7 @@ def test_a_matryoshka_model_gives_fewer_dimensions(tmp_path):
         llm.embed({"prompt_token_ids": PROMPTS[0]}, pooling_params=PoolingParams(dimensions=65), use_tqdm=False)
 
 
-def test_the_sentence_transformers_pooling_is_read_and_mean_pooling_is_refused(tmp_path):
+def test_the_sentence_transformers_pooling_is_read_and_an_unbuilt_one_is_refused(tmp_path):
     from jaxpaged.pooling_params import PoolerConfig
 
     folder = tmp_path / "st"
@@ -100,12 +125,16 @@ def test_the_sentence_transformers_pooling_is_read_and_mean_pooling_is_refused(t
     (folder / "modules.json").write_text(json.dumps(modules + [{"idx": 2, "name": "2", "path": "2_Normalize",
                                                                 "type": "sentence_transformers.models.Normalize"}]))
     assert PoolerConfig.of(None, str(folder)) == PoolerConfig("LAST", normalize=True)
-    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
-    with pytest.raises(ValueError, match=r"sentence-transformers pooling is \['mean_tokens'\]"):
+    for mode, kind in (("mean_tokens", "MEAN"), ("cls_token", "CLS")):
+        (folder / "1_Pooling" / "config.json").write_text(json.dumps({f"pooling_mode_{mode}": True}))
+        assert PoolerConfig.of(None, str(folder)) == PoolerConfig(kind, normalize=True)
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_max_tokens": True}))
+    with pytest.raises(ValueError, match=r"sentence-transformers pooling is \['max_tokens'\]"):
         PoolerConfig.of(None, str(folder))
     assert PoolerConfig.of('{"pooling_type": "last", "normalize": false}', str(folder)) == PoolerConfig("LAST", False)
-    with pytest.raises(ValueError, match="pooler_config.pooling_type must be one of LAST, got 'MEAN'"):
-        PoolerConfig.of({"pooling_type": "MEAN"}, None)
+    assert PoolerConfig.of({"pooling_type": "mean"}, None) == PoolerConfig("MEAN")
+    with pytest.raises(ValueError, match="pooler_config.pooling_type must be one of LAST, MEAN, CLS, got 'MAX'"):
+        PoolerConfig.of({"pooling_type": "MAX"}, None)
     assert PoolerConfig.of(None, os.fspath(tmp_path)) == PoolerConfig()   # no modules.json: LAST, normalized
 
 
