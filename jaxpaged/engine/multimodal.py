@@ -112,11 +112,11 @@ def image_inputs(args, loaded, tokenizer) -> tuple["ImageInputs | None", str]:
     if not takes_images(args, loaded):
         return None, ("images are not supported across several hosts (num_nodes > 1)" if args.num_nodes > 1
                       else "images are not supported with runner='pooling'")
-    if args.compile_on_startup:
-        loaded.vision.warm_up()
     limit = (args.limit_mm_per_prompt or {}).get("image")
     if limit == 0:
         return None, "limit_mm_per_prompt={'image': 0} allows none"
+    if args.compile_on_startup:
+        loaded.vision.warm_up()
     folder = loaded.source if os.path.isdir(loaded.source) else None
     return ImageInputs(loaded.vision, folder, args.block_size, tokenizer, limit), ""
 
@@ -140,7 +140,8 @@ async def prepare_images(engine, prompt):
 class ImageInputs:
     """What an engine with a vision tower does to a prompt's images (InputProcessor.process)."""
 
-    CACHE_IMAGES = 64   # the rows of this many recent images are kept (a conversation sends its image again)
+    CACHE_BYTES = 256 << 20   # the rows of recent images are kept up to this size (a conversation sends its
+    # image again: LLaVA-1.5's rows are 4.5 MiB in bfloat16, LLaVA-NeXT's up to 5 times that)
 
     def __init__(self, tower, folder: str | None, block_size: int, tokenizer=None, limit: int | None = None):
         self.tower = tower
@@ -149,7 +150,8 @@ class ImageInputs:
         self.block_size = block_size
         self.placeholder = tokenizer.convert_ids_to_tokens(tower.image_token_id) if tokenizer is not None else None
         self._processor = None
-        self._rows = collections.OrderedDict()   # image digest -> rows
+        self._rows = collections.OrderedDict()   # image digest -> rows, the latest used last
+        self._rows_bytes = 0
 
     def processor(self):
         if self._processor is None:
@@ -164,7 +166,12 @@ class ImageInputs:
         """An image read and made pixel_values by the checkpoint's processor (the work before the tower)."""
         if isinstance(image, PreparedImage):
             return image
-        out = self.processor()(images=[load_image(image, field)], return_tensors="np")
+        image = load_image(image, field)
+        try:
+            out = self.processor()(images=[image], return_tensors="np")
+        except Exception as e:   # (transformers' processors raise many kinds for an image they cannot size)
+            raise ValueError(f"{field}: the checkpoint's image processor cannot process it "
+                             f"({type(e).__name__}: {e})") from None
         pixels = np.asarray(out["pixel_values"][0], np.float32)
         size = out.get("image_sizes")   # LLaVA-NeXT: the image's (height, width), which shapes its grid
         size = None if size is None else tuple(int(v) for v in size[0])
@@ -189,9 +196,10 @@ class ImageInputs:
         rows = self._rows.pop(digest, None)
         if rows is None:
             rows = self.tower.image_rows(image.pixels, image.size)
+            self._rows_bytes += rows.nbytes
         self._rows[digest] = rows
-        while len(self._rows) > self.CACHE_IMAGES:
-            self._rows.popitem(last=False)
+        while self._rows_bytes > self.CACHE_BYTES and len(self._rows) > 1:
+            self._rows_bytes -= self._rows.popitem(last=False)[1].nbytes
         return digest, rows
 
     def expand(self, token_ids: list[int], counts: list[int]) -> tuple[list[int], list[int]]:

@@ -235,6 +235,26 @@ def test_async_llm_reads_and_processes_images_off_the_engine_thread():
     assert got.outputs[0].token_ids == ref.outputs[0].token_ids
 
 
+def test_an_image_sent_again_does_not_run_the_tower_again():
+    """The rows of recent images are kept (within CACHE_BYTES, the oldest dropped first)."""
+    from jaxpaged import SamplingParams
+    path, _ = llava()
+    llm = engine(path, enable_prefix_caching=False)
+    images = llm.llm_engine.input_processor.images
+    runs = []
+    tower_rows = images.tower.image_rows
+    images.tower.image_rows = lambda *a: runs.append(1) or tower_rows(*a)
+
+    def send(img):
+        return llm.generate({"prompt": "<image> hi", "multi_modal_data": {"image": img}}, SamplingParams(**GREEDY),
+                            use_tqdm=False)[0].outputs[0].token_ids
+    first = send(image(20))
+    assert send(image(20)) == first and len(runs) == 1
+    images.CACHE_BYTES = 1   # room for the latest image's rows only
+    send(image(21))
+    assert send(image(20)) == first and len(runs) == 3
+
+
 def test_limit_mm_per_prompt_bounds_a_prompts_images():
     import argparse
     from jaxpaged.cli import add_engine_args, engine_kwargs
