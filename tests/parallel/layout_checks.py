@@ -52,14 +52,18 @@ CASES = {
 }
 
 
-def run_worker(spec: dict | list[dict]) -> dict | list[dict]:
+def run_on_eight_devices(argv: list[str]):
+    """`python *argv` from the repository root with 8 forced CPU devices: its last "RESULT <json>" line, parsed."""
     env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-m", "tests.parallel.worker", json.dumps(spec)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
     return json.loads(lines[-1][len("RESULT "):])
+
+
+def run_worker(spec: dict | list[dict]) -> dict | list[dict]:
+    return run_on_eight_devices(["-m", "tests.parallel.worker", json.dumps(spec)])
 
 
 def case_spec(name: str) -> dict:

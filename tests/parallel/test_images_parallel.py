@@ -2,12 +2,7 @@
 for a sharded embedding table, and data parallelism runs each replica's own tower; the tokens are those of one
 device."""
 
-import json
-import os
-import subprocess
-import sys
-
-from tests.parallel.layout_checks import ROOT
+from tests.parallel.layout_checks import run_on_eight_devices
 
 SCRIPT = r"""
 import json
@@ -30,12 +25,6 @@ print("RESULT " + json.dumps(out))
 
 
 def test_images_under_tensor_and_data_parallelism():
-    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = run_on_eight_devices(["-c", SCRIPT])
     assert result["2x2"] == result["1x1"]
     assert all(len(tokens) == 8 for tokens in result["1x1"])
