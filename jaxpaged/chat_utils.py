@@ -33,7 +33,8 @@ def render_chat_images(tokenizer, messages: list[dict], images, *args, **kwargs)
     first image part). A template that places no image token (it reads content as a string) gets each image's
     placeholder before the message's text, as vLLM's "string" content format."""
     from jaxpaged.engine.multimodal import chat_images, text_content
-    messages, found = chat_images(messages, images if isinstance(images, str) else None)
+    refused, local_root = (images, None) if isinstance(images, str) else (None, images.local_root)
+    messages, found = chat_images(messages, refused, local_root)
     text = render_chat(tokenizer, messages, *args, **kwargs)
     if found and text.count(images.placeholder) < len(found):
         text = render_chat(tokenizer, text_content(messages, images.placeholder), *args, **kwargs)

@@ -101,6 +101,7 @@ class EngineArgs:
     reasoning_parser: str | None = None       # jaxpaged.reasoning's: structured outputs apply after </think>
     enable_prompt_embeds: bool = False        # prompts may be rows of input embeddings ({"prompt_embeds": array})
     limit_mm_per_prompt: dict | str | None = None   # {"image": N}: a prompt's most images (None: no bound)
+    allowed_local_media_path: str | None = None   # the folder file:// image URLs may be read from (None: refused)
 
     def batched_tokens(self, max_model_len: int) -> int:
         """The per-step token budget: given, or 2048 (at least max_model_len without chunked prefill)."""
@@ -197,6 +198,9 @@ class EngineArgs:
         require("enable_lora", not self.enable_lora or spec is None or spec.method == "ngram",
                 "False with a draft model (speculative_config method 'draft_model'); prompt lookup works")
         require("enable_prompt_embeds", isinstance(self.enable_prompt_embeds, bool), "True or False")
+        require("allowed_local_media_path", self.allowed_local_media_path is None or (
+            isinstance(self.allowed_local_media_path, str) and os.path.isdir(self.allowed_local_media_path)),
+            "None or an existing folder")
         if self.limit_mm_per_prompt is not None:
             self.limit_mm_per_prompt = json_config("limit_mm_per_prompt", self.limit_mm_per_prompt, ("image",))
             count = self.limit_mm_per_prompt.get("image")

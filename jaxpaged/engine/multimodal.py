@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import io
 import os
+import urllib.parse
 import urllib.request
 
 import numpy as np
@@ -31,9 +32,10 @@ def _pil():
     return PIL.Image
 
 
-def load_image(image, field: str = "multi_modal_data['image']"):
+def load_image(image, field: str = "multi_modal_data['image']", local_root: str | None = None):
     """A PIL image (RGB) from what a user may pass: a PIL image, a uint8 array [height, width, 3 or 4], or a
-    URL string (data:image/...;base64, or http(s)://). ValueError naming `field` for anything else."""
+    URL string (data:image/...;base64, http(s)://, or file:// under `local_root`: allowed_local_media_path).
+    ValueError naming `field` for anything else."""
     Image = _pil()
     if isinstance(image, Image.Image):
         return image.convert("RGB")
@@ -43,12 +45,12 @@ def load_image(image, field: str = "multi_modal_data['image']"):
                              f"{list(image.shape)}")
         return Image.fromarray(image).convert("RGB")
     if isinstance(image, str):
-        return _decode(_url_bytes(image, field), field)
+        return _decode(_url_bytes(image, field, local_root), field)
     raise ValueError(f"{field} must be a PIL image, a uint8 array [height, width, 3] or an image URL (data: or "
                      f"http(s)://), got {type(image).__name__}")
 
 
-def _url_bytes(url: str, field: str) -> bytes:
+def _url_bytes(url: str, field: str, local_root: str | None = None) -> bytes:
     if url.startswith("data:"):
         head, sep, payload = url.partition(",")
         if not sep or not head.endswith(";base64") or not head[len("data:"):].startswith("image/"):
@@ -68,7 +70,26 @@ def _url_bytes(url: str, field: str) -> bytes:
         if len(body) > _MAX_IMAGE_BYTES:
             raise ValueError(f"{field}: the image at {url!r} is larger than {_MAX_IMAGE_BYTES >> 20} MiB")
         return body
-    raise ValueError(f"{field}: an image URL must start with data:image/ or http(s)://, got {url[:40]!r}")
+    if url.startswith("file://"):
+        return _local_file(url, field, local_root)
+    raise ValueError(f"{field}: an image URL must start with data:image/ or http(s):// (file:// with "
+                     f"allowed_local_media_path), got {url[:40]!r}")
+
+
+def _local_file(url: str, field: str, local_root: str | None) -> bytes:
+    """A file:// URL's bytes, read only inside `local_root` (vLLM's allowed_local_media_path)."""
+    if local_root is None:
+        raise ValueError(f"{field}: file:// URLs need allowed_local_media_path (--allowed-local-media-path DIR), "
+                         "the folder they may be read from")
+    path, root = os.path.realpath(urllib.parse.unquote(url[len("file://"):])), os.path.realpath(local_root)
+    if os.path.commonpath([path, root]) != root:
+        raise ValueError(f"{field}: {url[:80]!r} is outside allowed_local_media_path {local_root!r}")
+    if not os.path.isfile(path):
+        raise ValueError(f"{field}: no file at {url[:80]!r}")
+    if os.path.getsize(path) > _MAX_IMAGE_BYTES:
+        raise ValueError(f"{field}: the image at {url[:80]!r} is larger than {_MAX_IMAGE_BYTES >> 20} MiB")
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def _decode(data: bytes, field: str):
@@ -118,7 +139,7 @@ def image_inputs(args, loaded, tokenizer) -> tuple["ImageInputs | None", str]:
     if args.compile_on_startup:
         loaded.vision.warm_up()
     folder = loaded.source if os.path.isdir(loaded.source) else None
-    return ImageInputs(loaded.vision, folder, args.block_size, tokenizer, limit), ""
+    return ImageInputs(loaded.vision, folder, args.block_size, tokenizer, limit, args.allowed_local_media_path), ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,8 +164,10 @@ class ImageInputs:
     CACHE_BYTES = 256 << 20   # the rows of recent images are kept up to this size (a conversation sends its
     # image again: LLaVA-1.5's rows are 4.5 MiB in bfloat16, LLaVA-NeXT's up to 5 times that)
 
-    def __init__(self, tower, folder: str | None, block_size: int, tokenizer=None, limit: int | None = None):
+    def __init__(self, tower, folder: str | None, block_size: int, tokenizer=None, limit: int | None = None,
+                 local_root: str | None = None):
         self.tower = tower
+        self.local_root = local_root   # allowed_local_media_path: the folder file:// URLs may read
         self.limit = limit   # limit_mm_per_prompt's: a prompt's most images (None: no bound)
         self.folder = folder
         self.block_size = block_size
@@ -166,7 +189,7 @@ class ImageInputs:
         """An image read and made pixel_values by the checkpoint's processor (the work before the tower)."""
         if isinstance(image, PreparedImage):
             return image
-        image = load_image(image, field)
+        image = load_image(image, field, self.local_root)
         try:
             out = self.processor()(images=[image], return_tensors="np")
         except Exception as e:   # (transformers' processors raise many kinds for an image they cannot size)
@@ -259,11 +282,12 @@ class ImageInputs:
 _IMAGE_PARTS = ("image_url", "image_pil", "image")
 
 
-def chat_images(messages: list[dict], refused: str | None = None) -> tuple[list[dict], list]:
+def chat_images(messages: list[dict], refused: str | None = None, local_root: str | None = None) -> tuple[list, list]:
     """Messages with image parts (OpenAI's {"type": "image_url", "image_url": {"url": ...}}, vLLM's
     {"type": "image_pil", "image_pil": img} and {"type": "image", "image": ...}) turned into the {"type": "image"}
     parts chat templates place their image token for, and the images in order; text-only messages unchanged.
-    `refused`: why this engine takes no images (a ValueError naming the first image part), None: it does."""
+    `refused`: why this engine takes no images (a ValueError naming the first image part), None: it does;
+    `local_root`: the folder file:// URLs may read (allowed_local_media_path)."""
     out, images = [], []
     for i, message in enumerate(messages):
         content = message.get("content")
@@ -285,7 +309,7 @@ def chat_images(messages: list[dict], refused: str | None = None) -> tuple[list[
                 image = image.get("url")
             if image is None:
                 raise ValueError(f"{field}: an {kind!r} part needs its image in {kind!r}")
-            images.append(load_image(image, field))
+            images.append(load_image(image, field, local_root))
             parts.append({"type": "image"})
         out.append({**message, "content": parts})
     return out, images

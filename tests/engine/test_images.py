@@ -180,7 +180,8 @@ def test_bad_images_are_value_errors_naming_the_field_and_lose_nothing():
              ({"video": image(1)}, r"allowed: \['image'\]"),
              ({"image": []}, "non-empty list"),
              ({"image": [image(1), image(2)]}, r"1 image token\(s\) \('<image>'\) for 2 image"),
-             ({"image": "file:///etc/passwd"}, "must start with data:image/ or http")]
+             ({"image": "ftp://host/cat.png"}, "must start with data:image/ or http"),
+             ({"image": "file:///etc/passwd"}, "file:// URLs need allowed_local_media_path")]
     for data, match in cases:
         with pytest.raises(ValueError, match=match):
             llm.generate({"prompt": text, "multi_modal_data": data}, use_tqdm=False)
@@ -253,6 +254,31 @@ def test_an_image_sent_again_does_not_run_the_tower_again():
     images.CACHE_BYTES = 1   # room for the latest image's rows only
     send(image(21))
     assert send(image(20)) == first and len(runs) == 3
+
+
+def test_file_urls_are_read_only_inside_allowed_local_media_path(tmp_path):
+    """file:// image URLs (vLLM's allowed_local_media_path): read inside the folder, refused outside it (a
+    `..` too) and without the argument."""
+    from jaxpaged import SamplingParams
+    path, _ = llava()
+    media, outside = tmp_path / "media", tmp_path / "private"
+    media.mkdir()
+    outside.mkdir()
+    image(16).save(media / "cat.png")
+    image(16).save(outside / "cat.png")
+    llm = engine(path, allowed_local_media_path=str(media))
+    content = [{"type": "image_url", "image_url": {"url": f"file://{media}/cat.png"}}, {"type": "text", "text": "hi"}]
+    got = llm.chat([{"role": "user", "content": content}], SamplingParams(**GREEDY), use_tqdm=False)[0]
+    ref = llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": image(16)}, content[1]]}],
+                   SamplingParams(**GREEDY), use_tqdm=False)[0]
+    assert got.outputs[0].token_ids == ref.outputs[0].token_ids
+    for url in (f"file://{outside}/cat.png", f"file://{media}/../private/cat.png"):
+        with pytest.raises(ValueError, match="outside allowed_local_media_path"):
+            llm.generate({"prompt": "<image>", "multi_modal_data": {"image": url}}, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"messages\[0\].content\[0\]: file:// URLs need allowed_local_media_path"):
+        engine(path).chat([{"role": "user", "content": content}], use_tqdm=False)
+    with pytest.raises(ValueError, match="allowed_local_media_path must be None or an existing folder"):
+        engine(path, allowed_local_media_path=str(tmp_path / "none"))
 
 
 def test_limit_mm_per_prompt_bounds_a_prompts_images():

@@ -76,6 +76,7 @@ def test_chat_completions_take_image_urls(urls):
     (1, "IMAGE", ["messages[0].content[0] is an image", "takes text only"]),
     (0, [{"type": "image_url", "image_url": {"url": "data:image/png;base64,QUJD"}}], ["not an image"]),
     (0, [{"type": "image_url", "image_url": {"url": "ftp://x/y.png"}}], ["data:image/ or http(s)://"]),
+    (0, [{"type": "image_url", "image_url": {"url": "file:///etc/hostname"}}], ["need allowed_local_media_path"]),
     (0, [{"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/none.png"}}], ["could not fetch"]),
     (0, [{"type": "input_audio"}], ["must be one of 'text', 'image_url'"]),
 ])
