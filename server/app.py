@@ -172,12 +172,16 @@ class _Server:
         try:
             text, images = render_chat_images(tokenizer, messages, self.images, tools, self.chat_template,
                                               add_generation_prompt, template_kwargs, bool(continue_final_message))
+            ids = list(tokenizer.encode(text, add_special_tokens=False))
+            if images:   # the tokens the model sees: each image's placeholder expanded
+                ids, images = self.images.expanded(ids, images)
         except Exception as exc:   # no template, the template's own checks (roles, order), a clashing variable
             param = next((p for p in ("chat_template_kwargs", "continue_final_message") if str(exc).startswith(p)),
                          "messages")
-            raise P.APIError(400, f"messages could not be rendered with the chat template: {exc}", param,
-                             "invalid_value") from None
-        return text, list(tokenizer.encode(text, add_special_tokens=False)), images
+            image = str(exc).startswith(("messages[", "the conversation's image", "the prompt has"))
+            raise P.APIError(400, str(exc) if image else f"messages could not be rendered with the chat template: "
+                             f"{exc}", param, "invalid_value") from None
+        return text, ids, images
 
     def observe(self, out) -> None:
         if out.finished:

@@ -245,6 +245,12 @@ class ImageInputs:
                              f"in a row as the image has tokens: {', '.join(map(str, counts))})")
         return list(token_ids), [found[k] for k in firsts]
 
+    def expanded(self, token_ids: list[int], images: list) -> tuple[list[int], list[PreparedImage]]:
+        """A rendered conversation's token ids with each image's placeholder expanded, and its images prepared
+        (the server's: its context-length check and /tokenize count the tokens the model sees)."""
+        prepared = [self.prepare(image, f"the conversation's image {i}") for i, image in enumerate(images)]
+        return self.expand(token_ids, [self.tower.num_rows(p.size) for p in prepared])[0], prepared
+
     def process(self, token_ids: list[int], images: list, truncate) -> tuple[list[int], tuple, tuple]:
         """(token ids, ((first position, rows), ...), each block's digest or None) of a prompt and its images;
         `truncate`: the prompt's truncation (InputProcessor.truncate), which must not cut into an image."""

@@ -72,16 +72,22 @@ def pack_tiles(tiles: np.ndarray, rows: int, cols: int, image_size: tuple[int, i
     hidden = grid.shape[-1]
     picture = grid.reshape(rows, cols, side, side, hidden).transpose(4, 0, 2, 1, 3).reshape(
         hidden, rows * side, cols * side)
-    (height, width), (cur_h, cur_w) = image_size, picture.shape[1:]
-    if width / height > cur_w / cur_h:   # padded above and below
-        pad = (cur_h - int(round(height * (cur_w / width), 7))) // 2
-        picture = picture[:, pad:cur_h - pad]
-    else:                                # padded left and right
-        pad = (cur_w - int(round(width * (cur_h / height), 7))) // 2
-        picture = picture[:, :, pad:cur_w - pad]
+    kept_rows, kept_cols = _unpadded(picture.shape[1], picture.shape[2], image_size)
+    picture = picture[:, kept_rows, kept_cols]
     ends = np.broadcast_to(newline[:, None, None], (hidden, picture.shape[1], 1)).astype(picture.dtype)
     picture = np.concatenate([picture, ends], axis=-1).reshape(hidden, -1).T
     return np.concatenate([base, picture])
+
+
+def _unpadded(cur_h: int, cur_w: int, image_size: tuple[int, int]) -> tuple[slice, slice]:
+    """The rows and columns of a grid picture (cur_h x cur_w) that hold the image, not the padding the
+    processor added around it to fit the grid's shape (transformers' unpad_image)."""
+    height, width = image_size
+    if width / height > cur_w / cur_h:   # padded above and below
+        pad = (cur_h - int(round(height * (cur_w / width), 7))) // 2
+        return slice(pad, cur_h - pad), slice(None)
+    pad = (cur_w - int(round(width * (cur_h / height), 7))) // 2   # padded left and right
+    return slice(None), slice(pad, cur_w - pad)
 
 
 def has_vision_tower(hf_config: Any) -> bool:
@@ -221,15 +227,31 @@ class VisionTower:
             name = next(n for n in ("model.image_newline", "image_newline") if has(n))
             self.newline = np.asarray(get(name)).astype(dtype)   # ends each row of the grid's features
 
+    def _grid(self, image_size: tuple[int, int]) -> tuple[int, int]:
+        """LLaVA-NeXT: the rows and columns of tiles an image of `image_size` (height, width) takes."""
+        from transformers.image_processing_utils import select_best_resolution
+        height, width = select_best_resolution(image_size, self.grid_pinpoints)
+        return height // self.config.image_size, width // self.config.image_size
+
+    def num_rows(self, image_size: tuple[int, int] | None = None) -> int:
+        """How many rows (tokens) `image_rows` gives an image, without running the tower."""
+        per_tile = self.config.tokens_per_image
+        if self.grid_pinpoints is None:
+            return per_tile
+        rows, cols = self._grid(image_size)
+        if rows * cols == 0:
+            return per_tile + 1
+        side = self.config.image_size // self.config.patch_size
+        kept_rows, kept_cols = _unpadded(rows * side, cols * side, image_size)
+        height = len(range(rows * side)[kept_rows])
+        return per_tile + height * (len(range(cols * side)[kept_cols]) + 1)
+
     def image_rows(self, pixels: np.ndarray, image_size: tuple[int, int] | None = None) -> np.ndarray:
         """One image's rows [tokens, text hidden]: pixel_values [channels, size, size] (LLaVA), or LLaVA-NeXT's
         [tiles, channels, size, size] (the whole image, then its grid) with the image's (height, width)."""
         if self.grid_pinpoints is None:
             return self.encode(pixels)
-        from transformers.image_processing_utils import select_best_resolution
-        height, width = select_best_resolution(image_size, self.grid_pinpoints)
-        size = self.config.image_size
-        rows, cols = height // size, width // size
+        rows, cols = self._grid(image_size)
         tiles = np.stack([self.encode(tile) for tile in pixels[:1 + rows * cols]])
         return pack_tiles(tiles, rows, cols, image_size, self.newline)
 

@@ -384,3 +384,5 @@ def test_llava_next_tiles_give_transformers_tokens_and_logprobs():
                            use_tqdm=False)[0]
         assert got.prompt_token_ids == ref["input_ids"][0].tolist()
         assert_matches(got, tokens, logprobs)
+        images = llm.llm_engine.input_processor.images   # the server counts an image's tokens without the tower
+        assert images.tower.num_rows(images.prepare(img, "image").size) == got.prompt_token_ids.count(IMAGE_ID)

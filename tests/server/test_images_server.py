@@ -72,6 +72,20 @@ def test_chat_completions_take_image_urls(urls):
     assert fetched.json()["choices"][0]["message"]["content"] == got["message"]["content"]
 
 
+def test_usage_tokenize_and_the_context_check_count_an_images_tokens(urls):
+    """The server counts what the model sees: each image's placeholder expanded (16 tokens here), in usage, in
+    /tokenize and in the context-length check of max_tokens."""
+    content = [{"type": "image_url", "image_url": {"url": data_url(image(12))}}, {"type": "text", "text": "hi"}]
+    messages = [{"role": "user", "content": content}]
+    ids = httpx.post(urls[0] + "/tokenize", json={"model": MODEL, "messages": messages}, timeout=60).json()["tokens"]
+    assert ids.count(320) == 16
+    assert chat(urls[0], content).json()["usage"]["prompt_tokens"] == len(ids)
+    room = 256 - len(ids)
+    too_long = httpx.post(urls[0] + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": messages, "max_tokens": room + 1})
+    assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
+
+
 @pytest.mark.parametrize("server, content, words", [
     (1, "IMAGE", ["messages[0].content[0] is an image", "takes text only"]),
     (0, [{"type": "image_url", "image_url": {"url": "data:image/png;base64,QUJD"}}], ["not an image"]),
