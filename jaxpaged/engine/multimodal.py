@@ -102,6 +102,17 @@ def _decode(data: bytes, field: str):
     return image.convert("RGB")
 
 
+def _square(image, mean):
+    """The image centred on a square of the processor's mean colour (OneVision's pad_to_square)."""
+    width, height = image.size
+    if width == height:
+        return image
+    side = max(width, height)
+    square = _pil().new("RGB", (side, side), tuple(int(m * 255) for m in mean))
+    square.paste(image, ((side - width) // 2, (side - height) // 2))
+    return square
+
+
 def image_list(data, field: str = "multi_modal_data") -> list:
     """multi_modal_data's images, as a list (one image or several); ValueError for another modality."""
     if not isinstance(data, dict):
@@ -185,11 +196,14 @@ class ImageInputs:
             self._processor = AutoImageProcessor.from_pretrained(self.folder, backend="pil")
         return self._processor
 
-    def prepare(self, image, field: str) -> PreparedImage:
-        """An image read and made pixel_values by the checkpoint's processor (the work before the tower)."""
+    def prepare(self, image, field: str, alone: bool = True) -> PreparedImage:
+        """An image read and made pixel_values by the checkpoint's processor (the work before the tower);
+        `alone`: the prompt's only image (OneVision pads one of several to a square, its base tile alone)."""
         if isinstance(image, PreparedImage):
             return image
         image = load_image(image, field, self.local_root)
+        if self.tower.onevision and not alone:
+            image = _square(image, self.processor().image_mean)
         try:
             out = self.processor()(images=[image], return_tensors="np")
         except Exception as e:   # (transformers' processors raise many kinds for an image they cannot size)
@@ -208,17 +222,21 @@ class ImageInputs:
             return prompt
         try:
             images = image_list(prompt["multi_modal_data"])
-            images = [self.prepare(image, f"multi_modal_data['image'][{i}]") for i, image in enumerate(images)]
+            images = [self.prepare(image, f"multi_modal_data['image'][{i}]", len(images) == 1)
+                      for i, image in enumerate(images)]
         except ValueError:
             return prompt
         return {**prompt, "multi_modal_data": {"image": images}}
 
-    def rows(self, image: PreparedImage) -> tuple[bytes, np.ndarray]:
-        """(digest of its pixel_values, its rows [tokens, hidden])."""
+    def rows(self, image: PreparedImage, alone: bool = True) -> tuple[bytes, np.ndarray]:
+        """(digest of its pixel_values, its rows [tokens, hidden]); `alone`: the prompt's only image (OneVision
+        tiles only such an image, so its rows, and their digest, depend on it)."""
         digest = image.digest
+        if self.tower.onevision:
+            digest = hashlib.sha256(digest + bytes([alone])).digest()
         rows = self._rows.pop(digest, None)
         if rows is None:
-            rows = self.tower.image_rows(image.pixels, image.size)
+            rows = self.tower.image_rows(image.pixels, image.size, alone)
             self._rows_bytes += rows.nbytes
         self._rows[digest] = rows
         while self._rows_bytes > self.CACHE_BYTES and len(self._rows) > 1:
@@ -248,8 +266,10 @@ class ImageInputs:
     def expanded(self, token_ids: list[int], images: list) -> tuple[list[int], list[PreparedImage]]:
         """A rendered conversation's token ids with each image's placeholder expanded, and its images prepared
         (the server's: its context-length check and /tokenize count the tokens the model sees)."""
-        prepared = [self.prepare(image, f"the conversation's image {i}") for i, image in enumerate(images)]
-        return self.expand(token_ids, [self.tower.num_rows(p.size) for p in prepared])[0], prepared
+        prepared = [self.prepare(image, f"the conversation's image {i}", len(images) == 1)
+                    for i, image in enumerate(images)]
+        counts = [self.tower.num_rows(p.size, len(prepared) == 1) for p in prepared]
+        return self.expand(token_ids, counts)[0], prepared
 
     def process(self, token_ids: list[int], images: list, truncate) -> tuple[list[int], tuple, tuple]:
         """(token ids, ((first position, rows), ...), each block's digest or None) of a prompt and its images;
@@ -257,12 +277,13 @@ class ImageInputs:
         if self.limit is not None and len(images) > self.limit:
             raise ValueError(f"multi_modal_data['image'] holds {len(images)} images; this engine's "
                              f"limit_mm_per_prompt allows {self.limit} (LLM(..., limit_mm_per_prompt={{'image': N}}))")
-        images = [self.prepare(image, f"multi_modal_data['image'][{i}]") for i, image in enumerate(images)]
+        images = [self.prepare(image, f"multi_modal_data['image'][{i}]", len(images) == 1)
+                  for i, image in enumerate(images)]
         found = sum(t == self.tower.image_token_id for t in token_ids)
         if found < len(images):   # (before the tower runs)
             raise ValueError(f"the prompt has {found} image token(s) ({self.placeholder!r}) for {len(images)} "
                              f"image(s) in multi_modal_data['image']: put one placeholder per image")
-        digests, rows = zip(*(self.rows(image) for image in images))
+        digests, rows = zip(*(self.rows(image, len(images) == 1) for image in images))
         expanded, starts = self.expand(token_ids, [len(r) for r in rows])
         kept = truncate(expanded)
         cut = len(expanded) - len(kept)

@@ -7,6 +7,7 @@ It runs on one of the engine's devices when a request is added (engine/multimoda
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable
 
 import jax
@@ -18,7 +19,8 @@ from jaxpaged.models.norms import layer_norm
 VISION_TOWERS = ("clip_vision_model", "siglip_vision_model")
 # the vision-language checkpoints whose images run: LLaVA (one tile), LLaVA-NeXT (a base tile and a grid of them)
 LLAVA_NEXT = "LlavaNextForConditionalGeneration"
-IMAGE_ARCHITECTURES = ("LlavaForConditionalGeneration", LLAVA_NEXT)
+LLAVA_ONEVISION = "LlavaOnevisionForConditionalGeneration"   # NeXT's grid, downsized past a bound, for one image
+IMAGE_ARCHITECTURES = ("LlavaForConditionalGeneration", LLAVA_NEXT, LLAVA_ONEVISION)
 _SELECT_STRATEGIES = ("default", "full")
 
 
@@ -61,10 +63,12 @@ class VisionConfig:
         return self.num_positions - self.drop_first
 
 
-def pack_tiles(tiles: np.ndarray, rows: int, cols: int, image_size: tuple[int, int], newline: np.ndarray):
+def pack_tiles(tiles: np.ndarray, rows: int, cols: int, image_size: tuple[int, int], newline: np.ndarray,
+               max_tiles: int | None = None):
     """LLaVA-NeXT's rows of an image (transformers' pack_image_features, "spatial_unpad"): the whole image's
-    tile, then the grid's features as one picture, the padding the processor added cut off again, each of its
-    rows ended by `newline`. tiles: [1 + rows x cols, side x side, hidden]."""
+    tile, then the grid's features as one picture, the padding the processor added cut off again (LLaVA-OneVision:
+    downsized, bilinear, to about `max_tiles` tiles' worth), each of its rows ended by `newline`.
+    tiles: [1 + rows x cols, side x side, hidden]."""
     base, grid = tiles[0], tiles[1:]
     if not len(grid):
         return np.concatenate([base, newline[None]])
@@ -74,9 +78,26 @@ def pack_tiles(tiles: np.ndarray, rows: int, cols: int, image_size: tuple[int, i
         hidden, rows * side, cols * side)
     kept_rows, kept_cols = _unpadded(picture.shape[1], picture.shape[2], image_size)
     picture = picture[:, kept_rows, kept_cols]
+    ratio = 0.0 if max_tiles is None else math.sqrt(picture.shape[1] * picture.shape[2] / (max_tiles * side ** 2))
+    if ratio > 1.1:   # (OneVision's "anyres_max_N")
+        picture = _bilinear(picture, int(picture.shape[1] // ratio), int(picture.shape[2] // ratio))
     ends = np.broadcast_to(newline[:, None, None], (hidden, picture.shape[1], 1)).astype(picture.dtype)
     picture = np.concatenate([picture, ends], axis=-1).reshape(hidden, -1).T
     return np.concatenate([base, picture])
+
+
+def _bilinear(x: np.ndarray, height: int, width: int) -> np.ndarray:
+    """x [channels, h, w] resized to [channels, height, width] as torch's interpolate(mode="bilinear") does
+    (align_corners=False, no antialiasing), in f32."""
+    def taps(n_in: int, n_out: int):
+        src = np.maximum((np.arange(n_out) + 0.5) * (n_in / n_out) - 0.5, 0.0)
+        lo = np.minimum(src.astype(np.int64), n_in - 1)
+        return lo, np.minimum(lo + 1, n_in - 1), (src - lo).astype(np.float32)
+    (r0, r1, fr), (c0, c1, fc) = taps(x.shape[1], height), taps(x.shape[2], width)
+    x = x.astype(np.float32)
+    top = x[:, r0][:, :, c0] * (1 - fc) + x[:, r0][:, :, c1] * fc
+    bottom = x[:, r1][:, :, c0] * (1 - fc) + x[:, r1][:, :, c1] * fc
+    return top * (1 - fr)[:, None] + bottom * fr[:, None]
 
 
 def _unpadded(cur_h: int, cur_w: int, image_size: tuple[int, int]) -> tuple[slice, slice]:
@@ -221,11 +242,15 @@ class VisionTower:
         self.dtype = np.dtype(dtype)
         self.device = device
         self.weights = load_vision_weights(self.config, get, has, dtype, device)
-        self.grid_pinpoints = None   # LLaVA-NeXT: the resolutions an image's grid of tiles may take
-        if hf_config.architectures[0] == LLAVA_NEXT:
+        self.grid_pinpoints = None   # LLaVA-NeXT, OneVision: the resolutions an image's grid of tiles may take
+        self.max_tiles = None        # OneVision: a grid's features beyond about this many tiles' are downsized
+        self.onevision = hf_config.architectures[0] == LLAVA_ONEVISION   # (which tiles a prompt of several images
+        if hf_config.architectures[0] in (LLAVA_NEXT, LLAVA_ONEVISION):  # gets only its images' base tiles)
             self.grid_pinpoints = [list(p) for p in hf_config.image_grid_pinpoints]
             name = next(n for n in ("model.image_newline", "image_newline") if has(n))
             self.newline = np.asarray(get(name)).astype(dtype)   # ends each row of the grid's features
+        if self.onevision:
+            self.max_tiles = int(getattr(hf_config, "vision_aspect_ratio", "anyres_max_9").removeprefix("anyres_max_"))
 
     def _grid(self, image_size: tuple[int, int]) -> tuple[int, int]:
         """LLaVA-NeXT: the rows and columns of tiles an image of `image_size` (height, width) takes."""
@@ -233,27 +258,30 @@ class VisionTower:
         height, width = select_best_resolution(image_size, self.grid_pinpoints)
         return height // self.config.image_size, width // self.config.image_size
 
-    def num_rows(self, image_size: tuple[int, int] | None = None) -> int:
-        """How many rows (tokens) `image_rows` gives an image, without running the tower."""
+    def _tiles(self, image_size: tuple[int, int], alone: bool) -> tuple[int, int]:
+        """The grid an image's features take: (0, 0) for its base tile alone (a OneVision prompt of several)."""
+        return self._grid(image_size) if alone or not self.onevision else (0, 0)
+
+    def num_rows(self, image_size: tuple[int, int] | None = None, alone: bool = True) -> int:
+        """How many rows (tokens) `image_rows` gives an image, without running the tower (its packing run on
+        rows of width 1). `alone`: the prompt's only image."""
         per_tile = self.config.tokens_per_image
         if self.grid_pinpoints is None:
             return per_tile
-        rows, cols = self._grid(image_size)
-        if rows * cols == 0:
-            return per_tile + 1
-        side = self.config.image_size // self.config.patch_size
-        kept_rows, kept_cols = _unpadded(rows * side, cols * side, image_size)
-        height = len(range(rows * side)[kept_rows])
-        return per_tile + height * (len(range(cols * side)[kept_cols]) + 1)
+        rows, cols = self._tiles(image_size, alone)
+        dummy = np.zeros((1 + rows * cols, per_tile, 1), np.float32)
+        return len(pack_tiles(dummy, rows, cols, image_size, np.zeros(1, np.float32), self.max_tiles))
 
-    def image_rows(self, pixels: np.ndarray, image_size: tuple[int, int] | None = None) -> np.ndarray:
+    def image_rows(self, pixels: np.ndarray, image_size: tuple[int, int] | None = None,
+                   alone: bool = True) -> np.ndarray:
         """One image's rows [tokens, text hidden]: pixel_values [channels, size, size] (LLaVA), or LLaVA-NeXT's
-        [tiles, channels, size, size] (the whole image, then its grid) with the image's (height, width)."""
+        and OneVision's [tiles, channels, size, size] (the whole image, then its grid) with the image's (height,
+        width); `alone`: the prompt's only image (OneVision tiles no image of a prompt of several)."""
         if self.grid_pinpoints is None:
             return self.encode(pixels)
-        rows, cols = self._grid(image_size)
+        rows, cols = self._tiles(image_size, alone)
         tiles = np.stack([self.encode(tile) for tile in pixels[:1 + rows * cols]])
-        return pack_tiles(tiles, rows, cols, image_size, self.newline)
+        return pack_tiles(tiles, rows, cols, image_size, self.newline, self.max_tiles)
 
     @property
     def pixel_shape(self) -> tuple[int, int, int]:

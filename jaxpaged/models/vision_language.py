@@ -10,6 +10,7 @@ from typing import Any
 # on text: its three position streams are the same positions.
 VISION_LANGUAGE_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration",
                                  "LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
+                                 "LlavaOnevisionForConditionalGeneration",
                                  "Qwen2VLForConditionalGeneration",
                                  "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
 _TEXT_MODELS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
