@@ -86,7 +86,7 @@ class InputProcessor:
         the images' rows from the vision tower."""
         if self.images is None:
             raise ValueError(f"multi_modal_data needs a vision-language model whose images jaxpaged runs "
-                             f"(LlavaForConditionalGeneration with a CLIP or SigLIP tower): {self.no_images}")
+                             f"(LLaVA, LLaVA-NeXT, LLaVA-OneVision): {self.no_images}")
         images = image_list(prompt["multi_modal_data"])
         text, token_ids = self.tokenize({k: v for k, v in prompt.items() if k != "multi_modal_data"})
         token_ids, rows, digests = self.images.process(

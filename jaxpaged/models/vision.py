@@ -1,8 +1,9 @@
-"""The vision tower of a LLaVA checkpoint (`LlavaForConditionalGeneration`): a CLIP or SigLIP vision
+"""The vision tower of a LLaVA checkpoint (LLaVA, LLaVA-NeXT, LLaVA-OneVision): a CLIP or SigLIP vision
 transformer whose hidden states at `vision_feature_layer` go through the multimodal projector into rows of
-the language model's input embeddings, one per image token, as transformers' `LlavaModel.get_image_features`.
+the language model's input embeddings, one per image token, as transformers' `get_image_features` (NeXT's and
+OneVision's tiles packed as their `pack_image_features`).
 
-It runs on one of the engine's devices when a request is added (engine/multimodal.py), one image per call
+It runs on one of the engine's devices when a request is added (engine/multimodal.py), one tile per call
 (one compiled shape, compiled at start-up), and its rows stand in the prompt for the image's tokens."""
 
 import dataclasses
@@ -112,8 +113,8 @@ def _unpadded(cur_h: int, cur_w: int, image_size: tuple[int, int]) -> tuple[slic
 
 
 def has_vision_tower(hf_config: Any) -> bool:
-    """A checkpoint whose images jaxpaged runs: LLaVA with a CLIP or SigLIP tower (other vision-language
-    checkpoints run their language model alone, models/vision_language.py)."""
+    """A checkpoint whose images jaxpaged runs: LLaVA, LLaVA-NeXT or OneVision with a CLIP or SigLIP tower (other
+    vision-language checkpoints run their language model alone, models/vision_language.py)."""
     architectures = getattr(hf_config, "architectures", None) or []
     vc = getattr(hf_config, "vision_config", None)
     return bool(architectures) and architectures[0] in IMAGE_ARCHITECTURES and \
@@ -232,8 +233,8 @@ def image_features(cfg: VisionConfig, w: dict, pixels: jax.Array) -> jax.Array:
 
 
 class VisionTower:
-    """A LLaVA or LLaVA-NeXT checkpoint's tower and projector, loaded onto one device: `image_rows` turns an
-    image's pixel_values into the language model's input rows."""
+    """A LLaVA, LLaVA-NeXT or OneVision checkpoint's tower and projector, loaded onto one device: `image_rows`
+    turns an image's pixel_values into the language model's input rows."""
 
     def __init__(self, hf_config: Any, get: Callable[[str], np.ndarray], has: Callable[[str], bool], dtype,
                  device):
