@@ -29,27 +29,33 @@ LIST_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {% if m['content'] is 
 @functools.cache
 def llava(tower: str = "clip", layer=-2, strategy: str = "default") -> tuple[str, object]:
     """(path, transformers' model) of a tiny random LLaVA checkpoint with its image processor (32 x 32 pixels)."""
-    import torch
     import transformers
     vision = dict(model_type=f"{tower}_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=2, image_size=32, patch_size=8)
     cfg = transformers.LlavaConfig(text_config=TEXT, vision_config=vision, image_token_index=IMAGE_ID,
                                    vision_feature_layer=list(layer) if isinstance(layer, tuple) else layer,
                                    vision_feature_select_strategy=strategy)
-    torch.manual_seed(7)
-    model = transformers.LlavaForConditionalGeneration(cfg).to(torch.float32).eval()
+    processor = transformers.CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    return tiny_vision_checkpoint(transformers.LlavaForConditionalGeneration, cfg, 7, f"llava-{tower}-", processor)
+
+
+def tiny_vision_checkpoint(model_class, cfg, seed: int, prefix: str, processor) -> tuple[str, object]:
+    """(path, model): a random fp32 model of `cfg` saved with the tiny tokenizer (with "<image>" and a template
+    that places images) and its image `processor`."""
+    import torch
+    torch.manual_seed(seed)
+    model = model_class(cfg).to(torch.float32).eval()
     with torch.no_grad():
         for _, p in model.named_parameters():
             p.copy_(torch.randn_like(p) * 0.15 if p.ndim >= 2 else 1.0 + 0.1 * torch.randn_like(p))
-    path = scratch_folder(f"llava-{tower}-")
+    path = scratch_folder(prefix)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer = copy.deepcopy(tiny_tokenizer())   # (a shared, cached one)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
     assert tokenizer.convert_tokens_to_ids("<image>") == IMAGE_ID
     tokenizer.chat_template = LIST_TEMPLATE
     tokenizer.save_pretrained(path)
-    transformers.CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}) \
-        .save_pretrained(path)
+    processor.save_pretrained(path)
     return path, model
 
 

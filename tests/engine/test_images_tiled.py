@@ -3,10 +3,8 @@ each) and LLaVA-OneVision (the grid downsized past anyres_max, a prompt of sever
 token for token and logprob for logprob against transformers (fp32, tiny random checkpoints)."""
 
 import functools
-import os
 
-from tests.engine.test_images import GREEDY, IMAGE_ID, TEXT, assert_matches, engine, image, llava
-from tests.tiny_models import scratch_folder
+from tests.engine.test_images import GREEDY, IMAGE_ID, TEXT, assert_matches, engine, image, tiny_vision_checkpoint
 
 PINPOINTS = [[32, 64], [64, 32], [64, 64]]
 
@@ -14,26 +12,14 @@ PINPOINTS = [[32, 64], [64, 32], [64, 64]]
 @functools.cache
 def llava_next() -> tuple[str, object]:
     """A tiny random LLaVA-NeXT checkpoint: a CLIP tower on 32 x 32 tiles, a grid of up to 2 x 2 of them."""
-    import torch
     import transformers
     vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=2, image_size=32, patch_size=8)
     cfg = transformers.LlavaNextConfig(text_config={**TEXT, "model_type": "mistral", "sliding_window": None},
                                        vision_config=vision, image_token_index=IMAGE_ID, image_grid_pinpoints=PINPOINTS)
-    torch.manual_seed(8)
-    model = transformers.LlavaNextForConditionalGeneration(cfg).to(torch.float32).eval()
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            p.copy_(torch.randn_like(p) * 0.15 if p.ndim >= 2 else 1.0 + 0.1 * torch.randn_like(p))
-    path = scratch_folder("llava-next-")
-    model.save_pretrained(path, safe_serialization=True)
-    llava_path, _ = llava()
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        with open(os.path.join(llava_path, name), "rb") as src, open(os.path.join(path, name), "wb") as dst:
-            dst.write(src.read())
-    transformers.LlavaNextImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32},
-                                            image_grid_pinpoints=PINPOINTS).save_pretrained(path)
-    return path, model
+    processor = transformers.LlavaNextImageProcessorPil(size={"shortest_edge": 32}, image_grid_pinpoints=PINPOINTS,
+                                                        crop_size={"height": 32, "width": 32})
+    return tiny_vision_checkpoint(transformers.LlavaNextForConditionalGeneration, cfg, 8, "llava-next-", processor)
 
 
 def test_llava_next_tiles_give_transformers_tokens_and_logprobs():
@@ -70,7 +56,6 @@ def test_llava_next_tiles_give_transformers_tokens_and_logprobs():
 def llava_onevision() -> tuple[str, object]:
     """A tiny random LLaVA-OneVision checkpoint (a SigLIP tower, Qwen2): NeXT's grid of up to 3 x 3 tiles,
     downsized past 2 tiles' worth of features (anyres_max_2) to reach the bilinear path with small images."""
-    import torch
     import transformers
     vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=2, image_size=32, patch_size=8)
@@ -79,20 +64,10 @@ def llava_onevision() -> tuple[str, object]:
                                             image_token_index=IMAGE_ID, image_grid_pinpoints=pinpoints,
                                             vision_aspect_ratio="anyres_max_2", vision_feature_select_strategy="full",
                                             vision_feature_layer=-1)
-    torch.manual_seed(9)
-    model = transformers.LlavaOnevisionForConditionalGeneration(cfg).to(torch.float32).eval()
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            p.copy_(torch.randn_like(p) * 0.15 if p.ndim >= 2 else 1.0 + 0.1 * torch.randn_like(p))
-    path = scratch_folder("llava-onevision-")
-    model.save_pretrained(path, safe_serialization=True)
-    llava_path, _ = llava()
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        with open(os.path.join(llava_path, name), "rb") as src, open(os.path.join(path, name), "wb") as dst:
-            dst.write(src.read())
-    transformers.LlavaOnevisionImageProcessorPil(size={"height": 32, "width": 32}, image_grid_pinpoints=pinpoints) \
-        .save_pretrained(path)
-    return path, model
+    processor = transformers.LlavaOnevisionImageProcessorPil(size={"height": 32, "width": 32},
+                                                             image_grid_pinpoints=pinpoints)
+    return tiny_vision_checkpoint(transformers.LlavaOnevisionForConditionalGeneration, cfg, 9, "llava-onevision-",
+                                  processor)
 
 
 def test_llava_onevision_gives_transformers_tokens_and_logprobs():
