@@ -1,8 +1,9 @@
 """Images in prompts, as vLLM takes them: `{"prompt": ..., "multi_modal_data": {"image": image or [images]}}`
-(PIL images, uint8 arrays [height, width, 3], or URLs: data:, http(s)), and chat messages' `image_url` parts.
+(PIL images, uint8 arrays [height, width, 3], or URLs: data:, http(s), file:// inside allowed_local_media_path),
+and chat messages' `image_url` parts. An http(s) URL is fetched wherever it points, as vLLM's default does.
 
-For a LLaVA checkpoint (models/vision.py): each image's placeholder token in the prompt (`<image>`, once or
-already repeated) stands for as many tokens as the tower gives rows; the checkpoint's own image processor
+For a LLaVA, LLaVA-NeXT or OneVision checkpoint (models/vision.py): each image's placeholder token in the prompt
+(`<image>`, once or already repeated) stands for as many tokens as the tower gives rows; the checkpoint's own image processor
 (transformers', on PIL) makes its pixel_values, the tower its rows, and the step reads those rows where
 the prompt holds the image's tokens (Request.embed_ranges). Each block's hash takes a digest of the images
 it holds, so the prefix cache shares blocks only between the same images at the same places."""
