@@ -76,9 +76,8 @@ class Request:
         # word of several tokens (an attribute, not a property: a step reads it for every decode)
         self.needs_host_mask = False
         self.block_hashes: list[bytes] = []   # chained hashes of the full blocks of all_token_ids
-        # a prompt of embeddings (enable_prompt_embeds): its rows (opaque here: the runner reads them) stand
-        # for its prompt tokens, which are placeholders; each block's digest of them enters its hash
-        self.prompt_embeds = prompt_embeds
+        # a prompt of embeddings (enable_prompt_embeds): its rows (opaque here: the runner reads them, below)
+        # stand for its prompt tokens, which are placeholders; each block's digest of them enters its hash
         self.prompt_embeds_digests = prompt_embeds_digests   # (images': None for a block of text alone)
         self.num_embeds_tokens = len(prompt_token_ids) if prompt_embeds is not None else 0
         # the prompt's runs of rows the step reads in place of tokens, (first position, rows): the prompt of

@@ -88,7 +88,7 @@ class InputProcessor:
             raise ValueError(f"multi_modal_data needs a vision-language model whose images jaxpaged runs "
                              f"(LLaVA, LLaVA-NeXT, LLaVA-OneVision): {self.no_images}")
         images = image_list(prompt["multi_modal_data"])
-        text, token_ids = self.tokenize({k: v for k, v in prompt.items() if k != "multi_modal_data"})
+        text, token_ids = self.tokenize({**prompt, "multi_modal_data": None})
         token_ids, rows, digests = self.images.process(
             token_ids, images, lambda ids: self.truncate(ids, params.truncate_prompt_tokens))
         self.validate(token_ids, params)

@@ -3,9 +3,9 @@
 and chat messages' `image_url` parts. An http(s) URL is fetched wherever it points, as vLLM's default does.
 
 For a LLaVA, LLaVA-NeXT or OneVision checkpoint (models/vision.py): each image's placeholder token in the prompt
-(`<image>`, once or already repeated) stands for as many tokens as the tower gives rows; the checkpoint's own image processor
-(transformers', on PIL) makes its pixel_values, the tower its rows, and the step reads those rows where
-the prompt holds the image's tokens (Request.embed_ranges). Each block's hash takes a digest of the images
+(`<image>`, once or already repeated) stands for as many tokens as the tower gives rows; the checkpoint's own
+image processor (transformers', on PIL) makes its pixel_values, the tower its rows, and the step reads those rows
+where the prompt holds the image's tokens (Request.embed_ranges). Each block's hash takes a digest of the images
 it holds, so the prefix cache shares blocks only between the same images at the same places."""
 
 import asyncio
@@ -130,7 +130,8 @@ def image_list(data, field: str = "multi_modal_data") -> list:
 
 def takes_images(args, loaded) -> bool:
     """Whether an engine runs its requests' images (its steps then take rows in place of tokens)."""
-    return loaded.vision is not None and args.num_nodes == 1 and args.runner != "pooling"
+    return loaded.vision is not None and args.num_nodes == 1 and args.runner != "pooling" and \
+        (args.limit_mm_per_prompt or {}).get("image") != 0
 
 
 def image_inputs(args, loaded, tokenizer) -> tuple["ImageInputs | None", str]:
@@ -142,12 +143,11 @@ def image_inputs(args, loaded, tokenizer) -> tuple["ImageInputs | None", str]:
         return None, (f"{arch} runs its language model alone here (its vision tower is not supported yet, or "
                       "the checkpoint was converted without it)" if is_vision_language(loaded.hf_config)
                       else f"{arch} takes text only")
+    limit = (args.limit_mm_per_prompt or {}).get("image")
     if not takes_images(args, loaded):
         return None, ("images are not supported across several hosts (num_nodes > 1)" if args.num_nodes > 1
-                      else "images are not supported with runner='pooling'")
-    limit = (args.limit_mm_per_prompt or {}).get("image")
-    if limit == 0:
-        return None, "limit_mm_per_prompt={'image': 0} allows none"
+                      else "images are not supported with runner='pooling'" if args.runner == "pooling"
+                      else "limit_mm_per_prompt={'image': 0} allows none")
     if args.compile_on_startup:
         loaded.vision.warm_up()
     folder = loaded.source if os.path.isdir(loaded.source) else None

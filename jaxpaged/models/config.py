@@ -82,8 +82,10 @@ def is_classifier(hf_config) -> bool:
 
 
 # transformers' names -> ours (jaxpaged.models.moe.activation): gelu is the exact one, the others its tanh form
-_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
-                "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu", "relu": "relu", "relu2": "relu2"}
+# (quick_gelu: CLIP's vision tower)
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
+               "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu", "relu": "relu", "relu2": "relu2",
+               "quick_gelu": "quick_gelu"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,8 +301,8 @@ def model_config_from_hf(hf_config: Any) -> ModelConfig:
         raise ValueError(f"{given} needs num_labels >= 1 in its config (id2label), got {num_labels}")
     act_field = "hidden_activation" if architecture in families.GEMMA[1:] else "hidden_act"
     act = _get(hf_config, act_field, "silu")
-    if act not in _ACTIVATIONS:
-        raise ValueError(f"{act_field} {act!r} is not supported; supported: {', '.join(_ACTIVATIONS)}")
+    if act not in ACTIVATIONS:
+        raise ValueError(f"{act_field} {act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
     num_heads = hf_config.num_attention_heads
     head_dim = _get(hf_config, "head_dim", hf_config.hidden_size // num_heads)
     rope_cfg = rope.rope_params(hf_config)
@@ -356,7 +358,7 @@ def model_config_from_hf(hf_config: Any) -> ModelConfig:
         rope_freq_factors=freq_factors,
         bos_token_id=_get(hf_config, "bos_token_id", None),
         eos_token_ids=tuple(int(e) for e in eos_ids if e is not None),
-        hidden_act=_ACTIVATIONS[act],
+        hidden_act=ACTIVATIONS[act],
         rotary_dim=rotary_dim if rotary_dim != head_dim else 0,
         num_labels=num_labels,
     )

@@ -50,6 +50,8 @@ def activation(name: str, x: jax.Array) -> jax.Array:
     """The MLP's activation (in f32): silu (SwiGLU), gelu_tanh (GeGLU, GPT-2: the tanh-approximated gelu), gelu
     (exact: GPT-NeoX), relu (OPT), relu2 (its square: Nemotron, Arcee)."""
     x32 = x.astype(jnp.float32)
+    if name == "quick_gelu":   # (CLIP's vision tower)
+        return x32 * jax.nn.sigmoid(1.702 * x32)
     if name in ("relu", "relu2"):
         return jax.nn.relu(x32) ** (2 if name == "relu2" else 1)
     return jax.nn.silu(x32) if name == "silu" else jax.nn.gelu(x32, approximate=name == "gelu_tanh")

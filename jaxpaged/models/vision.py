@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpaged.models.config import ACTIVATIONS
+from jaxpaged.models.moe import activation
 from jaxpaged.models.norms import layer_norm
 
 VISION_TOWERS = ("clip_vision_model", "siglip_vision_model")
@@ -26,18 +28,11 @@ _SELECT_STRATEGIES = ("default", "full")
 
 
 def _act(name: str, x: jax.Array) -> jax.Array:
-    """transformers' activations the towers and projectors use, in f32."""
-    x = x.astype(jnp.float32)
-    if name == "quick_gelu":
-        return x * jax.nn.sigmoid(1.702 * x)
-    if name in ("gelu", "gelu_pytorch_tanh", "gelu_new", "gelu_fast"):
-        return jax.nn.gelu(x, approximate=name != "gelu")
-    if name in ("silu", "swish"):
-        return jax.nn.silu(x)
-    if name == "relu":
-        return jax.nn.relu(x)
-    raise ValueError(f"activation {name!r} is not supported in a vision tower or projector; supported: quick_gelu, "
-                     "gelu, gelu_pytorch_tanh, gelu_new, silu, relu")
+    """A tower's or projector's activation (transformers' name), in f32: models/moe.activation's."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activation {name!r} is not supported in a vision tower or projector; supported: "
+                         f"{', '.join(ACTIVATIONS)}")
+    return activation(ACTIVATIONS[name], x)
 
 
 @dataclasses.dataclass(frozen=True)

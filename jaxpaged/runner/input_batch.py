@@ -25,7 +25,7 @@ class InputBatch:
     sampler_kind: str | None = None                   # the sampler the host picked (None: the step's cond picks)
     embeds: list = dataclasses.field(default_factory=list)   # (flat token index, rows): prompt embeddings
     prompt_chunks: list = dataclasses.field(default_factory=list)   # (Request, first flat token, count, start) of
-    # the prompt tokens of each chunk other than a plain decode (a pooling runner's MEAN and CLS read them)
+    # the prompt tokens of each chunk other than a plain decode (recorded for a MEAN or CLS pooling runner)
 
 
 # column getters over a plan's plain decodes (and their requests): one C-level pass each
@@ -40,8 +40,9 @@ class GeneralColumns:
     """The columns of a step's chunks other than plain decodes, appended one chunk at a time, their
     flat tokens, sequences and sample rows numbered after `offset` plain decodes."""
 
-    def __init__(self, offset: int):
+    def __init__(self, offset: int, record_prompt_chunks: bool = False):
         self.offset = offset
+        self.record_prompt_chunks = record_prompt_chunks   # a MEAN or CLS pooling runner reads every prompt token
         self.input_ids, self.start_pos, self.q_lens, self.seq_slots, self.seq_lora = [], [], [], [], []
         self.logits_at, self.row_slots, self.count_slots, self.row_draft, self.row_first = [], [], [], [], []
         self.requests, self.rows, self.constrained, self.spec_rows, self.lp_rows, self.lp_targets = [], [], [], [], [], []
@@ -79,7 +80,7 @@ class GeneralColumns:
                     self.embeds.append((flat + lo - start, values[lo - first:hi - first]))
                     tokens[lo - start:hi - start] = [-1] * (hi - lo)
         tokens = tokens + drafts
-        if start < request.num_prompt_tokens:
+        if self.record_prompt_chunks and start < request.num_prompt_tokens:
             self.prompt_chunks.append((request, flat, min(n - d, request.num_prompt_tokens - start), start))
         if request.sampling_params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
             count = min(n, request.num_prompt_tokens - 1 - start)

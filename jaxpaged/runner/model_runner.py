@@ -106,7 +106,6 @@ class ModelRunner(CompiledStep, DeviceMemory, StepArgs):
         self._no_embeds = {}                # step tokens -> zeros [T, hidden] on the device
         # runner="pooling" (its pooling_type): each step also brings back its sample rows' hidden states (a
         # prompt's last token's: LAST), or every token's (MEAN, CLS); their sampled tokens are not used
-        self.pooling = pooling
         self.pooler = PooledRows(self, pooling) if pooling else None
         # every request it runs samples plain greedy, without prompt logprobs (a draft model's runner):
         # no prompt-logprobs programs to compile, and with host_branches one sampler kind
@@ -218,7 +217,7 @@ class ModelRunner(CompiledStep, DeviceMemory, StepArgs):
                 if slot in slots.unsynced:
                     slots.sync_blocks(slot, decodes[i].block_ids, 0)
         # the general chunks, after the decodes
-        g = GeneralColumns(k)
+        g = GeneralColumns(k, self.pooler is not None and self.pooler.every_token)
         one_token_queries = all(c.num_new_tokens - c.num_drafts == 1 for c in plan.chunks[k:])
         for chunk in plan.chunks[k:]:
             g.add(chunk, slots, self.block_size, prev, one_token_queries)

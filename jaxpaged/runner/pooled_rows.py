@@ -29,8 +29,6 @@ class PooledRows:
         """request id -> its vector, for the requests whose prompt ends in this step (InputBatch `inputs`);
         `hidden`: the sample rows' hidden states (LAST) or every token's (MEAN, CLS)."""
         if not self.every_token:
-            if not inputs.rows:
-                return {}
             pooled = self.head(self.normed(hidden[inputs.rows]))
             return {request.request_id: vector for request, vector in zip(inputs.requests, pooled)}
         for request, flat, count, start in inputs.prompt_chunks:
