@@ -43,7 +43,8 @@ class Request:
                  eos_token_ids: tuple[int, ...] = (), arrival_time: float | None = None,
                  seed: int = 0, max_tokens: int | None = None, cache_salt: str | None = None,
                  lora_request: Any = None, priority: int = 0, prompt_embeds: Any = None,
-                 prompt_embeds_digests: tuple[bytes | None, ...] = (), image_rows: tuple = ()):
+                 prompt_embeds_digests: tuple[bytes | None, ...] = (), image_rows: tuple = (),
+                 mrope: tuple | None = None):
         self.request_id = request_id
         self.priority = priority              # scheduling_policy="priority": the lower, the sooner
         self.prompt_token_ids = list(prompt_token_ids)
@@ -84,6 +85,9 @@ class Request:
         # embeddings whole, or each image's rows where its tokens are (engine/multimodal.py)
         self.embed_ranges = ((0, prompt_embeds),) if prompt_embeds is not None else tuple(image_rows)
         self.embeds_end = max((first + len(rows) for first, rows in self.embed_ranges), default=0)
+        # Qwen2-VL's images (M-RoPE): each of the first prompt tokens' (time, height, width) rope positions less
+        # (its position + mrope_delta), i32[n, 3]; every later token turns its position + mrope_delta on all three
+        self.mrope_offsets, self.mrope_delta = mrope if mrope is not None else (None, 0)
         # runner="pooling" with MEAN or CLS pooling: what its chunks' hidden states gave so far (opaque here)
         self.pool_state = None
         # tokens it had when its K/V began from the first token: a length-dependent rope (LongRoPE)

@@ -22,6 +22,7 @@ class ProcessedPrompt:
     embeds: np.ndarray | None = None       # a prompt of embeddings: its rows (token_ids are placeholders)
     embeds_digests: tuple[bytes | None, ...] = ()  # ... and each block's SHA-256 (the prefix cache's hash keys)
     image_rows: tuple = ()                 # images: ((first position, rows), ...) (Request.embed_ranges)
+    mrope: tuple | None = None             # Qwen2-VL's images: (Request.mrope_offsets, mrope_delta)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,14 +87,14 @@ class InputProcessor:
         the images' rows from the vision tower."""
         if self.images is None:
             raise ValueError(f"multi_modal_data needs a vision-language model whose images jaxpaged runs "
-                             f"(LLaVA, LLaVA-NeXT, LLaVA-OneVision): {self.no_images}")
+                             f"(LLaVA, LLaVA-NeXT, LLaVA-OneVision, Qwen2-VL, Qwen2.5-VL): {self.no_images}")
         images = image_list(prompt["multi_modal_data"])
         text, token_ids = self.tokenize({**prompt, "multi_modal_data": None})
-        token_ids, rows, digests = self.images.process(
+        token_ids, rows, digests, mrope = self.images.process(
             token_ids, images, lambda ids: self.truncate(ids, params.truncate_prompt_tokens))
         self.validate(token_ids, params)
         return ProcessedPrompt(text, token_ids, self.cache_salt(prompt), self.banned_words(params),
-                               embeds_digests=digests, image_rows=rows)
+                               embeds_digests=digests, image_rows=rows, mrope=mrope)
 
     def prompt_embeds(self, prompt: dict) -> np.ndarray:
         """A prompt dict's `prompt_embeds` as an array [tokens, hidden_size] of the model's dtype."""

@@ -168,7 +168,7 @@ class LLMEngine(ResearchMixin):
             seed = self._seed_for(params, i)
             request = Request(core_id, token_ids, params, self.eos_token_ids, arrival_time, seed, max_tokens,
                               cache_salt, lora_request, priority, processed.embeds, processed.embeds_digests,
-                              processed.image_rows)
+                              processed.image_rows, processed.mrope)
             request.constrain(matchers[i], processed.bad_words_token_ids)
             sequences.append(SequenceState(request, i, self.tokenizer, request_id))
         embeds = processed.embeds is not None   # a prompt of embeddings: no prompt token ids to show

@@ -2,11 +2,13 @@
 (PIL images, uint8 arrays [height, width, 3], or URLs: data:, http(s), file:// inside allowed_local_media_path),
 and chat messages' `image_url` parts. An http(s) URL is fetched wherever it points, as vLLM's default does.
 
-For a LLaVA, LLaVA-NeXT or OneVision checkpoint (models/vision.py): each image's placeholder token in the prompt
-(`<image>`, once or already repeated) stands for as many tokens as the tower gives rows; the checkpoint's own
+For a LLaVA, LLaVA-NeXT or OneVision checkpoint (models/vision.py), or a Qwen2-VL or Qwen2.5-VL one
+(models/qwen_vision.py): each image's placeholder token in the prompt (`<image>`, `<|image_pad|>`, once or already
+repeated) stands for as many tokens as the tower gives rows; the checkpoint's own
 image processor (transformers', on PIL) makes its pixel_values, the tower its rows, and the step reads those rows
 where the prompt holds the image's tokens (Request.embed_ranges). Each block's hash takes a digest of the images
-it holds, so the prefix cache shares blocks only between the same images at the same places."""
+it holds, so the prefix cache shares blocks only between the same images at the same places. Qwen's images
+turn the language model's rope by their rows and columns (M-RoPE: Request.mrope_offsets)."""
 
 import asyncio
 import base64
@@ -157,8 +159,8 @@ def image_inputs(args, loaded, tokenizer) -> tuple["ImageInputs | None", str]:
 @dataclasses.dataclass(frozen=True)
 class PreparedImage:
     """An image as its checkpoint's processor made it: what the tower reads, and the prefix cache's digest."""
-    pixels: np.ndarray             # pixel_values of the image (LLaVA-NeXT: its tiles)
-    size: tuple[int, int] | None   # LLaVA-NeXT: the image's (height, width)
+    pixels: np.ndarray             # pixel_values of the image (LLaVA-NeXT: its tiles; Qwen2-VL: its patches)
+    size: tuple[int, ...] | None   # LLaVA-NeXT: the image's (height, width); Qwen2-VL: its grid (t, h, w)
     digest: bytes
 
 
@@ -210,8 +212,10 @@ class ImageInputs:
         except Exception as e:   # (transformers' processors raise many kinds for an image they cannot size)
             raise ValueError(f"{field}: the checkpoint's image processor cannot process it "
                              f"({type(e).__name__}: {e})") from None
-        pixels = np.asarray(out["pixel_values"][0], np.float32)
-        size = out.get("image_sizes")   # LLaVA-NeXT: the image's (height, width), which shapes its grid
+        pixels = out["pixel_values"]   # (one image's: Qwen2-VL's patches are not batched by image)
+        pixels = np.asarray(pixels if "image_grid_thw" in out else pixels[0], np.float32)
+        # LLaVA-NeXT: the image's (height, width), which shapes its grid; Qwen2-VL: the grid of its patches
+        size = out.get("image_sizes", out.get("image_grid_thw"))
         size = None if size is None else tuple(int(v) for v in size[0])
         return PreparedImage(pixels, size, hashlib.sha256(pixels.tobytes() + repr(size).encode()).digest())
 
@@ -272,9 +276,10 @@ class ImageInputs:
         counts = [self.tower.num_rows(p.size, len(prepared) == 1) for p in prepared]
         return self.expand(token_ids, counts)[0], prepared
 
-    def process(self, token_ids: list[int], images: list, truncate) -> tuple[list[int], tuple, tuple]:
-        """(token ids, ((first position, rows), ...), each block's digest or None) of a prompt and its images;
-        `truncate`: the prompt's truncation (InputProcessor.truncate), which must not cut into an image."""
+    def process(self, token_ids: list[int], images: list, truncate) -> tuple[list[int], tuple, tuple, tuple | None]:
+        """(token ids, ((first position, rows), ...), each block's digest or None, M-RoPE's (offsets, delta) or
+        None) of a prompt and its images; `truncate`: the prompt's truncation (InputProcessor.truncate), which
+        must not cut into an image."""
         if self.limit is not None and len(images) > self.limit:
             raise ValueError(f"multi_modal_data['image'] holds {len(images)} images; this engine's "
                              f"limit_mm_per_prompt allows {self.limit} (LLM(..., limit_mm_per_prompt={{'image': N}}))")
@@ -290,9 +295,12 @@ class ImageInputs:
         cut = len(expanded) - len(kept)
         if any(s < cut < s + len(r) for s, r in zip(starts, rows)):
             raise ValueError("truncate_prompt_tokens would cut into an image's tokens; keep more tokens")
-        kept_images = [(s - cut, r, d) for s, r, d in zip(starts, rows, digests) if s >= cut]
-        ranges = [(s, r) for s, r, _ in kept_images]
-        return kept, tuple(ranges), self.block_digests(ranges, [d for _, _, d in kept_images])
+        kept_images = [(s - cut, r, d, i.size) for s, r, d, i in zip(starts, rows, digests, images) if s >= cut]
+        ranges = [(s, r) for s, r, _, _ in kept_images]
+        mrope = None
+        if hasattr(self.tower, "mrope") and kept_images:   # Qwen2-VL: the rope turns each image's rows and columns
+            mrope = self.tower.mrope(len(kept), [(s, size) for s, _, _, size in kept_images])
+        return kept, tuple(ranges), self.block_digests(ranges, [d for _, _, d, _ in kept_images]), mrope
 
     def block_digests(self, ranges: list, digests: list[bytes]) -> tuple:
         """Per block: a SHA-256 of the images it holds (which, and which of their tokens), None for a block of

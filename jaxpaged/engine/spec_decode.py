@@ -215,6 +215,7 @@ class _DraftSequence:
         self.lora_slot = -1   # the draft model runs without adapters
         self.num_embeds_tokens = 0   # prompt embeddings are refused with speculative decoding
         self.embed_ranges, self.embeds_end = (), 0   # a target's images: the draft model reads their tokens
+        self.mrope_offsets, self.mrope_delta = None, 0   # ... and turns plain positions
         self.prompt_token_ids = request.prompt_token_ids
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = []

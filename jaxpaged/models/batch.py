@@ -29,3 +29,6 @@ class ForwardBatch:
     # [num_tokens, hidden]  prompt embeddings: the input of each token whose id is -1 (enable_prompt_embeds;
     # None: every token's input is its row of the embedding table)
     input_embeds: jax.Array | None = None
+    # i32[num_tokens, 3]  M-RoPE's (time, height, width) positions (a Qwen2-VL engine that runs images; None:
+    # `positions` turn the rope)
+    mrope_positions: jax.Array | None = None

@@ -81,6 +81,8 @@ def is_classifier(hf_config) -> bool:
     return bool(architectures) and architectures[0].endswith(CLASSIFIER_SUFFIX)
 
 
+# the language models of Qwen2-VL and Qwen2.5-VL: M-RoPE (ModelConfig.mrope_section)
+MROPE_TEXT_MODELS = ("qwen2_vl_text", "qwen2_5_vl_text")
 # transformers' names -> ours (jaxpaged.models.moe.activation): gelu is the exact one, the others its tanh form
 # (quick_gelu: CLIP's vision tower)
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
@@ -125,6 +127,9 @@ class ModelConfig:
     rope_attention_factor: float = 1.0
     # Gemma 3: the rope base of the sliding-window (local) layers, 0 = every layer uses rope_theta
     local_rope_theta: float = 0.0
+    # Qwen2-VL, Qwen2.5-VL: M-RoPE's sections of the head_dim // 2 frequencies (time, height, width), turned by
+    # a step's mrope positions (ForwardBatch.mrope_positions: an engine that runs their images); () = none
+    mrope_section: tuple[int, ...] = ()
     # Gemma: norms multiply by (1 + w), the embedding by sqrt(hidden), and each block's output is
     # normed before the residual add (sandwich norms)
     norm_offset: float = 0.0
@@ -331,6 +336,12 @@ def model_config_from_hf(hf_config: Any) -> ModelConfig:
     local_theta = rope.local_rope_theta(hf_config)
     if rope_cfg["rope_type"] == "default" and local_theta == float(rope_cfg["rope_theta"]):
         local_theta = 0.0   # the local layers rotate as the others do
+    mrope_section = ()
+    if getattr(hf_config, "model_type", None) in MROPE_TEXT_MODELS:   # (transformers' default sections)
+        mrope_section = tuple(int(n) for n in rope_cfg.get("mrope_section") or (16, 24, 24))
+        if sum(mrope_section) != rotary_dim // 2:
+            raise ValueError(f"rope_parameters mrope_section {list(mrope_section)} must sum to head_dim / 2 = "
+                             f"{rotary_dim // 2}")
     fields = dict(
         architecture=architecture,
         vocab_size=hf_config.vocab_size,
@@ -355,6 +366,7 @@ def model_config_from_hf(hf_config: Any) -> ModelConfig:
         rope_high_freq_factor=float(rope_cfg.get("high_freq_factor", 4.0)),
         rope_original_max_positions=int(rope_cfg.get("original_max_position_embeddings", max_pos)),
         local_rope_theta=local_theta,
+        mrope_section=mrope_section,
         rope_freq_factors=freq_factors,
         bos_token_id=_get(hf_config, "bos_token_id", None),
         eos_token_ids=tuple(int(e) for e in eos_ids if e is not None),

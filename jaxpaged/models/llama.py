@@ -49,7 +49,7 @@ from jaxpaged.models import mla
 from jaxpaged.models.moe import Routing, activation, moe_mlp, resolve_moe_impl
 from jaxpaged.models.norms import norm, rms_norm
 from jaxpaged.models.quantization import QuantizedWeight, embedding_lookup, linear, matmul_kernel
-from jaxpaged.models.rope import apply_rotary, rotary_cos_sin
+from jaxpaged.models.rope import apply_rotary, mrope_cos_sin, rotary_cos_sin
 from jaxpaged.parallel import MODEL_AXIS, ShardPlan
 from jaxpaged.kernels import write_kv
 from jaxpaged.kernels.layout import calibrated_kv_scale, is_fp8, scaled_attention
@@ -216,7 +216,8 @@ class LlamaFamilyForCausalLM(nnx.Module):
             hidden = jnp.where((batch.input_ids < 0)[:, None], given, hidden)
         if self.pos_embed is not None:
             hidden = hidden + self.pos_embed[...][batch.positions + cfg.position_offset].astype(hidden.dtype)
-        rope = rotary_cos_sin(cfg, batch.positions, batch.rope_lens)
+        rope = rotary_cos_sin(cfg, batch.positions, batch.rope_lens) if batch.mrope_positions is None else \
+            mrope_cos_sin(cfg, batch.mrope_positions)
         local_rope = rotary_cos_sin(cfg, batch.positions, batch.rope_lens, local=True) if cfg.local_rope_theta else rope
         lora = None if self.lora is None else {k: v.get_value() for k, v in self.lora.items()}
         onehot = None

@@ -24,6 +24,7 @@ from jaxpaged.models.hub_options import HubOptions
 from jaxpaged.models.hf_names import (EXPERT_WEIGHTS, F32_WEIGHTS, QUANTIZABLE, _hf_layer_sources, hf_part_shape,
                                         hf_reader, hf_tensor, hf_to_ours, hf_top_sources)
 from jaxpaged.models.registry import model_class_for
+from jaxpaged.models.qwen_vision import QwenVisionTower, has_qwen_vision_tower
 from jaxpaged.models.vision import VisionTower, has_vision_tower
 from jaxpaged.models.vision_language import is_vision_language
 from jaxpaged.models.llama import layer_weight_shapes, weight_shapes
@@ -46,7 +47,7 @@ class LoadedModel:
     dtype: str               # "float32" | "bfloat16" | "float16"
     source: str              # local folder or .gguf path the weights came from
     quantization: str | None = None   # the weights' quantization: None, "int8", "fp8", "int4" or "gguf"
-    vision: Any = None       # a LLaVA checkpoint's vision tower and projector (models/vision.VisionTower)
+    vision: Any = None       # a LLaVA or Qwen2-VL checkpoint's vision tower (models/vision.py, qwen_vision.py)
 
 
 def resolve_dtype(dtype: str, checkpoint_dtype: str, device=None) -> str:
@@ -331,6 +332,9 @@ def load_model(model: str, dtype: str = "auto", revision: str | None = None,
         if has_vision_tower(hf_config):
             vision = VisionTower(hf_config, checkpoint.get, checkpoint.__contains__, _DTYPES[dtype],
                                  shard_plan.devices[0])
+        elif has_qwen_vision_tower(hf_config):
+            vision = QwenVisionTower(hf_config, checkpoint.get, checkpoint.__contains__, _DTYPES[dtype],
+                                     shard_plan.devices[0], folder)
     model_cls = model_class_for(cfg.architecture)
     cfg = sharded_config(cfg, shard_plan.size)
     return LoadedModel(model_cls(cfg, weights, attention_backend, shard_plan), cfg, hf_config, dtype, source,

@@ -13,7 +13,9 @@ Rope types, as transformers computes them (modeling_rope_utils):
   factor (`mscale`). Static: the same frequencies at every length.
 
 `inv_freq` gives the frequencies `ModelConfig.inv_freq` returns; `rotary_cos_sin` and `apply_rotary` run
-in the model's jitted step.
+in the model's jitted step. Qwen2-VL's and Qwen2.5-VL's multimodal rope (M-RoPE, `mrope_cos_sin`): three
+position streams (time, height, width), each turning its own section of the frequencies; on text the three
+are the same position, which is the plain rope.
 """
 
 import math
@@ -187,6 +189,16 @@ def rotary_cos_sin(cfg, positions: jax.Array, seq_lens: jax.Array | None,
     freqs = positions.astype(jnp.float32)[:, None] * inv
     if cfg.rope_type in ("longrope", "yarn"):
         return jnp.cos(freqs) * cfg.rope_attention_factor, jnp.sin(freqs) * cfg.rope_attention_factor
+    return jnp.cos(freqs), jnp.sin(freqs)
+
+
+def mrope_cos_sin(cfg, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [num_tokens, head_dim // 2] of M-RoPE: positions i32[num_tokens, 3] (time, height, width);
+    frequency i takes the stream of the `cfg.mrope_section` it falls in (transformers' mrope_section, the
+    sections in order, not interleaved)."""
+    stream = np.repeat(np.arange(len(cfg.mrope_section)) % 3, cfg.mrope_section)
+    picked = positions[:, stream].astype(jnp.float32)                       # [T, head_dim // 2]
+    freqs = picked * jnp.asarray(cfg.inv_freq())[None, :]
     return jnp.cos(freqs), jnp.sin(freqs)
 
 

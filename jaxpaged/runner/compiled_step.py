@@ -117,9 +117,11 @@ class CompiledStep:
             replicated = self.plan.array_sharding(P())
             embeds = None if not self.takes_prompt_embeds else jax.ShapeDtypeStruct(
                 (shape.num_tokens, self.model_config.hidden_size), self.embeds_dtype, sharding=replicated)
+            mrope = None if not self.takes_mrope else jax.ShapeDtypeStruct(
+                (shape.num_tokens, 3), np.int32, sharding=replicated)
             args = (self.state, self.kv_pool_spec, self.slot_state,
                     jax.ShapeDtypeStruct(buffer.shape, buffer.dtype, sharding=replicated),
-                    self._no_prev_tokens, embeds)
+                    self._no_prev_tokens, embeds, mrope)
             forward = self._compiled[shape] = forward_fn.lower(statics, *args).compile(self.compiler_options)
         # the forward's outputs come replicated, like the bitmask (one device: no sharding is
         # declared, which would commit the executables' outputs and miss jit caches downstream)
@@ -168,6 +170,7 @@ class CompiledStep:
         for shape in shapes:   # the all-allowed bitmasks (and no prompt embeddings), made here (not in the threads)
             self._bitmask_arg(shape, None)
             self._embeds_arg(shape, None)
+            self._mrope_arg(shape, None)
         for batch in (firsts, [shape for shape in todo if shape not in firsts]):
             with concurrent.futures.ThreadPoolExecutor(max(1, min(len(batch), os.cpu_count() or 1))) as pool:
                 for _ in pool.map(self.compile_step, batch):

@@ -26,6 +26,7 @@ class InputBatch:
     embeds: list = dataclasses.field(default_factory=list)   # (flat token index, rows): prompt embeddings
     prompt_chunks: list = dataclasses.field(default_factory=list)   # (Request, first flat token, count, start) of
     # the prompt tokens of each chunk other than a plain decode (recorded for a MEAN or CLS pooling runner)
+    mrope: list = dataclasses.field(default_factory=list)    # (flat token index, i32[n, 3]): M-RoPE offsets
 
 
 # column getters over a plan's plain decodes (and their requests): one C-level pass each
@@ -49,6 +50,7 @@ class GeneralColumns:
         self.prev_index, self.prev_source = [], []   # (flat token index, prev's sample row): tokens prev samples
         self.chunk_rows = []                         # per chunk: its (first) sample row
         self.embeds = []                             # (flat token index, rows [n, hidden]): prompt embeddings
+        self.mrope = []                              # (flat token index, Request.mrope_offsets rows [n, 3])
         self.prompt_chunks = []                      # (request, flat token, count, start): prompt tokens
 
     def add(self, chunk, slots: SlotTable, block_size: int, prev, one_token_queries: bool) -> None:
@@ -79,6 +81,9 @@ class GeneralColumns:
                 if lo < hi:
                     self.embeds.append((flat + lo - start, values[lo - first:hi - first]))
                     tokens[lo - start:hi - start] = [-1] * (hi - lo)
+        offsets = request.mrope_offsets   # M-RoPE (Qwen2-VL's images): the prompt's first tokens' offsets
+        if offsets is not None and start < len(offsets):
+            self.mrope.append((flat, offsets[start:start + n - d]))
         tokens = tokens + drafts
         if self.record_prompt_chunks and start < request.num_prompt_tokens:
             self.prompt_chunks.append((request, flat, min(n - d, request.num_prompt_tokens - start), start))

@@ -104,6 +104,10 @@ class ModelRunner(CompiledStep, DeviceMemory, StepArgs):
         self.takes_prompt_embeds = prompt_embeds
         self.embeds_dtype = np.dtype(model.dtype)
         self._no_embeds = {}                # step tokens -> zeros [T, hidden] on the device
+        # a Qwen2-VL engine that runs images: every forward takes M-RoPE offsets i32[T, 3] as well (sent only by
+        # steps with a prompt token of a request with images; zeros on the device otherwise)
+        self.takes_mrope = prompt_embeds and bool(model.config.mrope_section)
+        self._no_mrope = {}                 # step tokens -> zeros [T, 3] on the device
         # runner="pooling" (its pooling_type): each step also brings back its sample rows' hidden states (a
         # prompt's last token's: LAST), or every token's (MEAN, CLS); their sampled tokens are not used
         self.pooler = PooledRows(self, pooling) if pooling else None
@@ -288,7 +292,7 @@ class ModelRunner(CompiledStep, DeviceMemory, StepArgs):
                 raise RuntimeError(f"this runner compiles only the {self._sampler_kinds} samplers (greedy_only); "
                                    f"its step needs the {kind!r} one")
         return InputBatch(shape, buffer, requests, list(range(k)) + g.rows, constrained, g.spec_rows, g.lp_rows, kind,
-                          g.embeds, g.prompt_chunks)
+                          g.embeds, g.prompt_chunks, g.mrope)
 
     def execute_model(self, inputs: InputBatch, prev: _Pending | None = None) -> _Pending:
         """Queue the step's forward (its sampler waits for `sample`)."""
@@ -302,21 +306,21 @@ class ModelRunner(CompiledStep, DeviceMemory, StepArgs):
                               inputs.buffer)
         prev_tokens = prev.tokens if prev is not None else self._no_prev_tokens
         sample_rows, prompt_packed, hidden = self.run_forward(shape, inputs.buffer, prev_tokens,
-                                                              bool(inputs.lp_rows), inputs.embeds)
+                                                              bool(inputs.lp_rows), inputs.embeds, inputs.mrope)
         return _Pending(inputs, sample_rows, prompt_packed if inputs.lp_rows else None, self.max_logprobs,
                         pooled_rows=None if self.pooler is None else hidden if self.pooler.every_token
                         else sample_rows.hidden)
 
     def run_forward(self, shape: BatchShape, buffer: np.ndarray, prev_tokens: jax.Array,
-                    prompt_logprobs: bool = False, embeds: list | None = None):
-        """Launch the forward of a step (its inputs packed in `buffer`; `embeds`, InputBatch.embeds);
+                    prompt_logprobs: bool = False, embeds: list | None = None, mrope: list | None = None):
+        """Launch the forward of a step (its inputs packed in `buffer`; `embeds` and `mrope`, InputBatch's);
         returns (sample rows, prompt logprobs, every token's hidden state), left on the device (prompt logprobs:
         None when the step asks none). The first step of an engine calibrating its fp8 KV scales (calculate_kv_scales)
         sets them for every later step."""
         forward, _ = self._executables(shape)
         self.kv_pool, self.slot_state, sample_rows, hidden, kv_scales = forward(
             self.state, self.kv_pool, self.slot_state, self.plan.put(buffer), prev_tokens,
-            self._embeds_arg(shape, embeds))
+            self._embeds_arg(shape, embeds), self._mrope_arg(shape, mrope))
         prompt_packed = self._prompt_logprobs(shape, hidden, buffer) if prompt_logprobs else None
         if self.calibrating_kv_scales:
             self.state["kv_scales"].set_value(kv_scales)

@@ -9,6 +9,7 @@ it then gets a fresh slot, rebuilt from the host, when it runs again.
     block_tables    i32[R + 1, max_blocks_per_seq]   a request's blocks; grows by appended blocks
     params          i32[R + 1, NUM_PARAMS]           sampling parameters (floats bit-cast), step count,
                                                      the request's rope length (ForwardBatch.rope_lens)
+                                                     and M-RoPE delta (Request.mrope_delta)
     output_counts   i32[R + 1, V]                    tokens sampled so far (penalties)
     prompt_mask     bool[R + 1, V]                   tokens of the prompt (repetition penalty)
     logit_bias      f32[R + 1, V]                    the request's logit_bias, allowed_token_ids (-inf
@@ -38,8 +39,8 @@ from jaxpaged.runner.sampler import uses_output_tokens
 
 # params columns
 (P_TEMPERATURE, P_TOP_K, P_TOP_P, P_MIN_P, P_PRESENCE, P_FREQUENCY, P_REPETITION, P_SEED, P_STEPS,
- P_LOGPROBS, P_HAS_BIAS, P_MIN_TOKENS, P_ROPE_LEN) = range(13)
-NUM_PARAMS = 13
+ P_LOGPROBS, P_HAS_BIAS, P_MIN_TOKENS, P_ROPE_LEN, P_MROPE_DELTA) = range(14)
+NUM_PARAMS = 14
 FLOAT_PARAMS = (P_TEMPERATURE, P_TOP_P, P_MIN_P, P_PRESENCE, P_FREQUENCY, P_REPETITION)
 
 # update kinds
@@ -254,6 +255,7 @@ class SlotTable:
         row[P_HAS_BIAS] = int(bool(bias))
         row[P_MIN_TOKENS] = p.min_tokens if banned else 0
         row[P_ROPE_LEN] = request.rope_len
+        row[P_MROPE_DELTA] = request.mrope_delta
         self.step_updates += [(PARAM, slot, i, int(v)) for i, v in enumerate(row)]
         penalised = uses_output_tokens(p)
         if not (penalised or bias or banned):

@@ -115,13 +115,16 @@ class SampleStatics:
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2, 3))
-def forward_fn(statics: StepStatics, state, kv_pool, slots: SlotState, buffer, prev_tokens, embeds=None):
+def forward_fn(statics: StepStatics, state, kv_pool, slots: SlotState, buffer, prev_tokens, embeds=None,
+               mrope=None):
     """The first half of an engine step: everything up to the sample rows' hidden states.
     buffer: i32[layout.size], every per-step input (StepLayout); slots: the persistent batch
     (block tables, sampling parameters and penalty state, donated); prev_tokens: i32[MAX_ROWS],
     the previous step's sampled tokens, of which row prev_source[i] becomes input token
     prev_index[i] (out-of-bounds indices are dropped); embeds: [T, hidden] prompt-embedding rows,
-    read for tokens whose id is -1 (None: an engine without enable_prompt_embeds).
+    read for tokens whose id is -1 (None: an engine without enable_prompt_embeds); mrope: i32[T, 3], M-RoPE
+    offsets (Request.mrope_offsets) added, with each sequence's mrope_delta, to the positions (None: an engine
+    without M-RoPE images).
 
     Returns (kv_pool, slots, SampleRows, hidden [T, hidden], kv_scales f32[L, 2]): hidden, every
     token's hidden state (prompt_logprobs_fn's input, when a request asks); kv_scales, the fp8 KV
@@ -129,13 +132,15 @@ def forward_fn(statics: StepStatics, state, kv_pool, slots: SlotState, buffer, p
     """
     f = statics.layout.unpack(buffer)
     slots = apply_step_updates(slots, f["updates"])
-    positions, slot_mapping, kv_lens, tables, lora_index, rope_lens = forward_batch_arrays(
+    positions, slot_mapping, kv_lens, tables, lora_index, rope_lens, mrope_delta = forward_batch_arrays(
         f, slots.block_tables, statics.block_size, slots.params)
+    mrope_positions = None if mrope is None else positions[:, None] + mrope_delta[:, None] + mrope
     input_ids = f["input_ids"].at[f["prev_index"]].set(prev_tokens[f["prev_source"]], mode="drop")
     batch = ForwardBatch(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
                          logits_indices=f["logits_indices"],
                          attn=attention_metadata(kv_lens, tables, f["cu_q_lens"], statics.q_tile),
-                         rope_lens=rope_lens, lora_index=lora_index, input_embeds=embeds)
+                         rope_lens=rope_lens, lora_index=lora_index, input_embeds=embeds,
+                         mrope_positions=mrope_positions)
     model = nnx.merge(statics.graphdef, state)
     kv_pool, hidden = model.hidden_states(kv_pool, batch)
     rows = SampleRows(hidden[batch.logits_indices], f["row_slots"], f["count_slots"], f["row_draft"],

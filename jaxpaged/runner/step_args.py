@@ -1,6 +1,7 @@
 """The step's device inputs that stay on the device unless a step needs them sent (ModelRunner inherits
-this): the structured-output bitmask (all ones where no row is constrained) and the prompt-embeddings rows
-(zeros where no token reads one). Each kept one is made once per bucket, at start-up (warmup)."""
+this): the structured-output bitmask (all ones where no row is constrained), the prompt-embeddings rows
+(zeros where no token reads one) and the M-RoPE offsets (zeros where no token has them). Each kept one is made
+once per bucket, at start-up (warmup)."""
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,21 @@ class StepArgs:
         if zeros is None:   # (made at start-up by warmup: a copy from the host, nothing compiled)
             zeros = self.plan.put(np.zeros((shape.num_tokens, self.model_config.hidden_size), self.embeds_dtype))
             self._no_embeds[shape.num_tokens] = zeros
+        return zeros
+
+    def _mrope_arg(self, shape: BatchShape, mrope: list | None):
+        """The step's M-RoPE offsets (takes_mrope; else None): i32[T, 3], sent when some token has them (a
+        prompt token of a request with images, InputBatch.mrope), else zeros kept on the device."""
+        if not self.takes_mrope:
+            return None
+        if mrope:
+            offsets = np.zeros((shape.num_tokens, 3), np.int32)
+            for flat, values in mrope:
+                offsets[flat:flat + len(values)] = values
+            return self.plan.put(offsets)
+        zeros = self._no_mrope.get(shape.num_tokens)
+        if zeros is None:   # (made at start-up by warmup)
+            zeros = self._no_mrope[shape.num_tokens] = self.plan.put(np.zeros((shape.num_tokens, 3), np.int32))
         return zeros
 
     def _bitmask_arg(self, shape: BatchShape, bitmask: np.ndarray | None):

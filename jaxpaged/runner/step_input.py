@@ -11,9 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.kernels import AttentionMetadata
-from jaxpaged.runner.persistent_batch import (P_FREQUENCY, P_HAS_BIAS, P_LOGPROBS, P_MIN_P, P_MIN_TOKENS,
-                                              P_PRESENCE, P_REPETITION, P_ROPE_LEN, P_SEED, P_STEPS,
-                                              P_TEMPERATURE, P_TOP_K, P_TOP_P, UPDATE_WIDTH, SlotState)
+from jaxpaged.runner.persistent_batch import (NUM_PARAMS, P_FREQUENCY, P_HAS_BIAS, P_LOGPROBS, P_MIN_P,
+                                              P_MIN_TOKENS, P_MROPE_DELTA, P_PRESENCE, P_REPETITION, P_ROPE_LEN,
+                                              P_SEED, P_STEPS, P_TEMPERATURE, P_TOP_K, P_TOP_P, UPDATE_WIDTH,
+                                              SlotState)
 from jaxpaged.runner.sampler import SamplingMetadata
 
 
@@ -36,8 +37,9 @@ class StepLayout:
 
     @property
     def num_updates(self) -> int:
-        """TABLE/PARAM updates the step itself applies (more go through apply_updates)."""
-        return self.num_tokens + 2 * self.num_seqs + 16
+        """TABLE/PARAM updates the step itself applies (more go through apply_updates): a table entry per token
+        and two per sequence, and the parameters of half its sequences and one more taking a slot."""
+        return self.num_tokens + 2 * self.num_seqs + NUM_PARAMS * (1 + self.num_seqs // 2)
 
     @functools.cached_property
     def fields(self) -> dict[str, tuple[int, int]]:
@@ -84,8 +86,8 @@ class StepLayout:
 def forward_batch_arrays(fields: dict, block_tables: jax.Array, block_size: int, params: jax.Array):
     """Traced: positions, slot mapping and attention metadata from the packed per-sequence
     fields and the persistent block tables and parameter rows. Returns (positions, slot_mapping,
-    kv_lens, tables, lora_index, rope_lens): lora_index, each token's LoRA slot (-1: the base model;
-    padding tokens too); rope_lens, ForwardBatch.rope_lens."""
+    kv_lens, tables, lora_index, rope_lens, mrope_delta): lora_index, each token's LoRA slot (-1: the base
+    model; padding tokens too); rope_lens, ForwardBatch.rope_lens; mrope_delta, its sequence's M-RoPE delta."""
     cu = fields["cu_q_lens"]
     start = fields["start_pos"]
     S = start.shape[0]
@@ -102,7 +104,8 @@ def forward_batch_arrays(fields: dict, block_tables: jax.Array, block_size: int,
     slot_mapping = jnp.where(valid, block * block_size + positions % block_size, -1)
     lora_index = jnp.where(valid, fields["seq_lora"][seq], -1)
     rope_lens = jnp.maximum(params[fields["seq_slots"], P_ROPE_LEN], kv_lens)[seq]
-    return positions, slot_mapping, kv_lens, tables, lora_index, rope_lens
+    mrope_delta = params[fields["seq_slots"], P_MROPE_DELTA][seq]
+    return positions, slot_mapping, kv_lens, tables, lora_index, rope_lens, mrope_delta
 
 
 def attention_metadata(kv_lens, tables, cu_q_lens, q_tile: int) -> AttentionMetadata:

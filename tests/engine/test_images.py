@@ -39,9 +39,10 @@ def llava(tower: str = "clip", layer=-2, strategy: str = "default") -> tuple[str
     return tiny_vision_checkpoint(transformers.LlavaForConditionalGeneration, cfg, 7, f"llava-{tower}-", processor)
 
 
-def tiny_vision_checkpoint(model_class, cfg, seed: int, prefix: str, processor) -> tuple[str, object]:
-    """(path, model): a random fp32 model of `cfg` saved with the tiny tokenizer (with "<image>" and a template
-    that places images) and its image `processor`."""
+def tiny_vision_checkpoint(model_class, cfg, seed: int, prefix: str, processor, tokens=("<image>",),
+                           template: str = LIST_TEMPLATE) -> tuple[str, object]:
+    """(path, model): a random fp32 model of `cfg` saved with the tiny tokenizer (with the image `tokens`, from
+    IMAGE_ID on, and a `template` that places images) and its image `processor`."""
     import torch
     torch.manual_seed(seed)
     model = model_class(cfg).to(torch.float32).eval()
@@ -51,9 +52,9 @@ def tiny_vision_checkpoint(model_class, cfg, seed: int, prefix: str, processor) 
     path = scratch_folder(prefix)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer = copy.deepcopy(tiny_tokenizer())   # (a shared, cached one)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    assert tokenizer.convert_tokens_to_ids("<image>") == IMAGE_ID
-    tokenizer.chat_template = LIST_TEMPLATE
+    tokenizer.add_special_tokens({"additional_special_tokens": list(tokens)})
+    assert tokenizer.convert_tokens_to_ids(list(tokens)) == list(range(IMAGE_ID, IMAGE_ID + len(tokens)))
+    tokenizer.chat_template = template
     tokenizer.save_pretrained(path)
     processor.save_pretrained(path)
     return path, model
