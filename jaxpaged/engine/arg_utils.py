@@ -102,6 +102,7 @@ class EngineArgs:
     enable_prompt_embeds: bool = False        # prompts may be rows of input embeddings ({"prompt_embeds": array})
     limit_mm_per_prompt: dict | str | None = None   # {"image": N}: a prompt's most images (None: no bound)
     allowed_local_media_path: str | None = None   # the folder file:// image URLs may be read from (None: refused)
+    mm_processor_kwargs: dict | str | None = None   # the image processor's overrides (Qwen2-VL's max_pixels, ...)
 
     def batched_tokens(self, max_model_len: int) -> int:
         """The per-step token budget: given, or 2048 (at least max_model_len without chunked prefill)."""
@@ -201,6 +202,8 @@ class EngineArgs:
         require("allowed_local_media_path", self.allowed_local_media_path is None or (
             isinstance(self.allowed_local_media_path, str) and os.path.isdir(self.allowed_local_media_path)),
             "None or an existing folder")
+        if self.mm_processor_kwargs is not None:
+            self.mm_processor_kwargs = json_config("mm_processor_kwargs", self.mm_processor_kwargs, None)
         if self.limit_mm_per_prompt is not None:
             self.limit_mm_per_prompt = json_config("limit_mm_per_prompt", self.limit_mm_per_prompt, ("image",))
             count = self.limit_mm_per_prompt.get("image")

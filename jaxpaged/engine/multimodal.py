@@ -150,10 +150,24 @@ def image_inputs(args, loaded, tokenizer) -> tuple["ImageInputs | None", str]:
         return None, ("images are not supported across several hosts (num_nodes > 1)" if args.num_nodes > 1
                       else "images are not supported with runner='pooling'" if args.runner == "pooling"
                       else "limit_mm_per_prompt={'image': 0} allows none")
-    if args.compile_on_startup:
-        loaded.vision.warm_up()
     folder = loaded.source if os.path.isdir(loaded.source) else None
-    return ImageInputs(loaded.vision, folder, args.block_size, tokenizer, limit, args.allowed_local_media_path), ""
+    images = ImageInputs(loaded.vision, folder, args.block_size, tokenizer, limit, args.allowed_local_media_path,
+                         args.mm_processor_kwargs)
+    if args.compile_on_startup and _sized(images):
+        loaded.vision.warm_up()
+    return images, ""
+
+
+def _sized(images: "ImageInputs") -> bool:
+    """Whether the tower knows the images it will take: a Qwen2-VL tower, compiled for its image processor's
+    largest ones, once that processor loads (without one, images are refused when sent, with that error)."""
+    if not hasattr(images.tower, "fit_processor"):
+        return True
+    try:
+        images.processor()
+    except ValueError:
+        return False
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +193,7 @@ class ImageInputs:
     # image again: LLaVA-1.5's rows are 4.5 MiB in bfloat16, LLaVA-NeXT's up to 5 times that)
 
     def __init__(self, tower, folder: str | None, block_size: int, tokenizer=None, limit: int | None = None,
-                 local_root: str | None = None):
+                 local_root: str | None = None, processor_kwargs: dict | None = None):
         self.tower = tower
         self.local_root = local_root   # allowed_local_media_path: the folder file:// URLs may read
         self.limit = limit   # limit_mm_per_prompt's: a prompt's most images (None: no bound)
@@ -187,6 +201,7 @@ class ImageInputs:
         self.block_size = block_size
         self.placeholder = tokenizer.convert_ids_to_tokens(tower.image_token_id) if tokenizer is not None else None
         self._processor = None
+        self.processor_kwargs = processor_kwargs or {}   # mm_processor_kwargs: the image processor's overrides
         self._rows = collections.OrderedDict()   # image digest -> rows, the latest used last
         self._rows_bytes = 0
 
@@ -196,7 +211,14 @@ class ImageInputs:
                 raise ValueError("images need the checkpoint's image processor (preprocessor_config.json), which "
                                  "this model folder does not have")
             from transformers import AutoImageProcessor
-            self._processor = AutoImageProcessor.from_pretrained(self.folder, backend="pil")
+            try:
+                processor = AutoImageProcessor.from_pretrained(self.folder, backend="pil", **self.processor_kwargs)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"mm_processor_kwargs {self.processor_kwargs}: the image processor refuses them "
+                                 f"({e})") from None
+            if hasattr(self.tower, "fit_processor"):
+                self.tower.fit_processor(processor)
+            self._processor = processor
         return self._processor
 
     def prepare(self, image, field: str, alone: bool = True) -> PreparedImage:

@@ -334,7 +334,7 @@ def load_model(model: str, dtype: str = "auto", revision: str | None = None,
                                  shard_plan.devices[0])
         elif has_qwen_vision_tower(hf_config):
             vision = QwenVisionTower(hf_config, checkpoint.get, checkpoint.__contains__, _DTYPES[dtype],
-                                     shard_plan.devices[0], folder)
+                                     shard_plan.devices[0])
     model_cls = model_class_for(cfg.architecture)
     cfg = sharded_config(cfg, shard_plan.size)
     return LoadedModel(model_cls(cfg, weights, attention_backend, shard_plan), cfg, hf_config, dtype, source,

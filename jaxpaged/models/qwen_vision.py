@@ -14,8 +14,6 @@ Request.mrope_offsets holds the difference from plain positions, mrope_delta wha
 
 import dataclasses
 import functools
-import json
-import os
 from typing import Any, Callable
 
 import jax
@@ -204,34 +202,34 @@ def mrope_positions(num_tokens: int, images: list[tuple[int, tuple[int, int, int
     return (positions - (np.arange(end) + delta)[:, None]).astype(np.int32), delta
 
 
-def max_image_pixels(folder: str | None) -> int:
-    """The most pixels the checkpoint's image processor gives an image (preprocessor_config.json's max_pixels
-    or size.longest_edge; the processors' default without one)."""
-    path = os.path.join(folder, "preprocessor_config.json") if folder else None
-    if path is None or not os.path.exists(path):
-        return _DEFAULT_MAX_PIXELS
-    with open(path) as f:
-        config = json.load(f)
-    return int(config.get("max_pixels") or (config.get("size") or {}).get("longest_edge") or _DEFAULT_MAX_PIXELS)
-
-
 class QwenVisionTower:
     """A Qwen2-VL or Qwen2.5-VL checkpoint's tower and merger on one device: `image_rows` turns an image's
     pixel_values (patches) and grid into the language model's input rows; `mrope` gives a prompt's M-RoPE."""
 
     onevision = False   # (ImageInputs' LLaVA-OneVision switch)
 
-    def __init__(self, hf_config: Any, get: Callable[[str], np.ndarray], has: Callable[[str], bool], dtype, device,
-                 folder: str | None):
+    def __init__(self, hf_config: Any, get: Callable[[str], np.ndarray], has: Callable[[str], bool], dtype, device):
         self.config = qwen_vision_config(hf_config)
         self.image_token_id = int(hf_config.image_token_id)
         self.dtype = np.dtype(dtype)
         self.device = device
         self.weights = load_qwen_vision_weights(self.config, get, has, dtype, device)
-        per_patch = self.config.patch_size ** 2
-        self.max_patches = max(max_image_pixels(folder) // per_patch, self.config.merge_size ** 2)
+        self.limit_pixels(_DEFAULT_MAX_PIXELS)
+
+    def limit_pixels(self, max_pixels: int) -> None:
+        """Take images of up to `max_pixels` (the image processor's max_pixels): the patch counts compiled for
+        are the powers of two from 256 (or fewer) up to the first that holds them."""
+        self.max_patches = max(int(max_pixels) // self.config.patch_size ** 2, self.config.merge_size ** 2)
         top = 1 << (self.max_patches - 1).bit_length()
         self.buckets = [b for b in (1 << i for i in range(top.bit_length())) if min(256, top) <= b <= top]
+
+    def fit_processor(self, processor) -> None:
+        """Take the images the engine's image processor makes (its max_pixels, or size['longest_edge'])."""
+        size = getattr(processor, "size", None)   # (transformers' SizeDict, or a dict)
+        most = getattr(processor, "max_pixels", None) or getattr(size, "longest_edge", None) or \
+            (size.get("longest_edge") if isinstance(size, dict) else None)
+        if most:
+            self.limit_pixels(most)
 
     def num_rows(self, grid: tuple[int, int, int], alone: bool = True) -> int:
         """How many rows (tokens) an image of `grid` (t, h, w patches) gives."""

@@ -148,3 +148,25 @@ def test_qwen_vl_images_compile_nothing_after_startup():
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
     assert compiled == [], f"compiled after start-up: {compiled}"
     assert all(len(o.outputs[0].token_ids) == 5 for o in outs)
+
+
+def test_mm_processor_kwargs_bound_the_pixels_and_the_towers_programs():
+    """vLLM's mm_processor_kwargs reach the image processor (Qwen2-VL's max_pixels: fewer tokens for a large
+    image, and fewer patch counts compiled for); --mm-processor-kwargs is its JSON; bad ones are ValueErrors."""
+    import argparse
+    from transformers import AutoImageProcessor
+    from jaxpaged import SamplingParams
+    from jaxpaged.cli import add_engine_args, engine_kwargs
+    path, _ = qwen_vl("qwen2_vl")
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    kwargs = engine_kwargs(parser.parse_args(["--mm-processor-kwargs", '{"max_pixels": 6272}']))   # 28 x 28 x 8
+    llm = engine(path, **kwargs)
+    big = image(7, (200, 150))
+    out = llm.generate({"prompt": f"{PLACEHOLDER} what?", "multi_modal_data": {"image": big}},
+                       SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    small = AutoImageProcessor.from_pretrained(path, backend="pil", max_pixels=6272)(images=[big])["image_grid_thw"]
+    assert out.prompt_token_ids.count(PAD) == int(np.prod(small[0])) // 4 <= 8
+    assert llm.llm_engine.input_processor.images.tower.buckets == [32]
+    with pytest.raises(ValueError, match="mm_processor_kwargs must be a JSON object"):
+        engine(path, mm_processor_kwargs="max_pixels=3")
