@@ -102,3 +102,21 @@ def test_bad_images_are_400s_naming_messages(urls, server, content, words):
     error = response.json()["error"]
     assert error["param"] == "messages" and all(w in error["message"] for w in words), error["message"]
     assert chat(urls[server], "hello").status_code == 200   # the engine serves on
+
+
+def test_a_qwen_vl_server_counts_and_answers_as_llm_chat():
+    """Qwen2.5-VL over HTTP: usage counts the image's tokens (by its size) and the answer is LLM.chat's."""
+    from tests.engine.test_images_qwen import engine as qwen_engine, qwen_vl
+    path, _ = qwen_vl("qwen2_5_vl")
+    a = image(11, (100, 70))
+    content = [{"type": "image_url", "image_url": {"url": data_url(a)}}, {"type": "text", "text": "what is it?"}]
+    served = AsyncLLM.from_engine_args(tiny_engine_args(model=path), use_tqdm=False)
+    try:
+        with serving(build_app(served, [MODEL])) as (url,):
+            response = chat(url, content)
+    finally:
+        served.shutdown()
+    assert response.status_code == 200, response.text
+    ref = qwen_engine(path).chat([{"role": "user", "content": content}], SamplingParams(**GREEDY), use_tqdm=False)[0]
+    assert response.json()["usage"]["prompt_tokens"] == len(ref.prompt_token_ids)
+    assert response.json()["choices"][0]["message"]["content"] == ref.outputs[0].text
