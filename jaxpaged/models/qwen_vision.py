@@ -6,7 +6,8 @@ its pixel_values are patches of 14 x 14 pixels (two frames of the one image, a 3
 2 x 2, each group one row, one token, of the language model. The tower's attention turns a 2D rope over each
 patch's (row, column); Qwen2-VL's layers see the whole image, Qwen2.5-VL's see windows of 8 x 8 patches but for its
 `fullatt_block_indexes`. Patches are padded to a power of two (one compiled program per size, all compiled at
-start-up); attention keeps each patch to its image or window by a mask, one block of queries at a time.
+start-up); a layer over the whole image masks out the padding, one block of queries at a time; a windowed layer
+gathers each window's patches (as many windows as an image of that many patches may have) and attends within them.
 
 In the language model, an image's tokens turn the rope by three positions (time, height, width): the image's
 start, plus each token's row and column; the text after it goes on from the image's start plus its longer side.
@@ -96,9 +97,7 @@ def load_qwen_vision_weights(cfg: QwenVisionConfig, get: Callable[[str], np.ndar
 
     def put(x):
         return None if x is None else jax.device_put(np.asarray(x).astype(dtype), device)
-    w = jax.tree.map(put, w, is_leaf=lambda x: x is None)
-    w["full"] = jax.device_put(np.isin(np.arange(cfg.depth), cfg.full_layers), device)
-    return w
+    return jax.tree.map(put, w, is_leaf=lambda x: x is None)
 
 
 def _norm(cfg: QwenVisionConfig, x: jax.Array, weight: jax.Array, bias: jax.Array | None) -> jax.Array:
@@ -106,7 +105,7 @@ def _norm(cfg: QwenVisionConfig, x: jax.Array, weight: jax.Array, bias: jax.Arra
 
 
 def _masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment: jax.Array) -> jax.Array:
-    """Each patch attends to the patches of its segment (its image, or its window): q, k, v [B, heads, dim];
+    """Each patch attends to the patches of its segment (its image; padding, its own): q, k, v [B, heads, dim];
     queries a block at a time, so that no more than _SCORES_PER_BLOCK scores are held."""
     n, heads, dim = q.shape
     block = n
@@ -123,14 +122,25 @@ def _masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment: jax.Arr
     return out.reshape(n, heads, dim)
 
 
+def _window_attention(q: jax.Array, k: jax.Array, v: jax.Array, windows: jax.Array, slots: jax.Array) -> jax.Array:
+    """Each patch attends to the patches of its window: windows i32[W, P], each window's patches (-1: none);
+    slots i32[B], each patch's place in windows (flattened)."""
+    dim = q.shape[-1]
+    taken = jnp.maximum(windows, 0)
+    scores = jnp.einsum("wqhd,wkhd->whqk", q[taken], k[taken], preferred_element_type=jnp.float32) * dim ** -0.5
+    scores = jnp.where((windows >= 0)[:, None, None, :], scores, -1e30)   # (finite: a window of no patches)
+    out = jnp.einsum("whqk,wkhd->wqhd", jax.nn.softmax(scores, axis=-1), v[taken].astype(jnp.float32))
+    return out.reshape(-1, *q.shape[1:])[slots]
+
+
 def _layer(cfg: QwenVisionConfig, x: jax.Array, lw: dict, cos: jax.Array, sin: jax.Array,
-           segment: jax.Array) -> jax.Array:
+           attend: Callable) -> jax.Array:
     n = x.shape[0]
     heads = cfg.num_heads
     y = _norm(cfg, x, lw["norm1.weight"], lw.get("norm1.bias"))
     qkv = _linear(y, lw["attn.qkv.weight"], lw["attn.qkv.bias"]).astype(x.dtype).reshape(n, 3, heads, -1)
     q, k = apply_rotary(qkv[:, 0], cos, sin), apply_rotary(qkv[:, 1], cos, sin)
-    attn = _masked_attention(q, k, qkv[:, 2], segment).reshape(n, -1).astype(x.dtype)
+    attn = attend(q, k, qkv[:, 2]).reshape(n, -1).astype(x.dtype)
     x = x + _linear(attn, lw["attn.proj.weight"], lw["attn.proj.bias"]).astype(x.dtype)
     y = _norm(cfg, x, lw["norm2.weight"], lw.get("norm2.bias"))
     if cfg.windowed:
@@ -141,44 +151,67 @@ def _layer(cfg: QwenVisionConfig, x: jax.Array, lw: dict, cos: jax.Array, sin: j
     return x + _linear(y, lw["mlp.fc2.weight"], lw["mlp.fc2.bias"]).astype(x.dtype)
 
 
+def _runs(cfg: QwenVisionConfig) -> list[tuple[int, int, bool]]:
+    """The layers as runs of the same kind: (first, end, over the whole image)."""
+    runs: list[tuple[int, int, bool]] = []
+    for i in range(cfg.depth):
+        full = i in cfg.full_layers
+        if runs and runs[-1][2] == full:
+            runs[-1] = (runs[-1][0], i + 1, full)
+        else:
+            runs.append((i, i + 1, full))
+    return runs
+
+
 @functools.partial(jax.jit, static_argnums=0)
-def qwen_image_features(cfg: QwenVisionConfig, w: dict, patches: jax.Array, rows_cols: jax.Array,
-                        segments: jax.Array) -> jax.Array:
-    """patches f32[B, patch_dim] (pixel_values, padded to B); rows_cols i32[B, 2], each patch's row and column
-    in its image; segments i32[B, 2], each patch's image and window (patches attend within them; padding has a
-    segment of its own) -> [B / merge_size^2, out_size] in the weights' dtype."""
+def qwen_image_features(cfg: QwenVisionConfig, w: dict, patches: jax.Array, layout: dict) -> jax.Array:
+    """patches f32[B, patch_dim] (pixel_values, padded to B) and their `layout` (patch_layout) -> [B /
+    merge_size^2, out_size] in the weights' dtype."""
     dtype = w["patch"].dtype
     n = patches.shape[0]
     x = _linear(patches.astype(dtype), w["patch"], None).astype(dtype)
     spatial = cfg.width // cfg.num_heads // 2
     inv = 1.0 / cfg.rope_theta ** (jnp.arange(0, spatial, 2, dtype=jnp.float32) / spatial)
-    freqs = (rows_cols.astype(jnp.float32)[:, :, None] * inv).reshape(n, -1)   # the row's, then the column's
+    freqs = (layout["rows_cols"].astype(jnp.float32)[:, :, None] * inv).reshape(n, -1)   # the row's, the column's
     cos, sin = jnp.cos(freqs), jnp.sin(freqs)
+    for first, end, full in _runs(cfg):   # (a scan over each run of layers of one kind)
+        attend = functools.partial(_masked_attention, segment=layout["frames"]) if full else \
+            functools.partial(_window_attention, windows=layout["windows"], slots=layout["slots"])
 
-    def step(h, xs):
-        lw, full = xs
-        return _layer(cfg, h, lw, cos, sin, jnp.where(full, segments[:, 0], segments[:, 1])), None
-    x = jax.lax.scan(step, x, (w["layers"], w["full"]))[0]
+        def step(h, lw, attend=attend):
+            return _layer(cfg, h, lw, cos, sin, attend), None
+        x = jax.lax.scan(step, x, jax.tree.map(lambda a, first=first, end=end: a[first:end], w["layers"]))[0]
     y = _norm(cfg, x, *w["ln_q"]).reshape(n // cfg.merge_size ** 2, -1)
     y = _act("gelu", _linear(y, *w["mlp_0"])).astype(dtype)
     return _linear(y, *w["mlp_2"]).astype(dtype)
 
 
-def patch_layout(cfg: QwenVisionConfig, grid: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray]:
-    """(rows_cols i32[n, 2], segments i32[n, 2]) of an image's n = t x h x w patches in the processor's order
-    (frame, token row, token column, then the token's merge_size x merge_size patches): each patch's row and
-    column, and its frame and window (transformers' get_vision_position_ids and get_vision_window_index)."""
+def patch_layout(cfg: QwenVisionConfig, grid: tuple[int, int, int], bucket: int) -> dict:
+    """The layout of an image's n = t x h x w patches (in the processor's order: frame, token row, token column,
+    then the token's merge_size x merge_size patches) padded to `bucket` patches: rows_cols i32[bucket, 2], each
+    patch's row and column; frames i32[bucket], its frame (padding: -1); Qwen2.5-VL's windows i32[W, P], each
+    window's patches (-1: none), W the most windows an image of `bucket` patches may have, and slots i32[bucket],
+    each patch's place in windows (transformers' get_vision_position_ids and get_vision_window_index)."""
     t, h, w = grid
     m = cfg.merge_size
-    frame, token_row, token_col, r, c = np.meshgrid(np.arange(t), np.arange(h // m), np.arange(w // m),
-                                                    np.arange(m), np.arange(m), indexing="ij")
-    rows_cols = np.stack([token_row * m + r, token_col * m + c], axis=-1).reshape(-1, 2)
+    frame, token_row, token_col, r, c = (a.reshape(-1) for a in np.meshgrid(
+        np.arange(t), np.arange(h // m), np.arange(w // m), np.arange(m), np.arange(m), indexing="ij"))
+    pad = bucket - len(frame)
+    layout = {"rows_cols": np.pad(np.stack([token_row * m + r, token_col * m + c], axis=-1), ((0, pad), (0, 0))),
+              "frames": np.pad(frame, (0, pad), constant_values=-1)}
     if cfg.window:
-        across = (w // m) // cfg.window + 1   # windows per row of windows (a partial one, or an empty one, last)
-        window = (frame * ((h // m) // cfg.window + 1) + token_row // cfg.window) * across + token_col // cfg.window
-    else:
-        window = frame
-    return rows_cols.astype(np.int32), np.stack([frame, window], axis=-1).reshape(-1, 2).astype(np.int32)
+        across = -(-(w // m) // cfg.window)   # windows in a row of windows (the last may be partial)
+        window = (frame * -(-(h // m) // cfg.window) + token_row // cfg.window) * across + token_col // cfg.window
+        order = np.argsort(window, kind="stable")
+        first = np.searchsorted(window[order], window[order])   # each patch's window's first place in `order`
+        place = np.empty_like(order)
+        place[order] = np.arange(len(order)) - first             # its place in its window
+        size = (cfg.window * m) ** 2
+        windows = np.full(((bucket // m ** 2) // cfg.window + 1, size), -1)
+        windows[window, place] = np.arange(len(window))
+        layout["windows"] = windows
+        layout["slots"] = np.pad(window * size + place, (0, pad))
+    return {k: v.astype(np.int32) for k, v in layout.items()}
 
 
 def mrope_positions(num_tokens: int, images: list[tuple[int, tuple[int, int, int]]], merge_size: int
@@ -245,16 +278,14 @@ class QwenVisionTower:
         if bucket is None:
             raise ValueError(f"the image has {n} patches; this vision tower takes up to {self.max_patches} (the "
                              "image processor's max_pixels)")
-        rows_cols, segments = patch_layout(self.config, grid)
-        return self._run(bucket, pixels, rows_cols, segments)[:n // self.config.merge_size ** 2]
+        if grid[0] != 1:
+            raise ValueError(f"an image of {grid[0]} frames (a video's grid) is not supported")
+        return self._run(bucket, pixels, grid)[:n // self.config.merge_size ** 2]
 
-    def _run(self, bucket: int, pixels: np.ndarray, rows_cols: np.ndarray, segments: np.ndarray) -> np.ndarray:
-        n = len(pixels)
-        pad = bucket - n
-        padded = np.concatenate([np.asarray(pixels, np.float32), np.zeros((pad, self.config.patch_dim), np.float32)])
-        rows_cols = np.concatenate([rows_cols, np.zeros((pad, 2), np.int32)])
-        segments = np.concatenate([segments, np.full((pad, 2), -1, np.int32)])   # padding: a segment of its own
-        args = jax.device_put((padded, rows_cols, segments), self.device)
+    def _run(self, bucket: int, pixels: np.ndarray, grid: tuple[int, int, int]) -> np.ndarray:
+        padded = np.zeros((bucket, self.config.patch_dim), np.float32)
+        padded[:len(pixels)] = pixels
+        args = jax.device_put((padded, patch_layout(self.config, grid, bucket)), self.device)
         return np.asarray(qwen_image_features(self.config, self.weights, *args))
 
     def mrope(self, num_tokens: int, images: list[tuple[int, tuple[int, int, int]]]) -> tuple[np.ndarray, int]:
@@ -264,7 +295,6 @@ class QwenVisionTower:
 
     def warm_up(self) -> None:
         """Compile every bucket's program (engines compile nothing after start-up)."""
-        m = self.config.merge_size ** 2
+        m = self.config.merge_size
         for bucket in self.buckets:
-            self._run(bucket, np.zeros((m, self.config.patch_dim), np.float32), np.zeros((m, 2), np.int32),
-                      np.zeros((m, 2), np.int32))
+            self._run(bucket, np.zeros((m * m, self.config.patch_dim), np.float32), (1, m, m))

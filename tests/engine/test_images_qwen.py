@@ -170,3 +170,26 @@ def test_mm_processor_kwargs_bound_the_pixels_and_the_towers_programs():
     assert llm.llm_engine.input_processor.images.tower.buckets == [32]
     with pytest.raises(ValueError, match="mm_processor_kwargs must be a JSON object"):
         engine(path, mm_processor_kwargs="max_pixels=3")
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
+def test_the_tower_gives_transformers_image_features_at_many_shapes(kind):
+    """The tower alone against transformers' get_image_features: square, wide and tall images, grids whose
+    token rows and columns fill Qwen2.5-VL's windows (of 2 x 2 tokens here) or leave them partial."""
+    import jax
+    import torch
+    from transformers import AutoImageProcessor
+    from jaxpaged.models.qwen_vision import QwenVisionTower
+    from jaxpaged.models.safetensors_io import Checkpoint
+    path, model = qwen_vl(kind)
+    checkpoint = Checkpoint(path)
+    processor = AutoImageProcessor.from_pretrained(path, backend="pil")
+    tower = QwenVisionTower(model.config, checkpoint.get, checkpoint.__contains__, np.float32, jax.devices()[0])
+    tower.fit_processor(processor)
+    for size in [(56, 56), (112, 224), (300, 60), (60, 300), (170, 130)]:
+        out = processor(images=[image(30, size)], return_tensors="np")
+        grid = tuple(int(v) for v in out["image_grid_thw"][0])
+        with torch.no_grad():
+            ref = model.model.get_image_features(torch.tensor(out["pixel_values"]),
+                                                 torch.tensor(out["image_grid_thw"])).pooler_output[0].numpy()
+        np.testing.assert_allclose(tower.image_rows(out["pixel_values"], grid), ref, atol=1e-4, err_msg=str(grid))
