@@ -98,6 +98,11 @@ class Sizes:
     # the 8B part: Llama-3.1-8B's config (random weights drawn by the engine), decode at these sequence counts
     large_model: dict[str, Any] = dataclasses.field(default_factory=lambda: dict(LLAMA31_8B))
     large_decode_seqs: tuple[int, ...] = (32,)
+    # the vision part: Qwen2.5-VL-7B's tower, compiled up to this many pixels, timed
+    # on square images of these sides (pixels)
+    vision_model: dict[str, Any] = dataclasses.field(default_factory=lambda: dict(QWEN25_VL_7B_VISION))
+    vision_max_pixels: int = 1792 * 1792
+    vision_sides: tuple[int, ...] = (448, 1036, 1792)
 
 
 _QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -112,6 +117,10 @@ LLAMA31_8B = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
                   tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001, torch_dtype="bfloat16",
                   hidden_act="silu", attention_bias=False, mlp_bias=False)
+
+# Qwen2.5-VL-7B's vision_config (the rest: vision._hf_config)
+QWEN25_VL_7B_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                           window_size=112, fullatt_block_indexes=[7, 15, 23, 31])
 
 GPU = Sizes(
     copy_bytes=2 << 30, timing_rounds=5, timing_round_s=0.05,
@@ -147,6 +156,9 @@ DRY = Sizes(
                      rope_scaling=dict(LLAMA31_8B["rope_scaling"], original_max_position_embeddings=128),
                      bos_token_id=1, eos_token_id=2),
     large_decode_seqs=(2,),
+    vision_model=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, window_size=56,
+                      fullatt_block_indexes=[1]),
+    vision_max_pixels=112 * 112, vision_sides=(56, 112),
 )
 
 

@@ -27,7 +27,7 @@ import tempfile
 import time
 from typing import Callable, Iterable
 
-from benchmarks.gpu_check import engine, kernels, large, peer, step, system
+from benchmarks.gpu_check import engine, kernels, large, peer, step, system, vision
 from benchmarks.gpu_check.common import STATUSES, Context, Row, error_row
 
 # Candidate jax-triton folders (os.pathsep-separated), tried in order; scripts/gpu_check.sh sets it.
@@ -108,6 +108,7 @@ PARTS = (
     Part("peer:jaxpaged", peer.engine_run, 240),
     Part("peer:ratio", lambda ctx, limit_s: peer.peer_ratio(ctx), 10, in_driver=True),
     Part("tier", engine.tier_reload, 120),   # the host tier: a 4k history reloaded against recomputed
+    Part("vision", vision.vision_check, 200),   # Qwen2.5-VL-7B's tower: start-up and ms per image
     Part("engine:pallas", functools.partial(engine.engine_run, backend="pallas"), 90),
     Part("engine:pallas_triton", functools.partial(engine.engine_run, backend="pallas_triton"), 90),
     Part("engine:triton", functools.partial(engine.engine_run, backend="triton"), 90),

@@ -130,6 +130,18 @@ def test_the_8b_shape_starts_from_its_config_and_decodes_against_its_floor(dry_r
         assert m["meets"] == (m["x floor"] <= 1.3) and m["weights MB"] > 0
 
 
+def test_the_vision_tower_starts_up_and_times_images_without_compiling(dry_run):
+    """Qwen2.5-VL-7B's tower (tiny in the dry run): every patch-count program compiled at start-up, then each
+    image's milliseconds with no compilation."""
+    _, _, rows = dry_run
+    vision = {r.case: r for r in rows if r.part == "vision"}
+    images = [f"image {side}x{side}" for side in DRY.vision_sides]
+    assert list(vision) == ["start-up", *images] and all(r.status == "ok" for r in vision.values()), vision
+    assert vision["start-up"].metrics["programs"] >= 1
+    for case in images:
+        assert vision[case].metrics["compiles"] == 0 and vision[case].metrics["ms/image"] > 0
+
+
 def test_layer_variants_and_the_peer_run_and_are_compared(dry_run):
     """The layer loop unrolled and captured by command buffers, each held to the scanned loop;
     transformers' continuous batching against the engine on the same weights and workload."""
