@@ -160,13 +160,13 @@ def image_inputs(args, loaded, tokenizer) -> tuple["ImageInputs | None", str]:
 
 def _sized(images: "ImageInputs") -> bool:
     """Whether the tower knows the images it will take: a Qwen2-VL tower, compiled for its image processor's
-    largest ones, once that processor loads (without one, images are refused when sent, with that error)."""
+    largest ones, once that processor loads (a folder without one: images are refused when sent, saying so; a bad
+    mm_processor_kwargs: a ValueError now)."""
     if not hasattr(images.tower, "fit_processor"):
         return True
-    try:
-        images.processor()
-    except ValueError:
+    if not images.has_processor:
         return False
+    images.processor()
     return True
 
 
@@ -205,9 +205,13 @@ class ImageInputs:
         self._rows = collections.OrderedDict()   # image digest -> rows, the latest used last
         self._rows_bytes = 0
 
+    @property
+    def has_processor(self) -> bool:
+        return self.folder is not None and os.path.exists(os.path.join(self.folder, "preprocessor_config.json"))
+
     def processor(self):
         if self._processor is None:
-            if self.folder is None or not os.path.exists(os.path.join(self.folder, "preprocessor_config.json")):
+            if not self.has_processor:
                 raise ValueError("images need the checkpoint's image processor (preprocessor_config.json), which "
                                  "this model folder does not have")
             from transformers import AutoImageProcessor
