@@ -23,7 +23,7 @@ import numpy as np
 
 from jaxpaged.models.norms import layer_norm, rms_norm
 from jaxpaged.models.rope import apply_rotary
-from jaxpaged.models.vision import _act, _linear
+from jaxpaged.models.vision import named_activation, torch_linear
 
 QWEN2_VL = "Qwen2VLForConditionalGeneration"
 QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
@@ -138,17 +138,18 @@ def _layer(cfg: QwenVisionConfig, x: jax.Array, lw: dict, cos: jax.Array, sin: j
     n = x.shape[0]
     heads = cfg.num_heads
     y = _norm(cfg, x, lw["norm1.weight"], lw.get("norm1.bias"))
-    qkv = _linear(y, lw["attn.qkv.weight"], lw["attn.qkv.bias"]).astype(x.dtype).reshape(n, 3, heads, -1)
+    qkv = torch_linear(y, lw["attn.qkv.weight"], lw["attn.qkv.bias"]).astype(x.dtype).reshape(n, 3, heads, -1)
     q, k = apply_rotary(qkv[:, 0], cos, sin), apply_rotary(qkv[:, 1], cos, sin)
     attn = attend(q, k, qkv[:, 2]).reshape(n, -1).astype(x.dtype)
-    x = x + _linear(attn, lw["attn.proj.weight"], lw["attn.proj.bias"]).astype(x.dtype)
+    x = x + torch_linear(attn, lw["attn.proj.weight"], lw["attn.proj.bias"]).astype(x.dtype)
     y = _norm(cfg, x, lw["norm2.weight"], lw.get("norm2.bias"))
     if cfg.windowed:
-        gate = _act(cfg.act, _linear(y, lw["mlp.gate_proj.weight"], lw["mlp.gate_proj.bias"]).astype(x.dtype))
-        y = (gate * _linear(y, lw["mlp.up_proj.weight"], lw["mlp.up_proj.bias"])).astype(x.dtype)
-        return x + _linear(y, lw["mlp.down_proj.weight"], lw["mlp.down_proj.bias"]).astype(x.dtype)
-    y = _act(cfg.act, _linear(y, lw["mlp.fc1.weight"], lw["mlp.fc1.bias"])).astype(x.dtype)
-    return x + _linear(y, lw["mlp.fc2.weight"], lw["mlp.fc2.bias"]).astype(x.dtype)
+        gate = named_activation(cfg.act, torch_linear(y, lw["mlp.gate_proj.weight"], lw["mlp.gate_proj.bias"])
+                                .astype(x.dtype))
+        y = (gate * torch_linear(y, lw["mlp.up_proj.weight"], lw["mlp.up_proj.bias"])).astype(x.dtype)
+        return x + torch_linear(y, lw["mlp.down_proj.weight"], lw["mlp.down_proj.bias"]).astype(x.dtype)
+    y = named_activation(cfg.act, torch_linear(y, lw["mlp.fc1.weight"], lw["mlp.fc1.bias"])).astype(x.dtype)
+    return x + torch_linear(y, lw["mlp.fc2.weight"], lw["mlp.fc2.bias"]).astype(x.dtype)
 
 
 def _runs(cfg: QwenVisionConfig) -> list[tuple[int, int, bool]]:
@@ -169,7 +170,7 @@ def qwen_image_features(cfg: QwenVisionConfig, w: dict, patches: jax.Array, layo
     merge_size^2, out_size] in the weights' dtype."""
     dtype = w["patch"].dtype
     n = patches.shape[0]
-    x = _linear(patches.astype(dtype), w["patch"], None).astype(dtype)
+    x = torch_linear(patches.astype(dtype), w["patch"], None).astype(dtype)
     spatial = cfg.width // cfg.num_heads // 2
     inv = 1.0 / cfg.rope_theta ** (jnp.arange(0, spatial, 2, dtype=jnp.float32) / spatial)
     freqs = (layout["rows_cols"].astype(jnp.float32)[:, :, None] * inv).reshape(n, -1)   # the row's, the column's
@@ -182,8 +183,8 @@ def qwen_image_features(cfg: QwenVisionConfig, w: dict, patches: jax.Array, layo
             return _layer(cfg, h, lw, cos, sin, attend), None
         x = jax.lax.scan(step, x, jax.tree.map(lambda a, first=first, end=end: a[first:end], w["layers"]))[0]
     y = _norm(cfg, x, *w["ln_q"]).reshape(n // cfg.merge_size ** 2, -1)
-    y = _act("gelu", _linear(y, *w["mlp_0"])).astype(dtype)
-    return _linear(y, *w["mlp_2"]).astype(dtype)
+    y = named_activation("gelu", torch_linear(y, *w["mlp_0"])).astype(dtype)
+    return torch_linear(y, *w["mlp_2"]).astype(dtype)
 
 
 def patch_layout(cfg: QwenVisionConfig, grid: tuple[int, int, int], bucket: int) -> dict:

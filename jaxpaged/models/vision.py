@@ -27,7 +27,7 @@ IMAGE_ARCHITECTURES = ("LlavaForConditionalGeneration", LLAVA_NEXT, LLAVA_ONEVIS
 _SELECT_STRATEGIES = ("default", "full")
 
 
-def _act(name: str, x: jax.Array) -> jax.Array:
+def named_activation(name: str, x: jax.Array) -> jax.Array:
     """A tower's or projector's activation (transformers' name), in f32: models/moe.activation's."""
     if name not in ACTIVATIONS:
         raise ValueError(f"activation {name!r} is not supported in a vision tower or projector; supported: "
@@ -177,7 +177,7 @@ def load_vision_weights(cfg: VisionConfig, get: Callable[[str], np.ndarray], has
     return jax.tree.map(put, w, is_leaf=lambda x: x is None)
 
 
-def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Array:
+def torch_linear(x: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Array:
     """x @ w.T (+ b), as torch's nn.Linear (w [out, in]), accumulated in f32."""
     y = jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32)
     return y if b is None else y + b.astype(jnp.float32)
@@ -190,14 +190,15 @@ def _layer(cfg: VisionConfig, x: jax.Array, lw: dict) -> jax.Array:
     y = layer_norm(x, lw["layer_norm1.weight"], cfg.eps, bias=lw["layer_norm1.bias"])
 
     def proj(p):
-        return _linear(y, lw[f"self_attn.{p}_proj.weight"], lw[f"self_attn.{p}_proj.bias"]).reshape(n, t, heads, dim)
+        out = torch_linear(y, lw[f"self_attn.{p}_proj.weight"], lw[f"self_attn.{p}_proj.bias"])
+        return out.reshape(n, t, heads, dim)
     q, k, v = proj("q"), proj("k"), proj("v")
     scores = jnp.einsum("nqhd,nkhd->nhqk", q, k) * dim ** -0.5
     attn = jnp.einsum("nhqk,nkhd->nqhd", jax.nn.softmax(scores, axis=-1), v).reshape(n, t, h).astype(x.dtype)
-    x = x + _linear(attn, lw["self_attn.out_proj.weight"], lw["self_attn.out_proj.bias"]).astype(x.dtype)
+    x = x + torch_linear(attn, lw["self_attn.out_proj.weight"], lw["self_attn.out_proj.bias"]).astype(x.dtype)
     y = layer_norm(x, lw["layer_norm2.weight"], cfg.eps, bias=lw["layer_norm2.bias"])
-    y = _act(cfg.act, _linear(y, lw["mlp.fc1.weight"], lw["mlp.fc1.bias"])).astype(x.dtype)
-    return x + _linear(y, lw["mlp.fc2.weight"], lw["mlp.fc2.bias"]).astype(x.dtype)
+    y = named_activation(cfg.act, torch_linear(y, lw["mlp.fc1.weight"], lw["mlp.fc1.bias"])).astype(x.dtype)
+    return x + torch_linear(y, lw["mlp.fc2.weight"], lw["mlp.fc2.bias"]).astype(x.dtype)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -208,7 +209,7 @@ def image_features(cfg: VisionConfig, w: dict, pixels: jax.Array) -> jax.Array:
     n, c, size, _ = pixels.shape
     p, g = cfg.patch_size, size // cfg.patch_size
     patches = pixels.reshape(n, c, g, p, g, p).transpose(0, 2, 4, 1, 3, 5).reshape(n, g * g, c * p * p)
-    x = _linear(patches.astype(dtype), w["patch"].reshape(cfg.hidden_size, -1), w["patch_bias"])
+    x = torch_linear(patches.astype(dtype), w["patch"].reshape(cfg.hidden_size, -1), w["patch_bias"])
     if w["class"] is not None:
         x = jnp.concatenate([jnp.broadcast_to(w["class"].astype(jnp.float32), (n, 1, cfg.hidden_size)), x], axis=1)
     x = (x + w["positions"].astype(jnp.float32)).astype(dtype)
@@ -223,8 +224,8 @@ def image_features(cfg: VisionConfig, w: dict, pixels: jax.Array) -> jax.Array:
         states += list(jax.lax.scan(step, x, w["layers"])[1])
     chosen = [states[i][:, int(cfg.drop_first):] for i in cfg.feature_layers]
     feats = jnp.concatenate(chosen, axis=-1)
-    y = _act(cfg.projector_act, _linear(feats, *w["linear_1"])).astype(dtype)
-    return _linear(y, *w["linear_2"]).astype(dtype)
+    y = named_activation(cfg.projector_act, torch_linear(feats, *w["linear_1"])).astype(dtype)
+    return torch_linear(y, *w["linear_2"]).astype(dtype)
 
 
 class VisionTower:
