@@ -80,6 +80,8 @@ class LLMEngine(ResearchMixin):
         self._weight_targets = None    # update_weights: Hugging Face name -> where it lives
         spec = SpeculativeConfig.parse(args.speculative_config)
         draft = load_draft_model(args, spec, self.loaded) if spec is not None and spec.method == "draft_model" else None
+        # a vision tower is compiled before the KV cache is sized, which leaves its programs' memory free
+        images = image_inputs(args, self.loaded, self.tokenizer)
         self.runner, self.max_model_len, num_blocks = build_runner(args, self.loaded, use_tqdm, draft)
         self.num_blocks = num_blocks
         source = self.loaded.source
@@ -108,7 +110,7 @@ class LLMEngine(ResearchMixin):
                                               args.scheduling_policy,
                                               EmbedsSpec(self.model_config.hidden_size, self.runner.embeds_dtype,
                                                          args.block_size) if args.enable_prompt_embeds else None,
-                                              *image_inputs(args, self.loaded, self.tokenizer))
+                                              *images)
         self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
         if draft is not None:
             self.speculator.use_draft_model(build_draft_proposer(args, draft, num_blocks, self.max_model_len, use_tqdm))

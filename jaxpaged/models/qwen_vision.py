@@ -248,6 +248,10 @@ class QwenVisionTower:
         self.dtype = np.dtype(dtype)
         self.device = device
         self.weights = load_qwen_vision_weights(self.config, get, has, dtype, device)
+        self._weight_bytes = sum(a.nbytes for a in jax.tree.leaves(self.weights))
+        self._programs = {}      # bucket -> its compiled program
+        self.reserve_bytes = 0   # the most device memory a compiled program needs beside the weights (the KV
+        # cache's sizing leaves it free: engine/startup.py)
         self.limit_pixels(_DEFAULT_MAX_PIXELS)
 
     def limit_pixels(self, max_pixels: int) -> None:
@@ -287,7 +291,23 @@ class QwenVisionTower:
         padded = np.zeros((bucket, self.config.patch_dim), np.float32)
         padded[:len(pixels)] = pixels
         args = jax.device_put((padded, patch_layout(self.config, grid, bucket)), self.device)
-        return np.asarray(qwen_image_features(self.config, self.weights, *args))
+        return np.asarray(self._program(bucket)(self.weights, *args))
+
+    def _program(self, bucket: int):
+        """The compiled program of `bucket` patches (compiled now if warm_up did not), its memory counted."""
+        program = self._programs.get(bucket)
+        if program is None:
+            m = self.config.merge_size
+            sharding = jax.sharding.SingleDeviceSharding(self.device)
+            shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                                  (np.zeros((bucket, self.config.patch_dim), np.float32),
+                                   patch_layout(self.config, (1, m, m), bucket)))
+            program = self._programs[bucket] = qwen_image_features.lower(self.config, self.weights, *shapes).compile()
+            memory = program.memory_analysis()
+            if memory is not None:
+                self.reserve_bytes = max(self.reserve_bytes, memory.temp_size_in_bytes + memory.output_size_in_bytes
+                                         + memory.argument_size_in_bytes - self._weight_bytes)
+        return program
 
     def mrope(self, num_tokens: int, images: list[tuple[int, tuple[int, int, int]]]) -> tuple[np.ndarray, int]:
         """Request.mrope_offsets and mrope_delta of a prompt of `num_tokens` whose images start at, and have
@@ -295,7 +315,6 @@ class QwenVisionTower:
         return mrope_positions(num_tokens, images, self.config.merge_size)
 
     def warm_up(self) -> None:
-        """Compile every bucket's program (engines compile nothing after start-up)."""
-        m = self.config.merge_size
+        """Compile every bucket's program (engines compile nothing after start-up); nothing runs."""
         for bucket in self.buckets:
-            self._run(bucket, np.zeros((m * m, self.config.patch_dim), np.float32), (1, m, m))
+            self._program(bucket)

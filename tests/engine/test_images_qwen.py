@@ -193,3 +193,31 @@ def test_the_tower_gives_transformers_image_features_at_many_shapes(kind):
             ref = model.model.get_image_features(torch.tensor(out["pixel_values"]),
                                                  torch.tensor(out["image_grid_thw"])).pooler_output[0].numpy()
         np.testing.assert_allclose(tower.image_rows(out["pixel_values"], grid), ref, atol=1e-4, err_msg=str(grid))
+
+
+def test_the_kv_cache_leaves_the_towers_largest_program_its_memory(monkeypatch):
+    """On a GPU (here CPU dressed as one), the tower is compiled before the KV cache is sized, and the cache
+    leaves free what the tower's largest program needs beside its weights, as it does the largest step's."""
+    from jaxpaged import LLM
+    from jaxpaged.engine import memory
+    from jaxpaged.engine.memory import headroom_bytes
+    from jaxpaged.runner.model_runner import ModelRunner
+    from tests.engine.test_memory_sizing import MiB
+    path, _ = qwen_vl("qwen2_5_vl")
+    seen = {}
+    reserve = memory.step_reserve_bytes
+    monkeypatch.setattr(memory, "has_device_memory", lambda device: True)
+    monkeypatch.setattr(memory, "step_reserve_bytes", lambda runner: seen.setdefault("step", reserve(runner)))
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    total, in_use = 96 * MiB, 16 * MiB
+    pool = int(0.9 * total)
+    monkeypatch.setattr(memory, "driver_total_bytes", lambda device: total)
+    monkeypatch.setattr(memory, "memory_stats", lambda device: {"bytes_in_use": in_use, "bytes_limit": pool,
+                                                                 "largest_free_block_bytes": pool - in_use})
+    llm = LLM(path, dtype="float32", block_size=8, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
+              gpu_memory_utilization=0.9)
+    engine = llm.llm_engine
+    tower = engine.input_processor.images.tower
+    assert tower.reserve_bytes > 0
+    per_block = ModelRunner.bytes_per_block(engine.model_config, 8, engine.loaded.dtype)
+    assert engine.num_blocks == (pool - in_use - seen["step"] - tower.reserve_bytes - headroom_bytes(pool)) // per_block
