@@ -1,5 +1,5 @@
 """The vision part: Qwen2.5-VL-7B's vision tower (its shape, random weights, bfloat16) on the GPU: start-up
-(every patch-count program compiled and run once, up to a max_pixels) and milliseconds per image at a few sizes,
+(every patch-count program compiled, up to a max_pixels) and milliseconds per image at a few sizes,
 with the compilations after start-up counted (none expected)."""
 
 import statistics
