@@ -16,30 +16,26 @@ class StepArgs:
         dtype, sent when some token takes its row from a prompt's embeddings, else zeros kept on the device."""
         if not self.takes_prompt_embeds:
             return None
-        if embeds:
-            rows = np.zeros((shape.num_tokens, self.model_config.hidden_size), self.embeds_dtype)
-            for flat, values in embeds:
-                rows[flat:flat + len(values)] = values
-            return self.plan.put(rows)
-        zeros = self._no_embeds.get(shape.num_tokens)
-        if zeros is None:   # (made at start-up by warmup: a copy from the host, nothing compiled)
-            zeros = self.plan.put(np.zeros((shape.num_tokens, self.model_config.hidden_size), self.embeds_dtype))
-            self._no_embeds[shape.num_tokens] = zeros
-        return zeros
+        return self._token_rows(shape, embeds, (self.model_config.hidden_size,), self.embeds_dtype, self._no_embeds)
 
     def _mrope_arg(self, shape: BatchShape, mrope: list | None):
         """The step's M-RoPE offsets (takes_mrope; else None): i32[T, 3], sent when some token has them (a
         prompt token of a request with images, InputBatch.mrope), else zeros kept on the device."""
         if not self.takes_mrope:
             return None
-        if mrope:
-            offsets = np.zeros((shape.num_tokens, 3), np.int32)
-            for flat, values in mrope:
-                offsets[flat:flat + len(values)] = values
-            return self.plan.put(offsets)
-        zeros = self._no_mrope.get(shape.num_tokens)
-        if zeros is None:   # (made at start-up by warmup)
-            zeros = self._no_mrope[shape.num_tokens] = self.plan.put(np.zeros((shape.num_tokens, 3), np.int32))
+        return self._token_rows(shape, mrope, (3,), np.int32, self._no_mrope)
+
+    def _token_rows(self, shape: BatchShape, runs: list | None, width: tuple, dtype, zeros_by_tokens: dict):
+        """[T, *width] of `dtype`: each (flat token index, rows) of `runs` in place, zeros elsewhere; sent when
+        there are runs, else zeros kept on the device (made at start-up by warmup: a copy, nothing compiled)."""
+        if runs:
+            rows = np.zeros((shape.num_tokens, *width), dtype)
+            for flat, values in runs:
+                rows[flat:flat + len(values)] = values
+            return self.plan.put(rows)
+        zeros = zeros_by_tokens.get(shape.num_tokens)
+        if zeros is None:
+            zeros = zeros_by_tokens[shape.num_tokens] = self.plan.put(np.zeros((shape.num_tokens, *width), dtype))
         return zeros
 
     def _bitmask_arg(self, shape: BatchShape, bitmask: np.ndarray | None):
