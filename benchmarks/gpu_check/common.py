@@ -95,6 +95,8 @@ class Sizes:
     peer_prompt_len: tuple[int, int, int] = (220, 16, 1024)   # median, shortest, longest
     peer_new_tokens: int = 256                                 # every request (ignore_eos), both engines
     peer_engine_args: dict[str, Any] = dataclasses.field(default_factory=dict)   # LLM(model, **these); {}: defaults
+    # transformers' ContinuousBatchingConfig(**these); {}: its defaults (the cache sized from free memory)
+    peer_transformers_args: dict[str, Any] = dataclasses.field(default_factory=dict)
     # the 8B part: Llama-3.1-8B's config (random weights drawn by the engine), decode at these sequence counts
     large_model: dict[str, Any] = dataclasses.field(default_factory=lambda: dict(LLAMA31_8B))
     large_decode_seqs: tuple[int, ...] = (32,)
@@ -151,6 +153,8 @@ DRY = Sizes(
     qmm_rows=(1, 5), qmm_shapes=((256, 128),), prefill_context=48, tier_history=64, sampler_rows=(4,),
     sampler_shape=(64, 512),
     peer_requests=4, peer_prompt_len=(8, 3, 20), peer_new_tokens=4, peer_engine_args=dict(max_num_seqs=4),
+    # its defaults size the cache from the CPU's free memory: ~22 s of tensors filled, the dry run's longest part
+    peer_transformers_args=dict(num_blocks=16, max_batch_tokens=64),
     large_model=dict(LLAMA31_8B, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=256,
                      rope_scaling=dict(LLAMA31_8B["rope_scaling"], original_max_position_embeddings=128),

@@ -45,9 +45,11 @@ def transformers_run(ctx: Context) -> Iterator[Row]:
     prompts = peer_workload(sizes, sizes.model["vocab_size"])
     config = transformers.GenerationConfig(max_new_tokens=sizes.peer_new_tokens, min_new_tokens=sizes.peer_new_tokens,
                                            do_sample=False, eos_token_id=None, pad_token_id=0)
+    batching = (transformers.ContinuousBatchingConfig(**sizes.peer_transformers_args)
+                if sizes.peer_transformers_args else None)   # None: transformers' defaults (older versions lack the class)
     with torch.no_grad():
         start = time.perf_counter()
-        outputs = model.generate_batch(prompts, generation_config=config)
+        outputs = model.generate_batch(prompts, generation_config=config, continuous_batching_config=batching)
         seconds = time.perf_counter() - start
     tokens = sum(len(out.generated_tokens) for out in outputs.values())
     yield _row("transformers generate_batch", seconds, tokens, sizes,

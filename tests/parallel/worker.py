@@ -32,14 +32,23 @@ def shard_fractions(llm) -> dict:
     return out
 
 
-def prompts_and_params():
+# The Pallas layouts' share of the workload (the kernel runs in interpret mode on CPU, ~20x slower than
+# the rest): two prompts sharing a prefix and the chunked one, their first tokens.
+SHORT_PROMPTS, SHORT_MAX_TOKENS = (0, 1, 6), 5
+
+
+def prompts_and_params(short: bool = False):
     """Shared prefixes (prefix caching), a prompt longer than the step budget (chunked prefill),
-    and, with the engines' 24 blocks, more sequences than the pool holds at once (preemption)."""
+    and, with the engines' 24 blocks, more sequences than the pool holds at once (preemption).
+    `short`: SHORT_PROMPTS only, SHORT_MAX_TOKENS each (greedy: the first tokens of the full run's)."""
     from jaxpaged import SamplingParams
 
     base = list(range(3, 40))
     prompts = [{"prompt_token_ids": base + [50 + i] * (i + 1)} for i in range(6)]
     prompts.append({"prompt_token_ids": list(range(100, 190))})
+    if short:
+        return [prompts[i] for i in SHORT_PROMPTS], SamplingParams(temperature=0.0, max_tokens=SHORT_MAX_TOKENS,
+                                                                   logprobs=2, ignore_eos=True)
     return prompts, SamplingParams(temperature=0.0, max_tokens=16, logprobs=2, ignore_eos=True)
 
 
@@ -59,7 +68,6 @@ def main(spec: dict) -> dict:
     from tests.tiny_models import scratch_folder, tiny_checkpoint
 
     path = tiny_checkpoint(spec["arch"], **spec.get("overrides", {}))
-    prompts, params = prompts_and_params()
     runs = [("", path, tp, dp) for tp, dp in spec["layouts"]]
     runs += [("pallas-", path, tp, dp) for tp, dp in spec.get("pallas_layouts", [])]
     runs += [("plain-", path, tp, dp) for tp, dp in spec.get("plain_layouts", [])]   # without spec["engine"]
@@ -79,8 +87,11 @@ def main(spec: dict) -> dict:
         llm = LLM(source, dtype="float32", **backend, tensor_parallel_size=tp, data_parallel_size=dp, max_num_batched_tokens=32,
                   max_num_seqs=4, num_gpu_blocks_override=spec.get("blocks", 24), block_size=8, use_tqdm=False,
                   **extra)
+        short = prefix == "pallas-"
+        prompts, params = prompts_and_params(short)
         outs = llm.generate(prompts, params, use_tqdm=False)
         results[f"{prefix}{tp}x{dp}"] = {
+            "prompts": list(SHORT_PROMPTS if short else range(len(prompts))),   # which of the full run's
             "tokens": [o.outputs[0].token_ids for o in outs],
             "logprobs": [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
                          for o in outs],
