@@ -28,11 +28,11 @@ def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None
 
 
 def render_chat_images(tokenizer, messages: list[dict], images, *args, **kwargs) -> tuple[str, list]:
-    """`render_chat` of messages that may hold image parts (engine/multimodal.chat_images), and their images.
+    """`render_chat` of messages that may hold image parts (engine/media.chat_images), and their images.
     `images`: the engine's multimodal.ImageInputs, or the reason it takes none (a str: ValueError naming the
     first image part). A template that places no image token (it reads content as a string) gets each image's
     placeholder before the message's text, as vLLM's "string" content format."""
-    from jaxpaged.engine.multimodal import chat_images, text_content
+    from jaxpaged.engine.media import chat_images, text_content
     refused, local_root = (images, None) if isinstance(images, str) else (None, images.local_root)
     messages, found = chat_images(messages, refused, local_root)
     text = render_chat(tokenizer, messages, *args, **kwargs)

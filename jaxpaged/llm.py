@@ -257,7 +257,8 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None,
              tools: list[dict] | None = None, lora_request=None,
-             chat_template_kwargs: dict | None = None, continue_final_message: bool = False) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, continue_final_message: bool = False,
+             mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation or a list of them, then generate.
 
         `tools` (OpenAI function tools) go to the template, as in vLLM, and `chat_template_kwargs` as more
@@ -265,7 +266,8 @@ class LLM:
         calls from it with `jaxpaged.tool_parsers.get_tool_parser(name)()`, or force them with
         `structured_outputs`; split a thinking model's reasoning with `jaxpaged.reasoning.ReasoningParser`).
         `continue_final_message` (with add_generation_prompt=False): the last message, an assistant's answer
-        begun, is continued instead of a new turn opened.
+        begun, is continued instead of a new turn opened. `mm_processor_kwargs`: the image processor's arguments
+        for these conversations' images, over the engine's (Qwen2-VL's {"max_pixels": ...}).
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
@@ -278,6 +280,8 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
             if images:   # (a message's image parts, as vLLM's chat: `image_url`, `image_pil`)
                 prompts[-1]["multi_modal_data"] = {"image": images}
+                if mm_processor_kwargs is not None:
+                    prompts[-1]["mm_processor_kwargs"] = mm_processor_kwargs
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,

@@ -162,10 +162,12 @@ class _Server:
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool | None = True,
                     tools: list[dict] | None = None, template_kwargs: dict | None = None,
-                    continue_final_message: bool | None = False) -> tuple[str, list[int], list]:
+                    continue_final_message: bool | None = False,
+                    mm_kwargs: dict | None = None) -> tuple[str, list[int], list]:
         """The conversation's text, token ids and images (image_url parts). add_generation_prompt None: not given,
         so true unless continue_final_message (vLLM's fields); 400 naming the field for what the template
-        refuses, or for an image this model cannot take or Pillow cannot read."""
+        refuses, or for an image this model cannot take or Pillow cannot read; `mm_kwargs`: the request's
+        mm_processor_kwargs."""
         tokenizer = self.need_tokenizer("messages")
         if add_generation_prompt is None:
             add_generation_prompt = not continue_final_message
@@ -174,11 +176,12 @@ class _Server:
                                               add_generation_prompt, template_kwargs, bool(continue_final_message))
             ids = list(tokenizer.encode(text, add_special_tokens=False))
             if images:   # the tokens the model sees: each image's placeholder expanded
-                ids, images = self.images.expanded(ids, images)
+                ids, images = self.images.expanded(ids, images, mm_kwargs)
         except Exception as exc:   # no template, the template's own checks (roles, order), a clashing variable
-            param = next((p for p in ("chat_template_kwargs", "continue_final_message") if str(exc).startswith(p)),
-                         "messages")
-            image = str(exc).startswith(("messages[", "the conversation's image", "the prompt has"))
+            param = next((p for p in ("chat_template_kwargs", "continue_final_message", "mm_processor_kwargs")
+                          if str(exc).startswith(p)), "messages")
+            image = str(exc).startswith(("messages[", "the conversation's image", "the prompt has",
+                                         "mm_processor_kwargs"))
             raise P.APIError(400, str(exc) if image else f"messages could not be rendered with the chat template: "
                              f"{exc}", param, "invalid_value") from None
         return text, ids, images
@@ -209,7 +212,7 @@ class _Server:
             req.tool_constraint = tools.constraint
         text, ids, images = await asyncio.to_thread(   # (an image URL is fetched and decoded off the loop)
             self.render_chat, req.messages, req.request.add_generation_prompt, req.tools,
-            req.request.chat_template_kwargs, req.request.continue_final_message)
+            req.request.chat_template_kwargs, req.request.continue_final_message, req.request.mm_processor_kwargs)
         prompt = {"prompt": text, "prompt_token_ids": ids}
         if images:
             prompt["multi_modal_data"] = {"image": images}

@@ -9,7 +9,8 @@ async def tokenize(server, request) -> dict:
     server.model(req.model)
     if req.messages is not None:
         _, ids, _ = server.render_chat(P.message_dicts(req.messages), req.add_generation_prompt,
-                                       P.tool_dicts(req.tools), req.chat_template_kwargs, req.continue_final_message)
+                                       P.tool_dicts(req.tools), req.chat_template_kwargs, req.continue_final_message,
+                                       req.mm_processor_kwargs)
     elif req.prompt is not None:
         special = req.add_special_tokens is not False
         ids = list(server.need_tokenizer("prompt").encode(req.prompt, add_special_tokens=special))

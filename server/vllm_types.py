@@ -18,6 +18,7 @@ class TokenizeRequest(_Strict):
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Strict):

@@ -8,7 +8,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxpaged.engine.multimodal import image_list
+from jaxpaged.engine.media import image_list
 from jaxpaged.engine.prompt_embeds import as_embeds, block_digests
 from jaxpaged.sampling_params import SamplingParams, truncate_prompt
 
@@ -91,7 +91,8 @@ class InputProcessor:
         images = image_list(prompt["multi_modal_data"])
         text, token_ids = self.tokenize({**prompt, "multi_modal_data": None})
         token_ids, rows, digests, mrope = self.images.process(
-            token_ids, images, lambda ids: self.truncate(ids, params.truncate_prompt_tokens))
+            token_ids, images, lambda ids: self.truncate(ids, params.truncate_prompt_tokens),
+            prompt.get("mm_processor_kwargs"))
         self.validate(token_ids, params)
         return ProcessedPrompt(text, token_ids, self.cache_salt(prompt), self.banned_words(params),
                                embeds_digests=digests, image_rows=rows, mrope=mrope)

@@ -1,6 +1,5 @@
-"""Images in prompts, as vLLM takes them: `{"prompt": ..., "multi_modal_data": {"image": image or [images]}}`
-(PIL images, uint8 arrays [height, width, 3], or URLs: data:, http(s), file:// inside allowed_local_media_path),
-and chat messages' `image_url` parts. An http(s) URL is fetched wherever it points, as vLLM's default does.
+"""Images in prompts, as vLLM takes them: `{"prompt": ..., "multi_modal_data": {"image": image or [images]},
+"mm_processor_kwargs": {...}}` and chat messages' image parts (read as engine/media.py says).
 
 For a LLaVA, LLaVA-NeXT or OneVision checkpoint (models/vision.py), or a Qwen2-VL or Qwen2.5-VL one
 (models/qwen_vision.py): each image's placeholder token in the prompt (`<image>`, `<|image_pad|>`, once or already
@@ -11,123 +10,16 @@ it holds, so the prefix cache shares blocks only between the same images at the 
 turn the language model's rope by their rows and columns (M-RoPE: Request.mrope_offsets)."""
 
 import asyncio
-import base64
-import binascii
 import collections
 import dataclasses
 import hashlib
-import io
+import json
 import os
-import urllib.parse
-import urllib.request
+import threading
 
 import numpy as np
 
-_MAX_IMAGE_BYTES = 20 << 20   # an image URL's body (http(s) or data:) beyond this is refused
-_FETCH_TIMEOUT_S = 10
-
-
-def _pil():
-    try:
-        import PIL.Image
-    except ImportError as e:   # (a runtime install has it: pillow is one of jaxpaged's dependencies)
-        raise ValueError("images need Pillow (pip install pillow)") from e
-    return PIL.Image
-
-
-def load_image(image, field: str = "multi_modal_data['image']", local_root: str | None = None):
-    """A PIL image (RGB) from what a user may pass: a PIL image, a uint8 array [height, width, 3 or 4], or a
-    URL string (data:image/...;base64, http(s)://, or file:// under `local_root`: allowed_local_media_path).
-    ValueError naming `field` for anything else."""
-    Image = _pil()
-    if isinstance(image, Image.Image):
-        return image.convert("RGB")
-    if isinstance(image, np.ndarray):
-        if image.dtype != np.uint8 or image.ndim != 3 or image.shape[-1] not in (3, 4):
-            raise ValueError(f"{field}: an image array must be uint8 [height, width, 3 or 4], got {image.dtype} "
-                             f"{list(image.shape)}")
-        return Image.fromarray(image).convert("RGB")
-    if isinstance(image, str):
-        return _decode(_url_bytes(image, field, local_root), field)
-    raise ValueError(f"{field} must be a PIL image, a uint8 array [height, width, 3] or an image URL (data: or "
-                     f"http(s)://), got {type(image).__name__}")
-
-
-def _url_bytes(url: str, field: str, local_root: str | None = None) -> bytes:
-    if url.startswith("data:"):
-        head, sep, payload = url.partition(",")
-        if not sep or not head.endswith(";base64") or not head[len("data:"):].startswith("image/"):
-            raise ValueError(f"{field}: a data URL must be data:image/<format>;base64,<data>")
-        if len(payload) > _MAX_IMAGE_BYTES * 4 // 3 + 4:
-            raise ValueError(f"{field}: the image is larger than {_MAX_IMAGE_BYTES >> 20} MiB")
-        try:
-            return base64.b64decode(payload, validate=True)
-        except (binascii.Error, ValueError) as e:
-            raise ValueError(f"{field}: the data URL is not valid base64 ({e})") from None
-    if url.startswith(("http://", "https://")):
-        try:
-            with urllib.request.urlopen(url, timeout=_FETCH_TIMEOUT_S) as response:
-                body = response.read(_MAX_IMAGE_BYTES + 1)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{field}: could not fetch {url!r} ({e})") from None
-        if len(body) > _MAX_IMAGE_BYTES:
-            raise ValueError(f"{field}: the image at {url!r} is larger than {_MAX_IMAGE_BYTES >> 20} MiB")
-        return body
-    if url.startswith("file://"):
-        return _local_file(url, field, local_root)
-    raise ValueError(f"{field}: an image URL must start with data:image/ or http(s):// (file:// with "
-                     f"allowed_local_media_path), got {url[:40]!r}")
-
-
-def _local_file(url: str, field: str, local_root: str | None) -> bytes:
-    """A file:// URL's bytes, read only inside `local_root` (vLLM's allowed_local_media_path)."""
-    if local_root is None:
-        raise ValueError(f"{field}: file:// URLs need allowed_local_media_path (--allowed-local-media-path DIR), "
-                         "the folder they may be read from")
-    path, root = os.path.realpath(urllib.parse.unquote(url[len("file://"):])), os.path.realpath(local_root)
-    if os.path.commonpath([path, root]) != root:
-        raise ValueError(f"{field}: {url[:80]!r} is outside allowed_local_media_path {local_root!r}")
-    if not os.path.isfile(path):
-        raise ValueError(f"{field}: no file at {url[:80]!r}")
-    if os.path.getsize(path) > _MAX_IMAGE_BYTES:
-        raise ValueError(f"{field}: the image at {url[:80]!r} is larger than {_MAX_IMAGE_BYTES >> 20} MiB")
-    with open(path, "rb") as f:
-        return f.read()
-
-
-def _decode(data: bytes, field: str):
-    Image = _pil()
-    try:
-        image = Image.open(io.BytesIO(data))
-        image.load()
-    except Exception as e:   # PIL raises many kinds for bytes that are not an image it reads
-        raise ValueError(f"{field}: not an image Pillow can read ({type(e).__name__}: {e})") from None
-    return image.convert("RGB")
-
-
-def _square(image, mean):
-    """The image centred on a square of the processor's mean colour (OneVision's pad_to_square)."""
-    width, height = image.size
-    if width == height:
-        return image
-    side = max(width, height)
-    square = _pil().new("RGB", (side, side), tuple(int(m * 255) for m in mean))
-    square.paste(image, ((side - width) // 2, (side - height) // 2))
-    return square
-
-
-def image_list(data, field: str = "multi_modal_data") -> list:
-    """multi_modal_data's images, as a list (one image or several); ValueError for another modality."""
-    if not isinstance(data, dict):
-        raise ValueError(f"{field} must be a dict such as {{'image': image}}, got {type(data).__name__}")
-    other = sorted(set(data) - {"image"})
-    if other:
-        raise ValueError(f"{field} has {other}; allowed: ['image'] (images are the only modality supported)")
-    images = data.get("image")
-    images = list(images) if isinstance(images, (list, tuple)) else [images]
-    if not images or any(i is None for i in images):
-        raise ValueError(f"{field}['image'] must be an image or a non-empty list of images")
-    return images
+from jaxpaged.engine.media import image_list, load_image, square
 
 
 def takes_images(args, loaded) -> bool:
@@ -162,7 +54,7 @@ def _sized(images: "ImageInputs") -> bool:
     """Whether the tower knows the images it will take: a Qwen2-VL tower, compiled for its image processor's
     largest ones, once that processor loads (a folder without one: images are refused when sent, saying so; a bad
     mm_processor_kwargs: a ValueError now)."""
-    if not hasattr(images.tower, "fit_processor"):
+    if not images.tower.sized_by_processor:
         return True
     if not images.has_processor:
         return False
@@ -202,6 +94,8 @@ class ImageInputs:
         self.placeholder = tokenizer.convert_ids_to_tokens(tower.image_token_id) if tokenizer is not None else None
         self._processor = None
         self.processor_kwargs = processor_kwargs or {}   # mm_processor_kwargs: the image processor's overrides
+        self._request_processors = collections.OrderedDict()   # a request's mm_processor_kwargs (JSON) -> its
+        self._lock = threading.Lock()   # processor, the latest used last (prompts are prepared in worker threads)
         self._rows = collections.OrderedDict()   # image digest -> rows, the latest used last
         self._rows_bytes = 0
 
@@ -209,34 +103,63 @@ class ImageInputs:
     def has_processor(self) -> bool:
         return self.folder is not None and os.path.exists(os.path.join(self.folder, "preprocessor_config.json"))
 
-    def processor(self):
+    def processor(self, kwargs: dict | None = None):
+        """The checkpoint's image processor, made with the engine's mm_processor_kwargs; with a request's
+        `kwargs` over them, one made for those (the latest few kept). The tower takes the engine's images: a
+        request's larger ones are refused when the tower sees them."""
+        if kwargs:
+            return self._request_processor(kwargs)
         if self._processor is None:
-            if not self.has_processor:
-                raise ValueError("images need the checkpoint's image processor (preprocessor_config.json), which "
-                                 "this model folder does not have")
-            from transformers import AutoImageProcessor
-            try:
-                processor = AutoImageProcessor.from_pretrained(self.folder, backend="pil", **self.processor_kwargs)
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"mm_processor_kwargs {self.processor_kwargs}: the image processor refuses them "
-                                 f"({e})") from None
-            if hasattr(self.tower, "fit_processor"):
-                self.tower.fit_processor(processor)
+            processor = self._load(self.processor_kwargs, "")
+            self.tower.fit_processor(processor)
             self._processor = processor
         return self._processor
 
-    def prepare(self, image, field: str, alone: bool = True) -> PreparedImage:
+    def _load(self, kwargs: dict, whose: str):
+        if not self.has_processor:
+            raise ValueError("images need the checkpoint's image processor (preprocessor_config.json), which "
+                             "this model folder does not have")
+        from transformers import AutoImageProcessor
+        try:
+            return AutoImageProcessor.from_pretrained(self.folder, backend="pil", **kwargs)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"mm_processor_kwargs {kwargs}{whose}: the image processor refuses them ({e})") from None
+
+    def _request_processor(self, kwargs):
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+            raise ValueError(f"mm_processor_kwargs must be a dict of the image processor's arguments (such as "
+                             f"{{'max_pixels': 401408}}), got {type(kwargs).__name__}")
+        try:
+            key = json.dumps(kwargs, sort_keys=True)
+        except (TypeError, ValueError):
+            raise ValueError(f"mm_processor_kwargs must hold JSON values (numbers, strings, lists, dicts), got "
+                             f"{kwargs!r:.200}") from None
+        self.processor()   # (the engine's first: the tower is fit to it)
+        with self._lock:
+            processor = self._request_processors.pop(key, None)
+        if processor is None:
+            processor = self._load({**self.processor_kwargs, **kwargs}, " (the request's over the engine's)")
+        with self._lock:
+            self._request_processors[key] = processor
+            while len(self._request_processors) > 8:
+                self._request_processors.popitem(last=False)
+        return processor
+
+    def prepare(self, image, field: str, alone: bool = True, kwargs: dict | None = None) -> PreparedImage:
         """An image read and made pixel_values by the checkpoint's processor (the work before the tower);
-        `alone`: the prompt's only image (OneVision pads one of several to a square, its base tile alone)."""
+        `alone`: the prompt's only image (OneVision pads one of several to a square, its base tile alone);
+        `kwargs`: the request's mm_processor_kwargs."""
         if isinstance(image, PreparedImage):
             return image
         image = load_image(image, field, self.local_root)
+        processor = self.processor(kwargs)
         if self.tower.onevision and not alone:
-            image = _square(image, self.processor().image_mean)
+            image = square(image, processor.image_mean)
         try:
-            out = self.processor()(images=[image], return_tensors="np")
+            out = processor(images=[image], return_tensors="np")
         except Exception as e:   # (transformers' processors raise many kinds for an image they cannot size)
-            raise ValueError(f"{field}: the checkpoint's image processor cannot process it "
+            given = f" with mm_processor_kwargs {kwargs}" if kwargs else ""
+            raise ValueError(f"{field}: the checkpoint's image processor cannot process it{given} "
                              f"({type(e).__name__}: {e})") from None
         pixels = out["pixel_values"]   # (one image's: Qwen2-VL's patches are not batched by image)
         pixels = np.asarray(pixels if "image_grid_thw" in out else pixels[0], np.float32)
@@ -253,8 +176,8 @@ class ImageInputs:
             return prompt
         try:
             images = image_list(prompt["multi_modal_data"])
-            images = [self.prepare(image, f"multi_modal_data['image'][{i}]", len(images) == 1)
-                      for i, image in enumerate(images)]
+            images = [self.prepare(image, f"multi_modal_data['image'][{i}]", len(images) == 1,
+                                   prompt.get("mm_processor_kwargs")) for i, image in enumerate(images)]
         except ValueError:
             return prompt
         return {**prompt, "multi_modal_data": {"image": images}}
@@ -294,22 +217,25 @@ class ImageInputs:
                              f"in a row as the image has tokens: {', '.join(map(str, counts))})")
         return list(token_ids), [found[k] for k in firsts]
 
-    def expanded(self, token_ids: list[int], images: list) -> tuple[list[int], list[PreparedImage]]:
+    def expanded(self, token_ids: list[int], images: list,
+                 kwargs: dict | None = None) -> tuple[list[int], list[PreparedImage]]:
         """A rendered conversation's token ids with each image's placeholder expanded, and its images prepared
-        (the server's: its context-length check and /tokenize count the tokens the model sees)."""
-        prepared = [self.prepare(image, f"the conversation's image {i}", len(images) == 1)
+        (the server's: its context-length check and /tokenize count the tokens the model sees); `kwargs`: the
+        request's mm_processor_kwargs."""
+        prepared = [self.prepare(image, f"the conversation's image {i}", len(images) == 1, kwargs)
                     for i, image in enumerate(images)]
         counts = [self.tower.num_rows(p.size, len(prepared) == 1) for p in prepared]
         return self.expand(token_ids, counts)[0], prepared
 
-    def process(self, token_ids: list[int], images: list, truncate) -> tuple[list[int], tuple, tuple, tuple | None]:
+    def process(self, token_ids: list[int], images: list, truncate,
+                kwargs: dict | None = None) -> tuple[list[int], tuple, tuple, tuple | None]:
         """(token ids, ((first position, rows), ...), each block's digest or None, M-RoPE's (offsets, delta) or
         None) of a prompt and its images; `truncate`: the prompt's truncation (InputProcessor.truncate), which
-        must not cut into an image."""
+        must not cut into an image; `kwargs`: the prompt's mm_processor_kwargs."""
         if self.limit is not None and len(images) > self.limit:
             raise ValueError(f"multi_modal_data['image'] holds {len(images)} images; this engine's "
                              f"limit_mm_per_prompt allows {self.limit} (LLM(..., limit_mm_per_prompt={{'image': N}}))")
-        images = [self.prepare(image, f"multi_modal_data['image'][{i}]", len(images) == 1)
+        images = [self.prepare(image, f"multi_modal_data['image'][{i}]", len(images) == 1, kwargs)
                   for i, image in enumerate(images)]
         found = sum(t == self.tower.image_token_id for t in token_ids)
         if found < len(images):   # (before the tower runs)
@@ -324,7 +250,7 @@ class ImageInputs:
         kept_images = [(s - cut, r, d, i.size) for s, r, d, i in zip(starts, rows, digests, images) if s >= cut]
         ranges = [(s, r) for s, r, _, _ in kept_images]
         mrope = None
-        if hasattr(self.tower, "mrope") and kept_images:   # Qwen2-VL: the rope turns each image's rows and columns
+        if self.tower.uses_mrope and kept_images:   # Qwen2-VL: the rope turns each image's rows and columns
             mrope = self.tower.mrope(len(kept), [(s, size) for s, _, _, size in kept_images])
         return kept, tuple(ranges), self.block_digests(ranges, [d for _, _, d, _ in kept_images]), mrope
 
@@ -339,52 +265,3 @@ class ImageInputs:
                      for (s, rows), digest in zip(ranges, digests) if s < b + bs and b < s + len(rows)]
             out.append(hashlib.sha256(b"".join(parts)).digest() if parts else None)
         return tuple(out)
-
-
-_IMAGE_PARTS = ("image_url", "image_pil", "image")
-
-
-def chat_images(messages: list[dict], refused: str | None = None, local_root: str | None = None) -> tuple[list, list]:
-    """Messages with image parts (OpenAI's {"type": "image_url", "image_url": {"url": ...}}, vLLM's
-    {"type": "image_pil", "image_pil": img} and {"type": "image", "image": ...}) turned into the {"type": "image"}
-    parts chat templates place their image token for, and the images in order; text-only messages unchanged.
-    `refused`: why this engine takes no images (a ValueError naming the first image part), None: it does;
-    `local_root`: the folder file:// URLs may read (allowed_local_media_path)."""
-    out, images = [], []
-    for i, message in enumerate(messages):
-        content = message.get("content")
-        if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") in _IMAGE_PARTS
-                                                    for p in content):
-            out.append(message)
-            continue
-        parts = []
-        for j, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in _IMAGE_PARTS:
-                parts.append(part)
-                continue
-            field = f"messages[{i}].content[{j}]"
-            if refused is not None:
-                raise ValueError(f"{field} is an image ({kind!r}) and {refused}")
-            image = part.get(kind)
-            if kind == "image_url" and isinstance(image, dict):
-                image = image.get("url")
-            if image is None:
-                raise ValueError(f"{field}: an {kind!r} part needs its image in {kind!r}")
-            images.append(load_image(image, field, local_root))
-            parts.append({"type": "image"})
-        out.append({**message, "content": parts})
-    return out, images
-
-
-def text_content(messages: list[dict], placeholder: str) -> list[dict]:
-    """Messages with image parts as one string each: a placeholder per image, then the text parts."""
-    out = []
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, list):
-            images = "".join(placeholder + "\n" for p in content if p.get("type") == "image")
-            content = images + "\n".join(p.get("text", "") for p in content if p.get("type") != "image")
-            message = {**message, "content": content}
-        out.append(message)
-    return out

@@ -140,7 +140,7 @@ def _num_blocks(args: EngineArgs, loaded: LoadedModel, max_model_len: int, per_b
     report = memory.read_memory_report(device, allocator)   # before the probe runner adds its arrays
     probe = _new_runner(args, loaded, 2, max_model_len)      # the step's memory does not grow with the pool
     # the largest step, and a vision tower's largest compiled program (run between steps, or beside one in flight)
-    activation = memory.step_reserve_bytes(probe) + getattr(loaded.vision, "reserve_bytes", 0)
+    activation = memory.step_reserve_bytes(probe) + (loaded.vision.reserve_bytes if loaded.vision else 0)
     del probe
     sizing = memory.size_kv_cache(report, allocator, args.gpu_memory_utilization, per_block, activation,
                                   args.batched_tokens(max_model_len))

@@ -23,7 +23,7 @@ import numpy as np
 
 from jaxpaged.models.norms import layer_norm, rms_norm
 from jaxpaged.models.rope import apply_rotary
-from jaxpaged.models.vision import named_activation, torch_linear
+from jaxpaged.models.vision import ImageTower, named_activation, torch_linear
 
 QWEN2_VL = "Qwen2VLForConditionalGeneration"
 QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
@@ -236,22 +236,18 @@ def mrope_positions(num_tokens: int, images: list[tuple[int, tuple[int, int, int
     return (positions - (np.arange(end) + delta)[:, None]).astype(np.int32), delta
 
 
-class QwenVisionTower:
+class QwenVisionTower(ImageTower):
     """A Qwen2-VL or Qwen2.5-VL checkpoint's tower and merger on one device: `image_rows` turns an image's
     pixel_values (patches) and grid into the language model's input rows; `mrope` gives a prompt's M-RoPE."""
 
-    onevision = False   # (ImageInputs' LLaVA-OneVision switch)
+    sized_by_processor = True   # one program per power-of-two patch count, up to the processor's max_pixels
+    uses_mrope = True
 
     def __init__(self, hf_config: Any, get: Callable[[str], np.ndarray], has: Callable[[str], bool], dtype, device):
-        self.config = qwen_vision_config(hf_config)
+        config = qwen_vision_config(hf_config)
+        super().__init__(config, load_qwen_vision_weights(config, get, has, dtype, device), device)
         self.image_token_id = int(hf_config.image_token_id)
         self.dtype = np.dtype(dtype)
-        self.device = device
-        self.weights = load_qwen_vision_weights(self.config, get, has, dtype, device)
-        self._weight_bytes = sum(a.nbytes for a in jax.tree.leaves(self.weights))
-        self._programs = {}      # bucket -> its compiled program
-        self.reserve_bytes = 0   # the most device memory a compiled program needs beside the weights (the KV
-        # cache's sizing leaves it free: engine/startup.py)
         self.limit_pixels(_DEFAULT_MAX_PIXELS)
 
     def limit_pixels(self, max_pixels: int) -> None:
@@ -294,20 +290,10 @@ class QwenVisionTower:
         return np.asarray(self._program(bucket)(self.weights, *args))
 
     def _program(self, bucket: int):
-        """The compiled program of `bucket` patches (compiled now if warm_up did not), its memory counted."""
-        program = self._programs.get(bucket)
-        if program is None:
-            m = self.config.merge_size
-            sharding = jax.sharding.SingleDeviceSharding(self.device)
-            shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
-                                  (np.zeros((bucket, self.config.patch_dim), np.float32),
-                                   patch_layout(self.config, (1, m, m), bucket)))
-            program = self._programs[bucket] = qwen_image_features.lower(self.config, self.weights, *shapes).compile()
-            memory = program.memory_analysis()
-            if memory is not None:
-                self.reserve_bytes = max(self.reserve_bytes, memory.temp_size_in_bytes + memory.output_size_in_bytes
-                                         + memory.argument_size_in_bytes - self._weight_bytes)
-        return program
+        """The compiled program of `bucket` patches (compiled now if warm_up did not)."""
+        m = self.config.merge_size
+        return self._compiled(bucket, qwen_image_features, np.zeros((bucket, self.config.patch_dim), np.float32),
+                              patch_layout(self.config, (1, m, m), bucket))
 
     def mrope(self, num_tokens: int, images: list[tuple[int, tuple[int, int, int]]]) -> tuple[np.ndarray, int]:
         """Request.mrope_offsets and mrope_delta of a prompt of `num_tokens` whose images start at, and have

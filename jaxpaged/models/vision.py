@@ -228,17 +228,52 @@ def image_features(cfg: VisionConfig, w: dict, pixels: jax.Array) -> jax.Array:
     return torch_linear(y, *w["linear_2"]).astype(dtype)
 
 
-class VisionTower:
+class ImageTower:
+    """What ImageInputs (engine/multimodal.py) asks of a vision tower on one device: LLaVA's (VisionTower) or
+    Qwen2-VL's (models/qwen_vision.py). Its programs are compiled ahead of time (`warm_up` runs nothing), and
+    the most memory one needs beside the weights is `reserve_bytes`, which the KV cache's sizing leaves free
+    (engine/startup.py: the tower runs between steps, or beside one in flight)."""
+
+    onevision = False            # LLaVA-OneVision: a prompt of several images gets their base tiles alone
+    sized_by_processor = False   # compiled for the image processor's largest images (fit_processor, then warm_up)
+    uses_mrope = False           # images turn the language model's rope by their rows and columns (`mrope`)
+
+    def __init__(self, config: Any, weights: dict, device):
+        self.config = config
+        self.weights = weights
+        self.device = device
+        self._weight_bytes = sum(a.nbytes for a in jax.tree.leaves(weights))
+        self._programs = {}      # key -> compiled program
+        self.reserve_bytes = 0
+
+    def fit_processor(self, processor) -> None:
+        """Take the images `processor` makes (a tower compiled for one tile shape takes them all as they are)."""
+
+    def _compiled(self, key, fn, *example):
+        """`fn(config, weights, *args)` (a jit with config static) compiled for arguments shaped as `example`
+        (host arrays), once per key; its memory beside the weights counted in reserve_bytes."""
+        program = self._programs.get(key)
+        if program is None:
+            sharding = jax.sharding.SingleDeviceSharding(self.device)
+            shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), example)
+            program = self._programs[key] = fn.lower(self.config, self.weights, *shapes).compile()
+            memory = program.memory_analysis()
+            if memory is not None:
+                self.reserve_bytes = max(self.reserve_bytes, memory.temp_size_in_bytes + memory.output_size_in_bytes
+                                         + memory.argument_size_in_bytes - self._weight_bytes)
+        return program
+
+
+class VisionTower(ImageTower):
     """A LLaVA, LLaVA-NeXT or OneVision checkpoint's tower and projector, loaded onto one device: `image_rows`
     turns an image's pixel_values into the language model's input rows."""
 
     def __init__(self, hf_config: Any, get: Callable[[str], np.ndarray], has: Callable[[str], bool], dtype,
                  device):
-        self.config = vision_config(hf_config)
+        config = vision_config(hf_config)
+        super().__init__(config, load_vision_weights(config, get, has, dtype, device), device)
         self.image_token_id = int(getattr(hf_config, "image_token_id", None) or hf_config.image_token_index)
         self.dtype = np.dtype(dtype)
-        self.device = device
-        self.weights = load_vision_weights(self.config, get, has, dtype, device)
         self.grid_pinpoints = None   # LLaVA-NeXT, OneVision: the resolutions an image's grid of tiles may take
         self.max_tiles = None        # OneVision: a grid's features beyond about this many tiles' are downsized
         self.onevision = hf_config.architectures[0] == LLAVA_ONEVISION   # (which tiles a prompt of several images
@@ -291,8 +326,11 @@ class VisionTower:
             raise ValueError(f"the image processor gave pixel_values of shape {pixels.shape}; this vision tower "
                              f"takes {self.pixel_shape}")
         x = jax.device_put(np.asarray(pixels, np.float32)[None], self.device)
-        return np.asarray(image_features(self.config, self.weights, x)[0])
+        return np.asarray(self._program()(self.weights, x)[0])
+
+    def _program(self):
+        return self._compiled("tile", image_features, np.zeros((1, *self.pixel_shape), np.float32))
 
     def warm_up(self) -> None:
-        """Compile the one shape `encode` runs (engines compile nothing after start-up)."""
-        self.encode(np.zeros(self.pixel_shape, np.float32))
+        """Compile the one shape `encode` runs (engines compile nothing after start-up); nothing runs."""
+        self._program()

@@ -8,7 +8,7 @@ import functools
 import numpy as np
 import pytest
 
-from tests.engine.test_images import GREEDY, IMAGE_ID, image, tiny_vision_checkpoint
+from tests.engine.test_images import GREEDY, IMAGE_ID, image, llava, tiny_vision_checkpoint
 
 START, PAD, END = IMAGE_ID, IMAGE_ID + 1, IMAGE_ID + 2   # <|vision_start|> <|image_pad|> <|vision_end|>
 PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -44,24 +44,25 @@ def qwen_vl(kind: str) -> tuple[str, object]:
                                   ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>"), TEMPLATE)
 
 
-def grids(path: str, images: list) -> list[int]:
+def grids(path: str, images: list, **kwargs) -> list[int]:
     from transformers import AutoImageProcessor
-    out = AutoImageProcessor.from_pretrained(path, backend="pil")(images=images, return_tensors="np")
+    out = AutoImageProcessor.from_pretrained(path, backend="pil", **kwargs)(images=images, return_tensors="np")
     return [int(np.prod(g)) // 4 for g in out["image_grid_thw"]]
 
 
-def expanded(path: str, text: str, images: list) -> list[int]:
+def expanded(path: str, text: str, images: list, **kwargs) -> list[int]:
+    """The prompt's token ids, each image's placeholder expanded (the image processor made with `kwargs`)."""
     from transformers import AutoTokenizer
-    counts = iter(grids(path, images))
+    counts = iter(grids(path, images, **kwargs))
     return [t for i in AutoTokenizer.from_pretrained(path).encode(text)
             for t in ([i] * next(counts) if i == PAD else [i])]
 
 
-def hf_greedy(model, path: str, token_ids: list[int], images: list, max_tokens: int):
+def hf_greedy(model, path: str, token_ids: list[int], images: list, max_tokens: int, **kwargs):
     """transformers' greedy tokens and their logprobs for an expanded prompt and its images."""
     import torch
     from transformers import AutoImageProcessor
-    pixels = AutoImageProcessor.from_pretrained(path, backend="pil")(images=images, return_tensors="np")
+    pixels = AutoImageProcessor.from_pretrained(path, backend="pil", **kwargs)(images=images, return_tensors="np")
     ids = torch.tensor([token_ids])
     with torch.no_grad():
         out = model.generate(input_ids=ids, pixel_values=torch.tensor(pixels["pixel_values"]),
@@ -172,6 +173,35 @@ def test_mm_processor_kwargs_bound_the_pixels_and_the_towers_programs():
         engine(path, mm_processor_kwargs="max_pixels=3")
 
 
+def test_a_prompts_mm_processor_kwargs_resize_its_own_images():
+    """A prompt's mm_processor_kwargs (vLLM's, LLM.chat's too) reach the image processor for its images alone:
+    transformers' tokens and logprobs for the image made smaller, the engine's size for the prompt beside it;
+    kwargs that are not a dict, or an image larger than the engine compiled for, are ValueErrors that lose
+    nothing."""
+    from jaxpaged import SamplingParams
+    path, model = qwen_vl("qwen2_vl")
+    llm = engine(path)
+    big, text, small = image(7, (200, 150)), f"{PLACEHOLDER} what?", {"max_pixels": 28 * 28 * 8}
+    prompt = {"prompt": text, "multi_modal_data": {"image": big}}
+    outs = llm.generate([{**prompt, "mm_processor_kwargs": small}, prompt], SamplingParams(**GREEDY), use_tqdm=False)
+    ids = expanded(path, text, [big], **small)
+    assert outs[0].prompt_token_ids == ids and outs[1].prompt_token_ids == expanded(path, text, [big])
+    assert ids.count(PAD) < outs[1].prompt_token_ids.count(PAD)
+    assert_matches(outs[0], *hf_greedy(model, path, ids, [big], 6, **small))
+    content = [{"type": "image_pil", "image_pil": big}, {"type": "text", "text": "what?"}]
+    chat = llm.chat([{"role": "user", "content": content}], SamplingParams(max_tokens=1), use_tqdm=False,
+                    mm_processor_kwargs=small)[0]
+    assert chat.prompt_token_ids.count(PAD) == ids.count(PAD)
+    with pytest.raises(ValueError, match="mm_processor_kwargs must be a dict"):
+        llm.generate({**prompt, "mm_processor_kwargs": "max_pixels=8"}, use_tqdm=False)
+    with pytest.raises(ValueError, match="this vision tower takes up to"):
+        llm.generate({"prompt": text, "multi_modal_data": {"image": image(8, (600, 600))},
+                      "mm_processor_kwargs": {"max_pixels": 28 * 28 * 400}}, use_tqdm=False)
+    again = llm.generate(prompt, SamplingParams(**GREEDY), use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == outs[1].outputs[0].token_ids
+    assert llm.get_metrics()["jaxpaged:kv_cache_usage_perc"] == 0.0, "blocks leaked"
+
+
 @pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
 def test_the_tower_gives_transformers_image_features_at_many_shapes(kind):
     """The tower alone against transformers' get_image_features: square, wide and tall images, grids whose
@@ -195,15 +225,17 @@ def test_the_tower_gives_transformers_image_features_at_many_shapes(kind):
         np.testing.assert_allclose(tower.image_rows(out["pixel_values"], grid), ref, atol=1e-4, err_msg=str(grid))
 
 
-def test_the_kv_cache_leaves_the_towers_largest_program_its_memory(monkeypatch):
+@pytest.mark.parametrize("model", ["qwen2_5_vl", "llava"])
+def test_the_kv_cache_leaves_the_towers_largest_program_its_memory(monkeypatch, model):
     """On a GPU (here CPU dressed as one), the tower is compiled before the KV cache is sized, and the cache
-    leaves free what the tower's largest program needs beside its weights, as it does the largest step's."""
+    leaves free what the tower's largest program needs beside its weights, as it does the largest step's
+    (LLaVA's one tile program too)."""
     from jaxpaged import LLM
     from jaxpaged.engine import memory
     from jaxpaged.engine.memory import headroom_bytes
     from jaxpaged.runner.model_runner import ModelRunner
     from tests.engine.test_memory_sizing import MiB
-    path, _ = qwen_vl("qwen2_5_vl")
+    path, _ = llava() if model == "llava" else qwen_vl(model)
     seen = {}
     reserve = memory.step_reserve_bytes
     monkeypatch.setattr(memory, "has_device_memory", lambda device: True)

@@ -105,18 +105,34 @@ def test_bad_images_are_400s_naming_messages(urls, server, content, words):
 
 
 def test_a_qwen_vl_server_counts_and_answers_as_llm_chat():
-    """Qwen2.5-VL over HTTP: usage counts the image's tokens (by its size) and the answer is LLM.chat's."""
+    """Qwen2.5-VL over HTTP: usage counts the image's tokens (by its size) and the answer is LLM.chat's; a
+    request's mm_processor_kwargs (vLLM's field) make its image smaller, in /tokenize too; a bad one is a 400."""
     from tests.engine.test_images_qwen import engine as qwen_engine, qwen_vl
     path, _ = qwen_vl("qwen2_5_vl")
     a = image(11, (100, 70))
     content = [{"type": "image_url", "image_url": {"url": data_url(a)}}, {"type": "text", "text": "what is it?"}]
+    messages = [{"role": "user", "content": content}]
+    small = {"max_pixels": 28 * 28 * 4}
     served = AsyncLLM.from_engine_args(tiny_engine_args(model=path), use_tqdm=False)
     try:
         with serving(build_app(served, [MODEL])) as (url,):
             response = chat(url, content)
+            resized = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+                "model": MODEL, "max_tokens": 6, "temperature": 0, "messages": messages, "mm_processor_kwargs": small})
+            tokenized = httpx.post(url + "/tokenize", timeout=60, json={
+                "model": MODEL, "messages": messages, "mm_processor_kwargs": small}).json()
+            bad = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+                "model": MODEL, "messages": messages, "mm_processor_kwargs": "max_pixels=4"})
     finally:
         served.shutdown()
     assert response.status_code == 200, response.text
-    ref = qwen_engine(path).chat([{"role": "user", "content": content}], SamplingParams(**GREEDY), use_tqdm=False)[0]
+    llm = qwen_engine(path)
+    ref = llm.chat(messages, SamplingParams(**GREEDY), use_tqdm=False)[0]
     assert response.json()["usage"]["prompt_tokens"] == len(ref.prompt_token_ids)
     assert response.json()["choices"][0]["message"]["content"] == ref.outputs[0].text
+    assert resized.status_code == 200, resized.text
+    ref = llm.chat(messages, SamplingParams(**GREEDY), use_tqdm=False, mm_processor_kwargs=small)[0]
+    assert resized.json()["usage"]["prompt_tokens"] == tokenized["count"] == len(ref.prompt_token_ids) < \
+        response.json()["usage"]["prompt_tokens"]
+    assert resized.json()["choices"][0]["message"]["content"] == ref.outputs[0].text
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "mm_processor_kwargs", bad.text
