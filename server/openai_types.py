@@ -215,6 +215,7 @@ class ChatCompletionRequest(_Request):
     continue_final_message: bool | None = None   # vLLM's: continue the last message (then no generation prompt)
     chat_template_kwargs: dict[str, Any] | None = None   # vLLM's: more variables for the template (enable_thinking)
     mm_processor_kwargs: dict[str, Any] | None = None   # vLLM's: the image processor's arguments (max_pixels)
+    echo: bool | None = None   # vLLM's: the answer begins with the last message's content if of the answer's role
     include_reasoning: bool | None = None   # vLLM's: false drops the reasoning (--reasoning-parser) from the answer
     # to the template as `reasoning_effort` (gpt-oss' "Reasoning: low"), over chat_template_kwargs' (as vLLM)
     reasoning_effort: Literal["none", "low", "medium", "high"] | None = None

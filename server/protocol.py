@@ -53,6 +53,7 @@ class ParsedRequest:
     max_tokens: int | None
     max_tokens_param: str
     echo: bool = False
+    echo_text: str = ""    # chat: what `echo` puts before the answer (the last message's content, or nothing)
     prompts: list = field(default_factory=list)     # completions: str or token-id lists
     messages: list = field(default_factory=list)    # chat: [{"role", "content": str, ...}] (message_dicts)
     tools: list[dict] | None = None                 # chat: validated, in OpenAI's shape
@@ -215,10 +216,25 @@ def parse_chat_request(body: dict) -> ParsedRequest:
     choice = request.tool_choice
     req.tool_choice = choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
     req.parallel_tool_calls = request.parallel_tool_calls is not False
+    if request.echo:
+        req.echo_text = _echo_text(request, req.messages)
     effort = request.reasoning_effort
     if effort is not None:   # a template variable (gpt-oss' "Reasoning: high"), as vLLM passes it
         request.chat_template_kwargs = {**(request.chat_template_kwargs or {}), "reasoning_effort": effort}
     return req
+
+
+def _echo_text(request: ChatCompletionRequest, messages: list[dict]) -> str:
+    """A chat `echo`'s text, as vLLM's: the last message's content when its role is the answer's (the
+    assistant's, or any when no generation prompt is added: the answer continues that message)."""
+    continues = request.add_generation_prompt is False or \
+        (request.add_generation_prompt is None and bool(request.continue_final_message))
+    last = messages[-1]
+    if not continues and last["role"] != "assistant":
+        return ""
+    content = last["content"]
+    return content if isinstance(content, str) else "\n".join(p.get("text", "") for p in content
+                                                                if p.get("type") == "text")
 
 
 def message_dicts(messages: list[Message]) -> list[dict]:

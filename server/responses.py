@@ -161,12 +161,15 @@ class Reply:
             lps = L.chat_logprobs(token_ids, entries, self.req.logprobs, decode) if want else None
             if self.req.stream:
                 delta = {} if started else {"role": "assistant"}
+                text = text if started else self.req.echo_text + text   # (echo: the first chunk's content)
                 if text or not started:
                     delta["content"] = text
                 if reasoning:
                     delta.update(self._reasoning_fields(reasoning))
                 return {"index": index, "delta": delta, "logprobs": lps, **finish, **ids}
             reasoning, content, calls, reader = self.answer(text)
+            if self.req.echo_text:
+                content = self.req.echo_text + (content or "")
             message = {"role": "assistant", "content": content, **self._reasoning_fields(reasoning)}
             if calls:
                 message["tool_calls"] = [call.to_openai() for call in calls]
@@ -228,6 +231,8 @@ class Reply:
         choices = []
         for fragment in fragments:
             delta = fragment if cursor.started else {"role": "assistant", **fragment}
+            if not cursor.started and self.req.echo_text:
+                delta["content"] = self.req.echo_text + (delta.get("content") or "")
             choices.append({"index": i * self.n + c.index, "delta": delta, "logprobs": None,
                             "finish_reason": None, "stop_reason": None})
             cursor.started = True

@@ -58,3 +58,25 @@ def test_chat_completions_continue_the_last_message(url):
     assert tokens["tokens"] == ids
     both = chat(url, continue_final_message=True, add_generation_prompt=True)
     assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+
+
+def test_chat_echo_puts_the_continued_message_before_the_answer(url):
+    """vLLM's chat `echo`: the answer begins with the last message's content when the answer continues it (or
+    it is the assistant's), in a whole response and in a stream's first chunk; a user's last message is not
+    echoed before a new assistant turn."""
+    import json
+    plain = chat(url, continue_final_message=True).json()["choices"][0]["message"]["content"]
+    echoed = chat(url, continue_final_message=True, echo=True)
+    assert echoed.status_code == 200, echoed.text
+    assert echoed.json()["choices"][0]["message"]["content"] == "The capital is" + plain
+    assert echoed.json()["usage"]["completion_tokens"] == 5   # the echoed text is not generated
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": PREFILLED, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "continue_final_message": True, "echo": True, "stream": True}) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert deltas[0]["role"] == "assistant" and deltas[0]["content"].startswith("The capital is")
+    assert "".join(d.get("content") or "" for d in deltas) == "The capital is" + plain
+    question = [{"role": "user", "content": "Hello"}]
+    fresh = chat(url, messages=question).json()["choices"][0]["message"]["content"]
+    assert chat(url, messages=question, echo=True).json()["choices"][0]["message"]["content"] == fresh
