@@ -152,7 +152,9 @@ DRY = Sizes(
     step_workload_tokens=6, step_decode_seqs=(1, 2, 4), step_prompt_len=8, step_max_tokens=(4, 20),
     qmm_rows=(1, 5), qmm_shapes=((256, 128),), prefill_context=48, tier_history=64, sampler_rows=(4,),
     sampler_shape=(64, 512),
-    peer_requests=4, peer_prompt_len=(8, 3, 20), peer_new_tokens=4, peer_engine_args=dict(max_num_seqs=4),
+    # as the step part's: few step variants to compile (12 -> 8 s)
+    peer_requests=4, peer_prompt_len=(8, 3, 20), peer_new_tokens=4,
+    peer_engine_args=dict(max_num_seqs=4, max_num_batched_tokens=16),
     # its defaults size the cache from the CPU's free memory: ~22 s of tensors filled, the dry run's longest part
     peer_transformers_args=dict(num_blocks=16, max_batch_tokens=64),
     large_model=dict(LLAMA31_8B, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
