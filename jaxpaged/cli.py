@@ -97,6 +97,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help='a prompt\'s most images, e.g. \'{"image": 2}\' (0: images refused)')
     parser.add_argument("--mm-processor-kwargs", default=None, metavar="JSON",
                         help='the image processor\'s overrides, e.g. \'{"max_pixels": 1003520}\' (Qwen2-VL)')
+    parser.add_argument("--enable-mm-embeds", action="store_true",
+                        help="multi_modal_data's images may be the rows of the vision tower's output "
+                             "({'image_embeds': array}, Python only)")
     parser.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                         help="the folder file:// image URLs may be read from (default: file:// refused)")
     parser.add_argument("--max-loras", type=int, default=d.max_loras, help="adapters in one batch (default 1)")

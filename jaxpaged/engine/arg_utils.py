@@ -103,6 +103,7 @@ class EngineArgs:
     limit_mm_per_prompt: dict | str | None = None   # {"image": N}: a prompt's most images (None: no bound)
     allowed_local_media_path: str | None = None   # the folder file:// image URLs may be read from (None: refused)
     mm_processor_kwargs: dict | str | None = None   # the image processor's overrides (Qwen2-VL's max_pixels, ...)
+    enable_mm_embeds: bool = False   # multi_modal_data's images may be their rows ({"image_embeds": array})
 
     def batched_tokens(self, max_model_len: int) -> int:
         """The per-step token budget: given, or 2048 (at least max_model_len without chunked prefill)."""
@@ -199,6 +200,7 @@ class EngineArgs:
         require("enable_lora", not self.enable_lora or spec is None or spec.method == "ngram",
                 "False with a draft model (speculative_config method 'draft_model'); prompt lookup works")
         require("enable_prompt_embeds", isinstance(self.enable_prompt_embeds, bool), "True or False")
+        require("enable_mm_embeds", isinstance(self.enable_mm_embeds, bool), "True or False")
         require("allowed_local_media_path", self.allowed_local_media_path is None or (
             isinstance(self.allowed_local_media_path, str) and os.path.isdir(self.allowed_local_media_path)),
             "None or an existing folder")

@@ -20,6 +20,7 @@ import threading
 import numpy as np
 
 from jaxpaged.engine.media import image_list, load_image, square
+from jaxpaged.engine.prompt_embeds import as_embeds, host_array
 
 
 def takes_images(args, loaded) -> bool:
@@ -44,7 +45,7 @@ def image_inputs(args, loaded, tokenizer) -> tuple["ImageInputs | None", str]:
                       else "limit_mm_per_prompt={'image': 0} allows none")
     folder = loaded.source if os.path.isdir(loaded.source) else None
     images = ImageInputs(loaded.vision, folder, args.block_size, tokenizer, limit, args.allowed_local_media_path,
-                         args.mm_processor_kwargs)
+                         args.mm_processor_kwargs, loaded.config.hidden_size if args.enable_mm_embeds else None)
     if args.compile_on_startup and _sized(images):
         loaded.vision.warm_up()
     return images, ""
@@ -65,9 +66,10 @@ def _sized(images: "ImageInputs") -> bool:
 @dataclasses.dataclass(frozen=True)
 class PreparedImage:
     """An image as its checkpoint's processor made it: what the tower reads, and the prefix cache's digest."""
-    pixels: np.ndarray             # pixel_values of the image (LLaVA-NeXT: its tiles; Qwen2-VL: its patches)
+    pixels: np.ndarray | None      # pixel_values of the image (LLaVA-NeXT: its tiles; Qwen2-VL: its patches)
     size: tuple[int, ...] | None   # LLaVA-NeXT: the image's (height, width); Qwen2-VL: its grid (t, h, w)
     digest: bytes
+    rows: np.ndarray | None = None   # image embeddings given (enable_mm_embeds): the tower's rows, not run
 
 
 async def prepare_images(engine, prompt):
@@ -85,8 +87,9 @@ class ImageInputs:
     # image again: LLaVA-1.5's rows are 4.5 MiB in bfloat16, LLaVA-NeXT's up to 5 times that)
 
     def __init__(self, tower, folder: str | None, block_size: int, tokenizer=None, limit: int | None = None,
-                 local_root: str | None = None, processor_kwargs: dict | None = None):
+                 local_root: str | None = None, processor_kwargs: dict | None = None, embeds_width: int | None = None):
         self.tower = tower
+        self.embeds_width = embeds_width   # enable_mm_embeds: the rows' width (the model's hidden size); None: off
         self.local_root = local_root   # allowed_local_media_path: the folder file:// URLs may read
         self.limit = limit   # limit_mm_per_prompt's: a prompt's most images (None: no bound)
         self.folder = folder
@@ -175,16 +178,66 @@ class ImageInputs:
         if not isinstance(prompt, dict) or not isinstance(prompt.get("multi_modal_data"), dict):
             return prompt
         try:
-            images = image_list(prompt["multi_modal_data"])
+            images = self.embedded(image_list(prompt["multi_modal_data"]))
             images = [self.prepare(image, f"multi_modal_data['image'][{i}]", len(images) == 1,
                                    prompt.get("mm_processor_kwargs")) for i, image in enumerate(images)]
         except ValueError:
             return prompt
         return {**prompt, "multi_modal_data": {"image": images}}
 
+    def embedded(self, images: list) -> list:
+        """multi_modal_data's images with vLLM's image embeddings (a dict) made PreparedImages, one per image:
+        {"image_embeds": [images,] tokens x hidden} for LLaVA's towers (or that array alone, a torch tensor or a
+        float array: no image is one), {"image_embeds": [tokens, hidden], "image_grid_thw": [images, 3]} for
+        Qwen2-VL's (the grids turn the rope). Needs enable_mm_embeds."""
+        out = []
+        for i, entry in enumerate(images):
+            bare = hasattr(entry, "detach") or (isinstance(entry, np.ndarray) and entry.dtype.kind == "f")
+            if bare and self.embeds_width is not None:   # (without the flag: read as an image, refused as one)
+                entry = {"image_embeds": entry}
+            if not isinstance(entry, dict):
+                out.append(entry)
+                continue
+            field = "multi_modal_data['image']" + (f"[{i}]" if len(images) > 1 else "")
+            if self.embeds_width is None:
+                raise ValueError(f"{field}: image embeddings need an engine built with enable_mm_embeds=True "
+                                 "(--enable-mm-embeds)")
+            keys = ("image_embeds", "image_grid_thw") if self.tower.uses_mrope else ("image_embeds",)
+            if set(entry) != set(keys):
+                raise ValueError(f"{field} must be a dict with keys {list(keys)} (this model's image embeddings), "
+                                 f"got {sorted(map(str, entry))}")
+            out += self._embeds(entry, field)
+        return out
+
+    def _embeds(self, entry: dict, field: str) -> list[PreparedImage]:
+        dtype, name = self.tower.dtype, field + "['image_embeds']"
+        if not self.tower.uses_mrope:
+            value = host_array(entry["image_embeds"], name)
+            parts = list(value) if value.ndim == 3 else [value]
+            return [self._embedded_image(as_embeds(p, self.embeds_width, dtype, name), None) for p in parts]
+        rows = as_embeds(entry["image_embeds"], self.embeds_width, dtype, name)
+        grids = host_array(entry["image_grid_thw"], field + "['image_grid_thw']")
+        if grids.ndim != 2 or grids.shape[1] != 3 or grids.dtype.kind not in "iu" or (grids < 1).any():
+            raise ValueError(f"{field}['image_grid_thw'] must be positive integers [images, 3] (t, h, w patches), "
+                             f"got {grids.dtype} {list(grids.shape)}")
+        grids = [tuple(int(v) for v in g) for g in grids]
+        counts = [self.tower.num_rows(g) for g in grids]
+        if sum(counts) != len(rows) or any(g[0] != 1 for g in grids):
+            raise ValueError(f"{field}: image_grid_thw {grids} gives {sum(counts)} rows (a frame each), "
+                             f"image_embeds has {len(rows)}")
+        ends = np.cumsum(counts)
+        return [self._embedded_image(rows[end - n:end], g) for g, n, end in zip(grids, counts, ends)]
+
+    @staticmethod
+    def _embedded_image(rows: np.ndarray, grid) -> PreparedImage:
+        digest = hashlib.sha256(b"embeds" + rows.tobytes() + repr(grid).encode()).digest()
+        return PreparedImage(None, grid, digest, rows)
+
     def rows(self, image: PreparedImage, alone: bool = True) -> tuple[bytes, np.ndarray]:
         """(digest of its pixel_values, its rows [tokens, hidden]); `alone`: the prompt's only image (OneVision
         tiles only such an image, so its rows, and their digest, depend on it)."""
+        if image.rows is not None:   # embeddings given
+            return image.digest, image.rows
         digest = image.digest
         if self.tower.onevision:
             digest = hashlib.sha256(digest + bytes([alone])).digest()
@@ -224,7 +277,8 @@ class ImageInputs:
         request's mm_processor_kwargs."""
         prepared = [self.prepare(image, f"the conversation's image {i}", len(images) == 1, kwargs)
                     for i, image in enumerate(images)]
-        counts = [self.tower.num_rows(p.size, len(prepared) == 1) for p in prepared]
+        counts = [len(p.rows) if p.rows is not None else self.tower.num_rows(p.size, len(prepared) == 1)
+                  for p in prepared]
         return self.expand(token_ids, counts)[0], prepared
 
     def process(self, token_ids: list[int], images: list, truncate,
@@ -232,6 +286,7 @@ class ImageInputs:
         """(token ids, ((first position, rows), ...), each block's digest or None, M-RoPE's (offsets, delta) or
         None) of a prompt and its images; `truncate`: the prompt's truncation (InputProcessor.truncate), which
         must not cut into an image; `kwargs`: the prompt's mm_processor_kwargs."""
+        images = self.embedded(images)
         if self.limit is not None and len(images) > self.limit:
             raise ValueError(f"multi_modal_data['image'] holds {len(images)} images; this engine's "
                              f"limit_mm_per_prompt allows {self.limit} (LLM(..., limit_mm_per_prompt={{'image': N}}))")

@@ -23,11 +23,10 @@ import ml_dtypes
 import numpy as np
 
 
-def as_embeds(value, hidden_size: int, dtype) -> np.ndarray:
-    """`value` as a C-contiguous array [tokens, hidden_size] of `dtype` (the model's activations).
-    ValueError naming `prompt_embeds` for anything else: another rank or width, no rows, a value
-    that is not finite."""
-    if hasattr(value, "detach") and hasattr(value, "cpu"):   # a torch tensor (bfloat16 has no NumPy view)
+def host_array(value, field: str = "prompt_embeds") -> np.ndarray:
+    """A NumPy array, a torch tensor (bfloat16 as float32: it has no NumPy view) or nested lists as a NumPy
+    array of numbers; ValueError naming `field` for anything else."""
+    if hasattr(value, "detach") and hasattr(value, "cpu"):
         value = value.detach().cpu()
         if str(value.dtype) == "torch.bfloat16":
             value = value.float()
@@ -35,18 +34,24 @@ def as_embeds(value, hidden_size: int, dtype) -> np.ndarray:
     try:
         array = np.asarray(value)
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"prompt_embeds must be an array [tokens, {hidden_size}], got {type(value).__name__} "
-                         f"({exc})") from None
+        raise ValueError(f"{field} must be an array, got {type(value).__name__} ({exc})") from None
     if array.dtype.kind not in "fiu" and array.dtype not in (ml_dtypes.bfloat16,):
-        raise ValueError(f"prompt_embeds must hold numbers, got dtype {array.dtype}")
+        raise ValueError(f"{field} must hold numbers, got dtype {array.dtype}")
+    return array
+
+
+def as_embeds(value, hidden_size: int, dtype, field: str = "prompt_embeds") -> np.ndarray:
+    """`value` as a C-contiguous array [tokens, hidden_size] of `dtype` (the model's activations).
+    ValueError naming `field` for anything else: another rank or width, no rows, a value that is not
+    finite."""
+    array = value if isinstance(value, np.ndarray) and value.dtype.kind == "f" else host_array(value, field)
     if array.ndim != 2 or array.shape[1] != hidden_size:
-        raise ValueError(f"prompt_embeds must have shape [tokens, hidden_size={hidden_size}], got "
-                         f"{list(array.shape)}")
+        raise ValueError(f"{field} must have shape [tokens, hidden_size={hidden_size}], got {list(array.shape)}")
     if array.shape[0] == 0:
-        raise ValueError("prompt_embeds must hold at least 1 row (got 0)")
+        raise ValueError(f"{field} must hold at least 1 row (got 0)")
     array = np.ascontiguousarray(array.astype(dtype))
     if not np.isfinite(array.astype(np.float32)).all():
-        raise ValueError(f"prompt_embeds must be finite in {np.dtype(dtype).name} (it holds inf or nan)")
+        raise ValueError(f"{field} must be finite in {np.dtype(dtype).name} (it holds inf or nan)")
     return array
 
 

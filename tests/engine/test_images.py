@@ -335,3 +335,34 @@ def test_images_compile_nothing_after_startup():
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
     assert compiled == [], f"compiled after start-up: {compiled}"
     assert all(len(o.outputs[0].token_ids) == 5 for o in outs)
+
+
+def test_image_embeddings_stand_for_their_images():
+    """vLLM's image embeddings (enable_mm_embeds): transformers' get_image_features rows given as
+    {"image_embeds": [images, tokens, hidden]} give the tokens and logprobs of the images themselves, and share
+    nothing with them in the prefix cache; an engine without the flag, or rows of another width, refuse them."""
+    import torch
+    from transformers import AutoImageProcessor
+    from jaxpaged import SamplingParams
+    path, model = llava()
+    a, b = image(1), image(2, (64, 30))
+    two = "USER: <image> and <image>: which? ASSISTANT:"
+    pixels = AutoImageProcessor.from_pretrained(path, backend="pil")(images=[a, b], return_tensors="pt")
+    with torch.no_grad():
+        rows = torch.stack(list(model.model.get_image_features(pixels["pixel_values"]).pooler_output))
+    llm = engine(path, enable_mm_embeds=True)
+    ref = llm.generate({"prompt": two, "multi_modal_data": {"image": [a, b]}}, SamplingParams(**GREEDY),
+                       use_tqdm=False)[0]
+    got = llm.generate({"prompt": two, "multi_modal_data": {"image": {"image_embeds": rows}}},
+                       SamplingParams(**GREEDY), use_tqdm=False)[0]
+    assert got.prompt_token_ids == ref.prompt_token_ids and got.num_cached_tokens < 8
+    bare = llm.generate({"prompt": two, "multi_modal_data": {"image": rows.numpy()}}, SamplingParams(**GREEDY),
+                        use_tqdm=False)[0]   # the array alone, as vLLM takes LLaVA's
+    assert bare.outputs[0].token_ids == got.outputs[0].token_ids and bare.num_cached_tokens == len(got.prompt_token_ids) // 8 * 8
+    assert_matches(got, ref.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(ref.outputs[0].logprobs,
+                                                                                     ref.outputs[0].token_ids)])
+    with pytest.raises(ValueError, match="image_embeds'\\] must have shape \\[tokens, hidden_size=64\\]"):
+        llm.generate({"prompt": two, "multi_modal_data": {"image": {"image_embeds": rows[..., :8]}}}, use_tqdm=False)
+    with pytest.raises(ValueError, match="enable_mm_embeds=True"):
+        engine(path).generate({"prompt": two, "multi_modal_data": {"image": {"image_embeds": rows}}}, use_tqdm=False)
+    assert llm.get_metrics()["jaxpaged:kv_cache_usage_perc"] == 0.0, "blocks leaked"

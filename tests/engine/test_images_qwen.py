@@ -202,6 +202,33 @@ def test_a_prompts_mm_processor_kwargs_resize_its_own_images():
     assert llm.get_metrics()["jaxpaged:kv_cache_usage_perc"] == 0.0, "blocks leaked"
 
 
+def test_qwen_image_embeddings_with_their_grids_stand_for_their_images():
+    """vLLM's Qwen2-VL image embeddings (enable_mm_embeds): {"image_embeds": [tokens, hidden], "image_grid_thw":
+    [images, 3]} give transformers' tokens and logprobs of the images (the grids turn the rope); grids that do
+    not add up to the rows are a ValueError."""
+    import torch
+    from transformers import AutoImageProcessor
+    from jaxpaged import SamplingParams
+    path, model = qwen_vl("qwen2_5_vl")
+    text, imgs = f"{PLACEHOLDER}and{PLACEHOLDER} which?", [image(2, (150, 60)), image(3, (56, 56))]
+    pixels = AutoImageProcessor.from_pretrained(path, backend="pil")(images=imgs, return_tensors="pt")
+    with torch.no_grad():
+        rows = torch.cat(list(model.model.get_image_features(pixels["pixel_values"],
+                                                             pixels["image_grid_thw"]).pooler_output))
+    llm = engine(path, enable_mm_embeds=True)
+    embeds = {"image_embeds": rows, "image_grid_thw": pixels["image_grid_thw"]}
+    out = llm.generate({"prompt": text, "multi_modal_data": {"image": embeds}}, SamplingParams(**GREEDY),
+                       use_tqdm=False)[0]
+    ids = expanded(path, text, imgs)
+    assert out.prompt_token_ids == ids
+    assert_matches(out, *hf_greedy(model, path, ids, imgs, 6))
+    with pytest.raises(ValueError, match="gives 7 rows"):
+        llm.generate({"prompt": text, "multi_modal_data": {"image": {**embeds, "image_grid_thw": [[1, 2, 14]]}}},
+                     use_tqdm=False)
+    with pytest.raises(ValueError, match=r"keys \['image_embeds', 'image_grid_thw'\]"):
+        llm.generate({"prompt": text, "multi_modal_data": {"image": {"image_embeds": rows}}}, use_tqdm=False)
+
+
 @pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
 def test_the_tower_gives_transformers_image_features_at_many_shapes(kind):
     """The tower alone against transformers' get_image_features: square, wide and tall images, grids whose
