@@ -110,7 +110,7 @@ class ImageInputs:
         """The checkpoint's image processor, made with the engine's mm_processor_kwargs; with a request's
         `kwargs` over them, one made for those (the latest few kept). The tower takes the engine's images: a
         request's larger ones are refused when the tower sees them."""
-        if kwargs:
+        if kwargs is not None and kwargs != {}:   # (a value that is no dict: refused there)
             return self._request_processor(kwargs)
         if self._processor is None:
             processor = self._load(self.processor_kwargs, "")
