@@ -44,7 +44,7 @@ def as_embeds(value, hidden_size: int, dtype, field: str = "prompt_embeds") -> n
     """`value` as a C-contiguous array [tokens, hidden_size] of `dtype` (the model's activations).
     ValueError naming `field` for anything else: another rank or width, no rows, a value that is not
     finite."""
-    array = value if isinstance(value, np.ndarray) and value.dtype.kind == "f" else host_array(value, field)
+    array = host_array(value, field)
     if array.ndim != 2 or array.shape[1] != hidden_size:
         raise ValueError(f"{field} must have shape [tokens, hidden_size={hidden_size}], got {list(array.shape)}")
     if array.shape[0] == 0:
