@@ -100,6 +100,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-mm-embeds", action="store_true",
                         help="multi_modal_data's images may be the rows of the vision tower's output "
                              "({'image_embeds': array}, Python only)")
+    parser.add_argument("--logits-processors", nargs="+", default=None, metavar="MODULE:CLASS",
+                        help="custom logits processors (jaxpaged.LogitsProcessor subclasses), applied in order; "
+                             "requests pass them arguments in vllm_xargs")
     parser.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                         help="the folder file:// image URLs may be read from (default: file:// refused)")
     parser.add_argument("--max-loras", type=int, default=d.max_loras, help="adapters in one batch (default 1)")

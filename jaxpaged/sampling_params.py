@@ -159,6 +159,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None   # sample only among these tokens
     bad_words: list[str] | None = None   # never generate these words (with and without a leading space)
     truncate_prompt_tokens: int | None = None   # keep only the prompt's last k tokens; -1: as many as fit
+    extra_args: dict | None = None   # arguments for custom logits processors (vLLM's; vllm_xargs over HTTP)
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -256,6 +257,9 @@ class SamplingParams:
             if self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1:
                 raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 or -1 (as many as fit), "
                                  f"got {self.truncate_prompt_tokens!r}")
+        if self.extra_args is not None and not (isinstance(self.extra_args, dict)
+                                                and all(isinstance(k, str) for k in self.extra_args)):
+            raise ValueError(f"extra_args must be None or a dict with string keys, got {self.extra_args!r}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams or None, got "
                              f"{self.structured_outputs!r}")

@@ -167,6 +167,9 @@ class _Request(_Strict):
     structured_outputs: dict[str, Any] | None = Field(
         None, description='{"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ...} | '
                           '{"json_object": true}')
+    # vLLM's: arguments for the server's custom logits processors (SamplingParams.extra_args)
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = Field(
+        None, description="an object of strings, numbers or lists of them, for custom logits processors")
     # OpenAI's on chat; vLLM takes it on completions too: both become structured_outputs
     response_format: TextFormat | JsonObjectFormat | JsonSchemaFormat | None = Field(
         None, discriminator="type", description='{"type": "text"}, {"type": "json_object"} or '

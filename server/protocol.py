@@ -296,6 +296,8 @@ def build_sampling_params(req: ParsedRequest, prompt_len: int, max_model_len: in
         kwargs["skip_special_tokens"] = False
     elif req.keep_special_tokens:
         kwargs.setdefault("skip_special_tokens", False)
+    if req.request.vllm_xargs is not None:
+        kwargs["extra_args"] = req.request.vllm_xargs
     structured = req.tool_constraint if req.tool_constraint is not None else _structured_outputs(req.request)
     if structured is not None:
         kwargs["structured_outputs"] = structured
@@ -335,6 +337,8 @@ def bad_request(exc: ValueError, req: ParsedRequest) -> APIError:
         name = {"max_tokens": req.max_tokens_param, "prompt_logprobs": echoed, "logprobs": "top_logprobs"}[name]
     elif name == "prompt" and req.kind == "chat":
         name = "messages"
+    elif name == "extra_args":   # a custom logits processor's check of its arguments
+        name = "vllm_xargs"
     elif name not in ChatCompletionRequest.model_fields and name not in CompletionRequest.model_fields:
         name = None
     return APIError(400, str(exc), name, "invalid_value")

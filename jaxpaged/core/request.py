@@ -76,6 +76,7 @@ class Request:
         # its sampler waits for a token mask the host builds from its latest token: a grammar, or a bad
         # word of several tokens (an attribute, not a property: a step reads it for every decode)
         self.needs_host_mask = False
+        self.custom_logits = False   # a custom logits processor claimed it (set when it takes a slot)
         self.block_hashes: list[bytes] = []   # chained hashes of the full blocks of all_token_ids
         # a prompt of embeddings (enable_prompt_embeds): its rows (opaque here: the runner reads them, below)
         # stand for its prompt tokens, which are placeholders; each block's digest of them enters its hash

@@ -104,6 +104,7 @@ class EngineArgs:
     allowed_local_media_path: str | None = None   # the folder file:// image URLs may be read from (None: refused)
     mm_processor_kwargs: dict | str | None = None   # the image processor's overrides (Qwen2-VL's max_pixels, ...)
     enable_mm_embeds: bool = False   # multi_modal_data's images may be their rows ({"image_embeds": array})
+    logits_processors: list | None = None   # custom ones: jaxpaged.LogitsProcessor subclasses or 'module:Class'
 
     def batched_tokens(self, max_model_len: int) -> int:
         """The per-step token budget: given, or 2048 (at least max_model_len without chunked prefill)."""
@@ -228,6 +229,14 @@ class EngineArgs:
             require("enable_prompt_embeds", not self.enable_prompt_embeds or ok,
                     f"False with {name}={getattr(self, name)!r} (prompt embeddings run on one host, generating, "
                     "without speculative decoding)")
+        if self.logits_processors is not None:
+            from jaxpaged.logits_processor import load_logits_processors
+            load_logits_processors(self.logits_processors)   # ValueErrors name the entry and what it must be
+            for name, ok in (("speculative_config", spec is None), ("num_nodes", self.num_nodes == 1),
+                             ("runner", self.runner != "pooling")):
+                require("logits_processors", not self.logits_processors or ok,
+                        f"None with {name}={getattr(self, name)!r} (custom logits processors run in a generating "
+                        "engine on one host, without speculative decoding)")
         from jaxpaged.reasoning import REASONING_PARSERS
         require("reasoning_parser", self.reasoning_parser in (None, *REASONING_PARSERS),
                 f"None or one of {', '.join(map(repr, REASONING_PARSERS))}")

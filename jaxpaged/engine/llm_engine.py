@@ -82,7 +82,7 @@ class LLMEngine(ResearchMixin):
         draft = load_draft_model(args, spec, self.loaded) if spec is not None and spec.method == "draft_model" else None
         # a vision tower is compiled before the KV cache is sized, which leaves its programs' memory free
         images = image_inputs(args, self.loaded, self.tokenizer)
-        self.runner, self.max_model_len, num_blocks = build_runner(args, self.loaded, use_tqdm, draft)
+        self.runner, self.max_model_len, num_blocks = build_runner(args, self.loaded, use_tqdm, draft, self.tokenizer)
         self.num_blocks = num_blocks
         source = self.loaded.source
         self.generation_defaults = load_generation_defaults(args.generation_config,
@@ -149,6 +149,8 @@ class LLMEngine(ResearchMixin):
             if not isinstance(params, SamplingParams):
                 raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
             params = self.generation_defaults.apply(params)
+            if self.runner.logits_processors is not None:   # custom ones: their arguments (extra_args)
+                self.runner.logits_processors.validate_params(params)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.output_processor.states:
             raise ValueError(f"request_id {request_id!r} is already in use")

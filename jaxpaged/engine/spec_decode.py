@@ -210,6 +210,7 @@ class _DraftSequence:
         self.eos_token_ids = ()
         self.matcher = None
         self.needs_host_mask = False
+        self.custom_logits = False   # (no custom logits processors run beside speculation)
         self.banned_token_ids = ()
         self.pending_forks = []
         self.lora_slot = -1   # the draft model runs without adapters

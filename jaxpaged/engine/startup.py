@@ -11,6 +11,7 @@ from jaxpaged.engine import memory
 from jaxpaged.engine.arg_utils import EngineArgs, xla_compiler_options
 from jaxpaged.engine.multimodal import takes_images
 from jaxpaged.models.hub_options import HubOptions
+from jaxpaged.logits_processor import LogitsProcessorConfig, LogitsProcessors, load_logits_processors
 from jaxpaged.models.loader import LoadedModel, load_model
 from jaxpaged.parallel import ShardPlan
 from jaxpaged.runner import multihost
@@ -123,7 +124,7 @@ def load_model_and_tokenizer(args: EngineArgs, data_rank: int = 0):
     return loaded, tokenizer, name or args.model
 
 
-def _num_blocks(args: EngineArgs, loaded: LoadedModel, max_model_len: int, per_block: int) -> int:
+def _num_blocks(args: EngineArgs, loaded: LoadedModel, max_model_len: int, per_block: int, tokenizer=None) -> int:
     """Blocks of the KV pool; every budget is per device (vLLM's kv_cache_memory_bytes is per GPU),
     and with tensor parallelism each device holds its KV heads of every block."""
     if args.num_gpu_blocks_override is not None:
@@ -138,7 +139,7 @@ def _num_blocks(args: EngineArgs, loaded: LoadedModel, max_model_len: int, per_b
         return max(2, min(wanted, CPU_KV_CACHE_BYTES // per_block))
     allocator = memory.AllocatorConfig.from_env()
     report = memory.read_memory_report(device, allocator)   # before the probe runner adds its arrays
-    probe = _new_runner(args, loaded, 2, max_model_len)      # the step's memory does not grow with the pool
+    probe = _new_runner(args, loaded, 2, max_model_len, tokenizer=tokenizer)   # the step's memory: not the pool's
     # the largest step, and a vision tower's largest compiled program (run between steps, or beside one in flight)
     activation = memory.step_reserve_bytes(probe) + (loaded.vision.reserve_bytes if loaded.vision else 0)
     del probe
@@ -158,7 +159,14 @@ def kv_dtype(args: EngineArgs, loaded: LoadedModel):
 
 
 def _new_runner(args: EngineArgs, loaded: LoadedModel, num_blocks: int, max_model_len: int,
-                num_host_blocks: int = 0, host_cache_slots: int = 0) -> ModelRunner:
+                num_host_blocks: int = 0, host_cache_slots: int = 0, tokenizer=None) -> ModelRunner:
+    processors = None
+    # installed plugins too; refused (EngineArgs) or, plugins, left out where they cannot run (as vLLM's are)
+    runs_processors = args.runner != "pooling" and args.speculative_config is None and args.num_nodes == 1
+    classes = load_logits_processors(args.logits_processors) if runs_processors else ()
+    if classes:
+        processors = LogitsProcessors(classes, LogitsProcessorConfig(loaded.config.vocab_size, args.max_num_seqs + 1,
+                                                                     max_model_len, tokenizer))
     return ModelRunner(loaded.model, num_blocks, args.block_size, max_model_len, args.max_num_seqs,
                        args.batched_tokens(max_model_len), kv_dtype=kv_dtype(args, loaded),
                        num_host_blocks=num_host_blocks, host_cache_slots=host_cache_slots,
@@ -169,7 +177,7 @@ def _new_runner(args: EngineArgs, loaded: LoadedModel, num_blocks: int, max_mode
                        pooling=_pooling_type(args, loaded),
                        # rows in place of tokens: prompt embeddings, and a vision-language model's images
                        prompt_embeds=args.enable_prompt_embeds or takes_images(args, loaded),
-                       logprobs_mode=args.logprobs_mode)
+                       logprobs_mode=args.logprobs_mode, logits_processors=processors)
 
 
 def _pooling_type(args: EngineArgs, loaded: LoadedModel) -> str | None:
@@ -186,9 +194,11 @@ def _num_speculative_tokens(args: EngineArgs) -> int:
     return 0 if spec is None else spec.num_speculative_tokens
 
 
-def build_runner(args: EngineArgs, loaded: LoadedModel, use_tqdm: bool = True, draft: LoadedModel | None = None):
+def build_runner(args: EngineArgs, loaded: LoadedModel, use_tqdm: bool = True, draft: LoadedModel | None = None,
+                 tokenizer=None):
     """Returns (runner, max_model_len, num_blocks). `draft`: a speculative draft model, whose KV pool
-    has as many blocks as the target's (the memory budget is shared between the two pools)."""
+    has as many blocks as the target's (the memory budget is shared between the two pools). `tokenizer`: the
+    engine's (custom logits processors get it)."""
     cfg = loaded.config
     model_max = cfg.max_model_len
     if args.max_model_len is not None and args.max_model_len > model_max:
@@ -200,7 +210,7 @@ def build_runner(args: EngineArgs, loaded: LoadedModel, use_tqdm: bool = True, d
     if draft is not None:
         per_block += ModelRunner.bytes_per_block(draft.config, args.block_size, draft.model.dtype)
     enable_compilation_cache()   # the KV sizing compiles the step's largest buckets
-    num_blocks = multihost.broadcast_value(_num_blocks(args, loaded, max_model_len, per_block))   # rank 0's
+    num_blocks = multihost.broadcast_value(_num_blocks(args, loaded, max_model_len, per_block, tokenizer))   # rank 0's
     capacity = (num_blocks - 1) * args.block_size
     if max_model_len > capacity:
         if args.max_model_len is not None:
@@ -221,7 +231,7 @@ def build_runner(args: EngineArgs, loaded: LoadedModel, use_tqdm: bool = True, d
             raise ValueError(f"kv_offloading_size ({args.kv_offloading_size} GiB) holds {host_cache_slots} blocks of "
                              f"{per_block} bytes; give it at least {4 * per_block * args.data_parallel_size / (1 << 30):.3g} "
                              "GiB (4 blocks per replica)")
-    runner = _new_runner(args, loaded, num_blocks, max_model_len, num_host_blocks, host_cache_slots)
+    runner = _new_runner(args, loaded, num_blocks, max_model_len, num_host_blocks, host_cache_slots, tokenizer)
     logger.info("KV cache: %d blocks of %d tokens (%d tokens), max_model_len %d", num_blocks - 1,
                 args.block_size, capacity, max_model_len)
     if args.compile_on_startup:

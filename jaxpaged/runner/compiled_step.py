@@ -134,11 +134,12 @@ class CompiledStep:
             if key not in self._samplers:
                 statics = SampleStatics(self.graphdef, key[1], self.max_logprobs, self.max_num_seqs, self.plan,
                                         key[2], SamplerLayout.for_platform(self.plan.local_device.platform),
-                                        self.logprobs_mode)
+                                        self.logprobs_mode, self.logits_processors)
                 bitmask = like(jax.ShapeDtypeStruct((shape.num_logits, self.bitmask_words), jnp.int32))
+                custom = None if self.logits_processors is None else jax.tree.map(like, self.logits_processors.spec())
                 self._samplers[key] = sample_fn.lower(statics, self.state, self.slot_state,
                                                       jax.tree.map(like, forward.out_info[2]),
-                                                      bitmask).compile(self.compiler_options)
+                                                      bitmask, custom).compile(self.compiler_options)
         # every bucket's token count: a step of one-token chunks (a decode shape) can hold a prompt's
         # last chunk too, when the token budget left it one token
         if prompt_logprobs and not self.greedy_only:
@@ -199,15 +200,16 @@ def sampler_kind(requests) -> str:
     """The sampler a step's sampling requests need (host_branches; see step.SAMPLER_KINDS). Each
     test errs towards the more general kind, which is right for every row too: "greedy" only if
     every row is what sampler.is_plain_greedy calls plain (greedy in f32, no bias, allowed or bad
-    words, penalties, logprobs, grammar or pending min_tokens), "untruncated" only if no random row
-    has top-k or top-p."""
+    words, penalties, logprobs, grammar, pending min_tokens or custom logits processor), "untruncated"
+    only if no random row has top-k or top-p."""
     def greedy(p):   # as the device compares: in f32 (0.0, the usual greedy, decides at once)
         return p.temperature == 0.0 or np.float32(p.temperature) < np.float32(GREEDY_EPS)
 
     def plain(request):
         p = request.sampling_params
         return (greedy(p) and not uses_bias_row(request) and not uses_output_tokens(p) and not p.logprobs
-                and not request.needs_host_mask and p.min_tokens <= request.num_sampled_tokens)
+                and not request.needs_host_mask and p.min_tokens <= request.num_sampled_tokens
+                and not request.custom_logits)
 
     if all(plain(r) for r in requests):
         return "greedy"

@@ -96,8 +96,11 @@ class ModelRunner(CompiledStep, DeviceMemory, StepArgs):
                  max_logprobs: int = MAX_LOGPROBS, calculate_kv_scales: bool = False,
                  num_speculative_tokens: int = 0, compiler_options: dict | None = None,
                  greedy_only: bool = False, pooling: str | None = None, prompt_embeds: bool = False,
-                 logprobs_mode: str = "raw_logprobs"):
+                 logprobs_mode: str = "raw_logprobs", logits_processors=None):
         self.model_config = model.config
+        # custom logits processors (jaxpaged.logits_processor.LogitsProcessors; None: none): compiled into every
+        # sampler, told of each request taking a slot, their state sent with a step's sampler
+        self.logits_processors = logits_processors
         self.logprobs_mode = logprobs_mode   # vLLM's: what sampled tokens' logprobs hold (sampler.LOGPROBS_MODES)
         # enable_prompt_embeds: every forward takes a [T, hidden] input of prompt-embedding rows, read where
         # a token's id is -1 (sent only by steps that hold such tokens; zeros on the device otherwise)
@@ -153,7 +156,7 @@ class ModelRunner(CompiledStep, DeviceMemory, StepArgs):
         self.max_moved_blocks = next_bucket(self.max_blocks_per_seq, 4)   # per swap or copy call
         self._init_programs()               # the compiled step (compiled_step.py)
         # the persistent batch: one slot per sequence a step can hold
-        self.slot_table = SlotTable(max_num_seqs, cfg.vocab_size)
+        self.slot_table = SlotTable(max_num_seqs, cfg.vocab_size, logits_processors)
         with jax.default_device(self.plan.local_device):   # built on this engine's first device here, then replicated
             self.slot_state = self.plan.replicate(SlotState.zeros(max_num_seqs, self.max_blocks_per_seq,
                                                                   cfg.vocab_size))
@@ -339,8 +342,9 @@ class ModelRunner(CompiledStep, DeviceMemory, StepArgs):
         if self.channel is not None and constrained:   # a held-back sampler: its mask goes along
             self.channel.send(OP_SAMPLE, (), bitmask)
         _, sampler = self._executables(pending.shape, pending.inputs.sampler_kind)
+        custom = None if self.logits_processors is None else self.logits_processors.device_state(self.plan)
         self.slot_state, pending.packed, pending.tokens = sampler(
-            self.state, self.slot_state, pending.sample_rows, self._bitmask_arg(pending.shape, bitmask))
+            self.state, self.slot_state, pending.sample_rows, self._bitmask_arg(pending.shape, bitmask), custom)
         pending.sample_rows = None
         # on an accelerator the device->host copy starts as soon as the step ends, not when fetch asks
         # (a CPU's arrays are in host memory already: there the call only waits for the step)

@@ -177,11 +177,11 @@ def follow(runner) -> int:
             sample_rows, _, _ = runner.run_forward(shape, payload, prev_tokens, bool(args[7]))
             if args[5]:   # unconstrained: the sampler at once, everything allowed
                 runner.slot_state, _, last_tokens = sampler(runner.state, runner.slot_state, sample_rows,
-                                                            runner._bitmask_arg(shape, None))
+                                                            runner._bitmask_arg(shape, None), None)
         elif op == OP_SAMPLE:   # the held-back sampler of the last step run, with its mask
             bitmask = payload.reshape(shape.num_logits, runner.bitmask_words)
             runner.slot_state, _, last_tokens = sampler(runner.state, runner.slot_state, sample_rows,
-                                                        runner._bitmask_arg(shape, bitmask))
+                                                        runner._bitmask_arg(shape, bitmask), None)   # no processors
         elif op == OP_TIER_STORE:
             runner.host_cache.gather(committed(runner.kv_pool), HostMoves([(args[0], payload.tolist())], [], []))
         elif op == OP_TIER_LOAD:

@@ -8,8 +8,9 @@ it then gets a fresh slot, rebuilt from the host, when it runs again.
 
     block_tables    i32[R + 1, max_blocks_per_seq]   a request's blocks; grows by appended blocks
     params          i32[R + 1, NUM_PARAMS]           sampling parameters (floats bit-cast), step count,
-                                                     the request's rope length (ForwardBatch.rope_lens)
-                                                     and M-RoPE delta (Request.mrope_delta)
+                                                     the request's rope length (ForwardBatch.rope_lens),
+                                                     M-RoPE delta (Request.mrope_delta) and whether a custom
+                                                     logits processor claimed it (jaxpaged.logits_processor)
     output_counts   i32[R + 1, V]                    tokens sampled so far (penalties)
     prompt_mask     bool[R + 1, V]                   tokens of the prompt (repetition penalty)
     logit_bias      f32[R + 1, V]                    the request's logit_bias, allowed_token_ids (-inf
@@ -39,8 +40,8 @@ from jaxpaged.runner.sampler import uses_output_tokens
 
 # params columns
 (P_TEMPERATURE, P_TOP_K, P_TOP_P, P_MIN_P, P_PRESENCE, P_FREQUENCY, P_REPETITION, P_SEED, P_STEPS,
- P_LOGPROBS, P_HAS_BIAS, P_MIN_TOKENS, P_ROPE_LEN, P_MROPE_DELTA) = range(14)
-NUM_PARAMS = 14
+ P_LOGPROBS, P_HAS_BIAS, P_MIN_TOKENS, P_ROPE_LEN, P_MROPE_DELTA, P_CUSTOM) = range(15)
+NUM_PARAMS = 15
 FLOAT_PARAMS = (P_TEMPERATURE, P_TOP_P, P_MIN_P, P_PRESENCE, P_FREQUENCY, P_REPETITION)
 
 # update kinds
@@ -179,8 +180,9 @@ class SlotTable:
     """Host side of the persistent batch: which request holds which slot, what its device block
     table row holds, and the updates the next step must apply."""
 
-    def __init__(self, num_slots: int, vocab_size: int):
+    def __init__(self, num_slots: int, vocab_size: int, logits_processors=None):
         self.num_slots = num_slots
+        self.logits_processors = logits_processors   # jaxpaged.logits_processor.LogitsProcessors, or None
         self.pad_slot = num_slots          # the padding row
         self.no_slot = num_slots + 1       # out of bounds: a row whose token is not counted
         self.vocab_size = vocab_size
@@ -256,6 +258,9 @@ class SlotTable:
         row[P_MIN_TOKENS] = p.min_tokens if banned else 0
         row[P_ROPE_LEN] = request.rope_len
         row[P_MROPE_DELTA] = request.mrope_delta
+        if self.logits_processors is not None:   # a claimed request never samples plain greedy
+            request.custom_logits = self.logits_processors.add_request(slot, p)
+            row[P_CUSTOM] = int(request.custom_logits)
         self.step_updates += [(PARAM, slot, i, int(v)) for i, v in enumerate(row)]
         penalised = uses_output_tokens(p)
         if not (penalised or bias or banned):

@@ -12,8 +12,9 @@ and for random rows temperature, min_p, top_k, top_p and a draw with a per-reque
 
 What the logprobs hold is vLLM's `logprobs_mode` (LOGPROBS_MODES): the raw model's log-softmax (the
 default) or its logits, or the log-softmax or logits the token was drawn from ("processed": after
-bias, bans, penalties and a grammar's mask, and for a random row temperature, min_p, top-k and top-p,
-masked tokens at -inf), what a policy-gradient loop needs as the behaviour policy's logprobs.
+bias, bans, penalties, a grammar's mask and custom logits processors, and for a random row
+temperature, min_p, top-k and top-p, masked tokens at -inf), what a policy-gradient loop needs as
+the behaviour policy's logprobs.
 """
 
 import dataclasses
@@ -90,6 +91,7 @@ class SamplingMetadata:
     bitmask: jax.Array | None = None  # i32[S, ceil(V / 32)]
     # speculative decoding: the proposed token each row verifies (-1: none; see `sample`)
     draft_tokens: jax.Array | None = None  # i32[S]
+    custom: jax.Array | None = None  # bool[S]; a custom logits processor claimed the row (never plain greedy)
 
 
 @jax.tree_util.register_dataclass
@@ -303,6 +305,8 @@ def is_plain_greedy(md: SamplingMetadata) -> jax.Array:
              & ~jnp.any(md.requested_logprobs > 0))
     if md.bitmask is not None:
         plain = plain & ~jnp.any(constrained_rows(md))
+    if md.custom is not None:
+        plain = plain & ~jnp.any(md.custom)
     return plain if md.ban_active is None else plain & ~jnp.any(md.ban_active)
 
 
@@ -322,7 +326,8 @@ def plain_greedy(logits: jax.Array, vocab_axis: int, num_logprobs: int = 0, draf
 
 
 def sample(logits: jax.Array, md: SamplingMetadata, branch_free: bool = False,
-           layout: SamplerLayout = SamplerLayout(), logprobs_mode: str = "raw_logprobs") -> SamplerOutput:
+           layout: SamplerLayout = SamplerLayout(), logprobs_mode: str = "raw_logprobs", process=None
+           ) -> SamplerOutput:
     """Turn f32[S, V] logits into one token per row; pure, meant to run inside a jit.
 
     Speculative decoding (`md.draft_tokens`): a row verifies its draft token d by drawing its own
@@ -336,9 +341,14 @@ def sample(logits: jax.Array, md: SamplingMetadata, branch_free: bool = False,
     branch_free: no conditional at all (for a GPU, where the host knows that no row has top-k or
     top-p): every row-masked part runs, and the top-K logprobs are taken for every row.
 
-    logprobs_mode (LOGPROBS_MODES): what the logprobs are taken from (see the module docstring)."""
+    logprobs_mode (LOGPROBS_MODES): what the logprobs are taken from (see the module docstring).
+
+    process: custom logits processors (f32[S, V] -> f32[S, V], jaxpaged.logits_processor), after bias,
+    penalties and masks, before temperature and truncation (vLLM's order); None: none."""
     logits = logits.astype(jnp.float32)
     processed = _apply_bias_and_penalties(logits, md, branch_free)
+    if process is not None:
+        processed = process(processed)
     tokens = layout.argmax(processed, -1)[0]
     drawn_from = processed   # the logits each row's token comes from (processed modes)
     if not md.all_greedy:

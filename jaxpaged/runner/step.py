@@ -112,6 +112,7 @@ class SampleStatics:
     kind: str | None = None  # one of SAMPLER_KINDS, picked by the host; None: lax.cond picks the greedy path
     layout: SamplerLayout = SamplerLayout()   # the platform's (SamplerLayout.for_platform)
     logprobs_mode: str = "raw_logprobs"       # vLLM's: what the logprobs hold (sampler.LOGPROBS_MODES)
+    logits_processors: object = None          # custom ones (jaxpaged.logits_processor.LogitsProcessors), or None
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2, 3))
@@ -155,10 +156,11 @@ def forward_fn(statics: StepStatics, state, kv_pool, slots: SlotState, buffer, p
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
-def sample_fn(statics: SampleStatics, state, slots: SlotState, rows: SampleRows, bitmask):
+def sample_fn(statics: SampleStatics, state, slots: SlotState, rows: SampleRows, bitmask, custom=None):
     """The second half of an engine step: LM head and sampler. bitmask: i32[S, ceil(V / 32)],
     each sample row's allowed tokens (structured outputs; all ones: any), filled on the host
-    while the forward runs.
+    while the forward runs. custom: the custom logits processors' claims and states
+    (LogitsProcessors.device_state; None without processors).
 
     Speculative decoding: a row with a draft token verifies it (sampler.sample); only the rows up to
     each sequence's first rejection count their token (emitted_rows).
@@ -180,8 +182,11 @@ def sample_fn(statics: SampleStatics, state, slots: SlotState, rows: SampleRows,
                                 smd.draft_tokens, layout, mode)
         return plain_greedy(_row_logits(model.compute_logits, h, num_rows, 0), 1, K, smd.draft_tokens, layout, mode)
 
+    process = None if statics.logits_processors is None else functools.partial(   # custom logits processors
+        statics.logits_processors.apply, state=custom, slots=rows.row_slots, num_output_tokens=smd.steps)
+
     def general(h, branch_free=False):
-        return sample(_row_logits(model.compute_logits, h, num_rows, 0), smd, branch_free, layout, mode)
+        return sample(_row_logits(model.compute_logits, h, num_rows, 0), smd, branch_free, layout, mode, process)
 
     if statics.kind is None:
         out = jax.lax.cond(is_plain_greedy(smd), greedy, general, rows.hidden)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.kernels import AttentionMetadata
-from jaxpaged.runner.persistent_batch import (NUM_PARAMS, P_FREQUENCY, P_HAS_BIAS, P_LOGPROBS, P_MIN_P,
+from jaxpaged.runner.persistent_batch import (NUM_PARAMS, P_CUSTOM, P_FREQUENCY, P_HAS_BIAS, P_LOGPROBS, P_MIN_P,
                                               P_MIN_TOKENS, P_MROPE_DELTA, P_PRESENCE, P_REPETITION, P_ROPE_LEN,
                                               P_SEED, P_STEPS, P_TEMPERATURE, P_TOP_K, P_TOP_P, UPDATE_WIDTH,
                                               SlotState)
@@ -131,7 +131,8 @@ def sampling_metadata(state: SlotState, row_slots: jax.Array, num_logprobs: int,
         steps=steps, requested_logprobs=p[:, P_LOGPROBS], has_logit_bias=p[:, P_HAS_BIAS] != 0,
         output_counts=state.output_counts, prompt_mask=state.prompt_mask, logit_bias=state.logit_bias,
         all_greedy=False, num_logprobs=num_logprobs, rows=row_slots, min_tokens_ban=state.min_tokens_ban,
-        ban_active=p[:, P_STEPS] < p[:, P_MIN_TOKENS], bitmask=bitmask, draft_tokens=drafts)
+        ban_active=p[:, P_STEPS] < p[:, P_MIN_TOKENS], bitmask=bitmask, draft_tokens=drafts,
+        custom=p[:, P_CUSTOM] != 0)
 
 
 def emitted_rows(drafts: jax.Array, accepted: jax.Array, first: jax.Array) -> jax.Array:

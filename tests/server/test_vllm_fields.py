@@ -1,18 +1,20 @@
 """vLLM's request fields beyond OpenAI's, over HTTP with the official client: allowed_token_ids, bad_words,
 truncate_prompt_tokens, return_tokens_as_token_ids, return_token_ids, prompt_logprobs, priority,
-stream_options.continuous_usage_stats."""
+stream_options.continuous_usage_stats, vllm_xargs (the server runs a custom logits processor, which claims only the
+requests that pass it arguments)."""
 
 import itertools
 
 import numpy as np
 import pytest
 
+from tests.engine.test_logits_processors import ForceToken
 from tests.server.helpers import HTTP, MODEL, openai_client, serving_tiny_engine
 
 
 @pytest.fixture(scope="module")
 def url():
-    with serving_tiny_engine() as url:
+    with serving_tiny_engine(logits_processors=[ForceToken]) as url:
         yield url
 
 
@@ -149,3 +151,25 @@ def test_continuous_usage_stats_put_each_choices_usage_so_far_in_every_chunk(cli
 def test_embeddings_on_a_generating_server_say_so(url):
     reply = HTTP.post(url + "/v1/embeddings", json={"model": MODEL, "input": "Hello"})
     assert reply.status_code == 400 and "does not support Embeddings API" in reply.json()["error"]["message"]
+
+
+def test_vllm_xargs_reach_the_custom_logits_processor_and_bad_ones_are_400s(client, url):
+    """vLLM's vllm_xargs become SamplingParams.extra_args: the processor forces its target token (chat and
+    completions, streamed too); its own check of them is a 400 naming vllm_xargs, and the server goes on."""
+    out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=1.0,
+                                    extra_body={"vllm_xargs": {"target_token": 9}, "return_token_ids": True})
+    assert out.choices[0].token_ids == [9] * 4
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          stream=True, extra_body={"vllm_xargs": {"target_token": 9, "note": ["a", 1]},
+                                                                   "return_token_ids": True})
+    assert [t for chunk in chat for c in chunk.choices for t in (c.token_ids or [])] == [9] * 3
+    for bad in ({"target_token": "9"}, {"target_token": -2}):
+        response = HTTP.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hello", "vllm_xargs": bad})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "vllm_xargs" and "target_token must be a token id" in error["message"]
+    response = HTTP.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hello", "vllm_xargs": [1]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "vllm_xargs", response.text
+    free = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0.0,
+                                     extra_body={"return_token_ids": True})
+    assert free.choices[0].token_ids != [9] * 4
