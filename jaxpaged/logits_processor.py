@@ -10,7 +10,8 @@ A processor is a class: the engine makes one instance per model replica at start
     state()                      on the host, after add_request calls: the pytree of arrays `apply` reads (fixed
                                  shapes and dtypes: it is an argument of programs compiled at start-up), copied
                                  whole to the device
-    apply(logits, ctx, state)    traced, inside the sampler of every step: f32[S, V] logits -> f32[S, V]
+    apply(logits, ctx, state)    traced, inside the sampler of every step: f32[S, V] logits -> f32[S, V]; ctx
+                                 (LogitsContext) gives each row's slot and output so far
 
 `apply` sees each sample row's logits after logit_bias, allowed_token_ids, bad words, penalties, min_tokens and a
 structured output's mask, and before temperature, min_p, top-k and top-p (vLLM's order); only the rows of requests
@@ -52,6 +53,9 @@ class LogitsContext:
     slots: jax.Array              # i32[S]: the slot whose request each row samples for (padding rows: the last slot)
     num_output_tokens: jax.Array  # i32[S]: tokens the row's request sampled before this one
     active: jax.Array             # bool[S]: this processor claimed the row's request (add_request returned True)
+    # i32[num_slots, max_model_len]: each slot's request's output tokens so far (row s valid up to the
+    # num_output_tokens of the rows reading slot s; a row's own: output_tokens[slots])
+    output_tokens: jax.Array
 
 
 class LogitsProcessor:
@@ -164,12 +168,13 @@ class LogitsProcessors:
             self._on_device = plan.put(state)
         return self._on_device
 
-    def apply(self, logits: jax.Array, state, slots: jax.Array, num_output_tokens: jax.Array) -> jax.Array:
+    def apply(self, logits: jax.Array, state, slots: jax.Array, num_output_tokens: jax.Array,
+              output_tokens: jax.Array) -> jax.Array:
         """Traced: each processor's apply in turn, kept on the rows of the requests it claimed."""
         claims, states = state
         for i, processor in enumerate(self.processors):
             active = claims[i][slots]
-            out = processor.apply(logits, LogitsContext(slots, num_output_tokens, active), states[i])
+            out = processor.apply(logits, LogitsContext(slots, num_output_tokens, active, output_tokens), states[i])
             if getattr(out, "shape", None) != logits.shape:
                 raise ValueError(f"{type(processor).__name__}.apply must return the logits' shape {logits.shape}, "
                                  f"got {getattr(out, 'shape', type(out).__name__)}")

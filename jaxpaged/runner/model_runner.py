@@ -158,8 +158,8 @@ class ModelRunner(CompiledStep, DeviceMemory, StepArgs):
         # the persistent batch: one slot per sequence a step can hold
         self.slot_table = SlotTable(max_num_seqs, cfg.vocab_size, logits_processors)
         with jax.default_device(self.plan.local_device):   # built on this engine's first device here, then replicated
-            self.slot_state = self.plan.replicate(SlotState.zeros(max_num_seqs, self.max_blocks_per_seq,
-                                                                  cfg.vocab_size))
+            self.slot_state = self.plan.replicate(SlotState.zeros(
+                max_num_seqs, self.max_blocks_per_seq, cfg.vocab_size, max_model_len if logits_processors else 0))
             # every step returns its sampled tokens padded to max_num_seqs rows (its largest bucket)
             self._no_prev_tokens = self.plan.replicate(jnp.zeros(max_num_seqs, jnp.int32))
         self.swap_space = HostSwapSpace(self.kv_pool_spec, num_host_blocks) if num_host_blocks else None

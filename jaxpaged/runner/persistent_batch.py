@@ -16,12 +16,15 @@ it then gets a fresh slot, rebuilt from the host, when it runs again.
     logit_bias      f32[R + 1, V]                    the request's logit_bias, allowed_token_ids (-inf
                                                      elsewhere) and bad words of one token (-inf)
     min_tokens_ban  bool[R + 1, V]                   EOS and stop tokens, masked until min_tokens
+    output_tokens   i32[R + 1, max_model_len]        the tokens sampled so far (only with custom logits
+                                                     processors, which read them; else None)
 
 Row R is padding: a greedy request with no blocks (padding sample rows read it). The host only
 sends what changed, as (kind, slot, index, value) updates: TABLE for each block a sequence
 appends (or a copy-on-write replaces), PARAM for the parameters of a request taking a slot;
 RESET, PROMPT, COUNT, BIAS and BAN fill the [R + 1, V] rows of a request that uses
-penalties, logit_bias or min_tokens when it takes its slot. The step applies TABLE and PARAM
+penalties, logit_bias or min_tokens when it takes its slot, OUTPUT its output_tokens row (a request coming
+back after preemption). The step applies TABLE and PARAM
 updates itself (they ride in its packed input); the [.., V] seeding, and updates past the
 step's capacity, go through `apply_updates` before the step. The step counts the tokens it
 samples into output_counts and the step counter.
@@ -45,7 +48,7 @@ NUM_PARAMS = 15
 FLOAT_PARAMS = (P_TEMPERATURE, P_TOP_P, P_MIN_P, P_PRESENCE, P_FREQUENCY, P_REPETITION)
 
 # update kinds
-TABLE, PARAM, RESET, PROMPT, COUNT, BIAS, BAN = range(7)
+TABLE, PARAM, RESET, PROMPT, COUNT, BIAS, BAN, OUTPUT = range(8)
 STEP_KINDS = (TABLE, PARAM)           # the step applies these itself
 UPDATE_WIDTH = 4                      # (kind, slot, index, value)
 UPDATES_PER_CALL = 4096               # capacity of one apply_updates call
@@ -87,14 +90,17 @@ class SlotState:
     prompt_mask: jax.Array      # bool[R + 1, V]
     logit_bias: jax.Array       # f32[R + 1, V]
     min_tokens_ban: jax.Array   # bool[R + 1, V]
+    output_tokens: jax.Array | None = None   # i32[R + 1, max_model_len]; None: not kept
 
     @classmethod
-    def zeros(cls, num_slots: int, max_blocks_per_seq: int, vocab_size: int) -> "SlotState":
+    def zeros(cls, num_slots: int, max_blocks_per_seq: int, vocab_size: int, output_len: int = 0) -> "SlotState":
+        """output_len: the output_tokens rows' length (0: not kept)."""
         rows = num_slots + 1
         return cls(jnp.zeros((rows, max_blocks_per_seq), jnp.int32),
                    jnp.asarray(np.tile(default_params(), (rows, 1))),
                    jnp.zeros((rows, vocab_size), jnp.int32), jnp.zeros((rows, vocab_size), bool),
-                   jnp.zeros((rows, vocab_size), jnp.float32), jnp.zeros((rows, vocab_size), bool))
+                   jnp.zeros((rows, vocab_size), jnp.float32), jnp.zeros((rows, vocab_size), bool),
+                   jnp.zeros((rows, output_len), jnp.int32) if output_len else None)
 
     @property
     def nbytes(self) -> int:
@@ -140,8 +146,12 @@ def _apply_updates(state: SlotState, updates: jax.Array) -> SlotState:
     bias = state.logit_bias.at[rows, index].set(jax.lax.bitcast_convert_type(value, jnp.float32), mode="drop")
     rows, index, value = _by_kind(updates, BAN, R1)
     ban = state.min_tokens_ban.at[rows, index].set(True, mode="drop")
+    outputs = state.output_tokens
+    if outputs is not None:
+        rows, index, value = _by_kind(updates, OUTPUT, R1)
+        outputs = outputs.at[rows, index].set(value, mode="drop")
     return dataclasses.replace(state, output_counts=counts, prompt_mask=prompt_mask, logit_bias=bias,
-                               min_tokens_ban=ban)
+                               min_tokens_ban=ban, output_tokens=outputs)
 
 
 def apply_updates(state: SlotState, updates: list[tuple[int, int, int, int]], plan: ShardPlan = ShardPlan()
@@ -182,7 +192,8 @@ class SlotTable:
 
     def __init__(self, num_slots: int, vocab_size: int, logits_processors=None):
         self.num_slots = num_slots
-        self.logits_processors = logits_processors   # jaxpaged.logits_processor.LogitsProcessors, or None
+        # jaxpaged.logits_processor.LogitsProcessors, or None; with them the slots keep their output tokens
+        self.logits_processors = logits_processors
         self.pad_slot = num_slots          # the padding row
         self.no_slot = num_slots + 1       # out of bounds: a row whose token is not counted
         self.vocab_size = vocab_size
@@ -261,6 +272,7 @@ class SlotTable:
         if self.logits_processors is not None:   # a claimed request never samples plain greedy
             request.custom_logits = self.logits_processors.add_request(slot, p)
             row[P_CUSTOM] = int(request.custom_logits)
+            self.seed_updates += [(OUTPUT, slot, i, t) for i, t in enumerate(request.output_token_ids)]
         self.step_updates += [(PARAM, slot, i, int(v)) for i, v in enumerate(row)]
         penalised = uses_output_tokens(p)
         if not (penalised or bias or banned):

@@ -183,7 +183,8 @@ def sample_fn(statics: SampleStatics, state, slots: SlotState, rows: SampleRows,
         return plain_greedy(_row_logits(model.compute_logits, h, num_rows, 0), 1, K, smd.draft_tokens, layout, mode)
 
     process = None if statics.logits_processors is None else functools.partial(   # custom logits processors
-        statics.logits_processors.apply, state=custom, slots=rows.row_slots, num_output_tokens=smd.steps)
+        statics.logits_processors.apply, state=custom, slots=rows.row_slots, num_output_tokens=smd.steps,
+        output_tokens=slots.output_tokens)
 
     def general(h, branch_free=False):
         return sample(_row_logits(model.compute_logits, h, num_rows, 0), smd, branch_free, layout, mode, process)

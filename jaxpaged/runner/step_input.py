@@ -144,8 +144,13 @@ def emitted_rows(drafts: jax.Array, accepted: jax.Array, first: jax.Array) -> ja
 
 
 def count_sampled(state: SlotState, count_slots: jax.Array, tokens: jax.Array) -> SlotState:
-    """Traced: add each sampled token to its slot's counts and step counter (slots out of bounds:
-    rows that sampled nothing)."""
+    """Traced: add each sampled token to its slot's counts, step counter and (kept with custom logits
+    processors, which rule out speculation: one row a slot) output tokens (slots out of bounds: rows that
+    sampled nothing)."""
+    outputs = state.output_tokens
+    if outputs is not None:
+        steps = state.params.at[count_slots, P_STEPS].get(mode="fill", fill_value=outputs.shape[1])
+        outputs = outputs.at[count_slots, steps].set(tokens, mode="drop")
     return dataclasses.replace(
         state, output_counts=state.output_counts.at[count_slots, tokens].add(1, mode="drop"),
-        params=state.params.at[count_slots, P_STEPS].add(1, mode="drop"))
+        params=state.params.at[count_slots, P_STEPS].add(1, mode="drop"), output_tokens=outputs)

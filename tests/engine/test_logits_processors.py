@@ -86,6 +86,35 @@ class AddBias(LogitsProcessor):
         return logits + bias[ctx.slots]
 
 
+class NoRepeatNGram(LogitsProcessor):
+    """extra_args {"no_repeat_ngram_size": n} (n <= 4): a token completing an n-gram the output already holds is
+    banned (vLLM's builtin of that name: the output only). Reads the slots' output tokens (ctx.output_tokens)."""
+    MAX_N = 4
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.sizes = np.zeros(config.num_slots, np.int32)
+
+    def add_request(self, slot, params):
+        self.sizes[slot] = (params.extra_args or {}).get("no_repeat_ngram_size", 0)
+        return bool(self.sizes[slot])
+
+    def state(self):
+        return self.sizes
+
+    def apply(self, logits, ctx, sizes):
+        n, length = sizes[ctx.slots][:, None], ctx.num_output_tokens[:, None]   # [S, 1]
+        history = ctx.output_tokens[ctx.slots]                                   # [S, H]
+        H = history.shape[1]
+        starts = jnp.arange(H)[None, :]
+        at = lambda index: jnp.take_along_axis(history, jnp.clip(index, 0, H - 1), axis=1)  # noqa: E731
+        match = (starts <= length - n) & (n > 0)
+        for offset in range(self.MAX_N - 1):   # the n-gram's first n - 1 tokens against the output's last
+            match &= (offset >= n - 1) | (at(starts + offset) == at(length - n + 1 + offset))
+        banned = jnp.where(match, at(starts + n - 1), logits.shape[1])   # out of bounds: dropped
+        return logits.at[jnp.arange(logits.shape[0])[:, None], banned].set(-jnp.inf, mode="drop")
+
+
 def _llm(**kwargs):
     return LLM(tiny_checkpoint("llama"), dtype="float32", block_size=8, num_gpu_blocks_override=96, max_model_len=64,
                max_num_seqs=2, max_num_batched_tokens=32, use_tqdm=False, **kwargs)
@@ -199,3 +228,53 @@ def test_processors_are_refused_where_they_cannot_run():
         EngineArgs(logits_processors=[ForceToken], speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="logits_processors must be None with runner='pooling'"):
         EngineArgs(logits_processors=[ForceToken], runner="pooling")
+
+
+def _hf_no_repeat_outputs(prompt, n, max_tokens):
+    """transformers' greedy generate with the same ban on the output only (its own no_repeat_ngram_size reads the
+    prompt too)."""
+    import torch
+    from transformers import LogitsProcessor as HFProcessor, LogitsProcessorList
+
+    from tests.tiny_models import hf_model
+
+    class OutputNoRepeat(HFProcessor):
+        def __call__(self, input_ids, scores):
+            out = input_ids[0, len(prompt):].tolist()
+            for j in range(len(out) - n + 1):
+                if out[j:j + n - 1] == out[len(out) - n + 1:]:
+                    scores[0, out[j + n - 1]] = -float("inf")
+            return scores
+
+    with torch.no_grad():
+        ids = hf_model(tiny_checkpoint("llama")).generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=0,
+            logits_processor=LogitsProcessorList([OutputNoRepeat()]))
+    return ids[0, len(prompt):].tolist()
+
+
+def _has_repeat(tokens, n):
+    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    return len(grams) != len(set(grams))
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_a_processor_reading_the_output_tokens_matches_transformers_through_preemption(preemption_mode):
+    """No repeated bigram or trigram, the very tokens of transformers with the same ban, in a pool too small for
+    the batch: requests preempted (their slots' tokens written again when they come back) keep them."""
+    prompts, max_tokens = PROMPTS[:4] * 2, 40
+    sizes = [2, 3, 2, 0] * 2
+    llm = LLM(tiny_checkpoint("llama"), dtype="float32", block_size=8, num_gpu_blocks_override=16, max_model_len=64,
+              max_num_seqs=8, max_num_batched_tokens=32, compile_on_startup=False, use_tqdm=False,
+              logits_processors=[NoRepeatNGram], preemption_mode=preemption_mode, swap_space=64 * 6144 / 2**30)
+    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                             extra_args={"no_repeat_ngram_size": n} if n else None) for n in sizes]
+    outs = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                          use_tqdm=False)]
+    assert llm.get_metrics()["jaxpaged:num_preemptions_total"] > 0
+    assert outs[:4] == outs[4:]
+    assert _has_repeat(outs[3], 2)   # the free answer repeats itself
+    for prompt, n, tokens in zip(prompts[:3], sizes, outs):
+        assert not _has_repeat(tokens, n)
+        assert tokens == _hf_no_repeat_outputs(prompt, n, max_tokens)
