@@ -34,7 +34,7 @@ def render_chat_images(tokenizer, messages: list[dict], images, *args, **kwargs)
     placeholder before the message's text, as vLLM's "string" content format."""
     from jaxpaged.engine.media import chat_images, text_content
     refused, local_root = (images, None) if isinstance(images, str) else (None, images.local_root)
-    messages, found = chat_images(messages, refused, local_root)
+    messages, found = chat_images(messages, refused, local_root, None if refused else images.embedded_part)
     text = render_chat(tokenizer, messages, *args, **kwargs)
     if found and text.count(images.placeholder) < len(found):
         text = render_chat(tokenizer, text_content(messages, images.placeholder), *args, **kwargs)

@@ -99,7 +99,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help='the image processor\'s overrides, e.g. \'{"max_pixels": 1003520}\' (Qwen2-VL)')
     parser.add_argument("--enable-mm-embeds", action="store_true",
                         help="multi_modal_data's images may be the rows of the vision tower's output "
-                             "({'image_embeds': array}, Python only)")
+                             "({'image_embeds': array}; chat's image_embeds parts)")
     parser.add_argument("--logits-processors", nargs="+", default=None, metavar="MODULE:CLASS",
                         help="custom logits processors (jaxpaged.LogitsProcessor subclasses), applied in order; "
                              "requests pass them arguments in vllm_xargs")

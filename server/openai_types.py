@@ -52,6 +52,14 @@ class ImagePart(_Strict):
     image_url: ImageURL
 
 
+class ImageEmbedsPart(_Strict):
+    """vLLM's (--enable-mm-embeds): one image as the vision tower's output rows, base64 of torch.save(tensor) or
+    of a .npy file; Qwen2-VL's as {"image_embeds": ..., "image_grid_thw": ...}."""
+    type: Literal["image_embeds"]
+    image_embeds: str | dict[str, str] = Field(description="base64 of torch.save(tensor) or a .npy file, or Qwen2-VL's "
+                                                           '{"image_embeds": ..., "image_grid_thw": ...} of them')
+
+
 class FunctionCall(_Strict):
     name: str
     arguments: str   # JSON, as the model wrote it
@@ -66,7 +74,7 @@ class ToolCall(_Strict):
 class Message(_Strict):
     role: str
     # images: a vision-language model's (the part's type picks its model, so an error names the right field)
-    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
+    content: str | list[Annotated[TextPart | ImagePart | ImageEmbedsPart, Field(discriminator="type")]] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None      # an assistant's earlier calls
     tool_call_id: str | None = None               # a tool message: the call it answers

@@ -249,7 +249,7 @@ def tool_dicts(tools: list[Tool] | None) -> list[dict] | None:
 
 def _message_dict(message: Message) -> dict:
     content = message.content
-    if isinstance(content, list) and any(part.type == "image_url" for part in content):
+    if isinstance(content, list) and any(part.type in ("image_url", "image_embeds") for part in content):
         content = [part.model_dump(exclude_none=True) for part in content]   # (to chat_utils.render_chat_images)
     elif isinstance(content, list):
         content = "\n".join(part.text for part in content)

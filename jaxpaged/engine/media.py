@@ -119,15 +119,17 @@ def image_list(data, field: str = "multi_modal_data") -> list:
     return images
 
 
-_IMAGE_PARTS = ("image_url", "image_pil", "image")
+_IMAGE_PARTS = ("image_url", "image_pil", "image", "image_embeds")
 
 
-def chat_images(messages: list[dict], refused: str | None = None, local_root: str | None = None) -> tuple[list, list]:
+def chat_images(messages: list[dict], refused: str | None = None, local_root: str | None = None,
+                embedded=None) -> tuple[list, list]:
     """Messages with image parts (OpenAI's {"type": "image_url", "image_url": {"url": ...}}, vLLM's
-    {"type": "image_pil", "image_pil": img} and {"type": "image", "image": ...}) turned into the {"type": "image"}
-    parts chat templates place their image token for, and the images in order; text-only messages unchanged.
-    `refused`: why this engine takes no images (a ValueError naming the first image part), None: it does;
-    `local_root`: the folder file:// URLs may read (allowed_local_media_path)."""
+    {"type": "image_pil", "image_pil": img}, {"type": "image", "image": ...} and {"type": "image_embeds",
+    "image_embeds": ...}) turned into the {"type": "image"} parts chat templates place their image token for, and
+    the images in order; text-only messages unchanged. `refused`: why this engine takes no images (a ValueError
+    naming the first image part), None: it does; `local_root`: the folder file:// URLs may read
+    (allowed_local_media_path); `embedded(value, field)`: an image_embeds part's image (ImageInputs.embedded_part)."""
     out, images = [], []
     for i, message in enumerate(messages):
         content = message.get("content")
@@ -149,7 +151,7 @@ def chat_images(messages: list[dict], refused: str | None = None, local_root: st
                 image = image.get("url")
             if image is None:
                 raise ValueError(f"{field}: an {kind!r} part needs its image in {kind!r}")
-            images.append(load_image(image, field, local_root))
+            images.append(embedded(image, field) if kind == "image_embeds" else load_image(image, field, local_root))
             parts.append({"type": "image"})
         out.append({**message, "content": parts})
     return out, images

@@ -20,7 +20,7 @@ import threading
 import numpy as np
 
 from jaxpaged.engine.media import image_list, load_image, square
-from jaxpaged.engine.prompt_embeds import as_embeds, host_array
+from jaxpaged.engine.prompt_embeds import as_embeds, decode_base64, host_array
 
 
 def takes_images(args, loaded) -> bool:
@@ -185,7 +185,23 @@ class ImageInputs:
             return prompt
         return {**prompt, "multi_modal_data": {"image": images}}
 
-    def embedded(self, images: list) -> list:
+    def embedded_part(self, value, field: str) -> PreparedImage:
+        """A chat message's image_embeds part, one image: vLLM's base64 of torch.save(tensor) (or of a .npy file),
+        for Qwen2-VL a dict of them ({"image_embeds", "image_grid_thw"}), or the arrays themselves (LLM.chat)."""
+        def decoded(v, name, kinds="f"):
+            return decode_base64(v, name, kinds) if isinstance(v, str) else v
+        if self.embeds_width is None:
+            raise ValueError(f"{field} is image embeddings: they need an engine built with enable_mm_embeds=True "
+                             "(--enable-mm-embeds)")
+        entry = {"image_embeds": decoded(value, f"{field}['image_embeds']")} if not isinstance(value, dict) else {
+            k: decoded(v, f"{field}['image_embeds'][{k!r}]", "iu" if k == "image_grid_thw" else "f")
+            for k, v in value.items()}
+        out = self.embedded([entry], field)
+        if len(out) != 1:
+            raise ValueError(f"{field} must hold one image's embeddings (a part per image), got {len(out)} images")
+        return out[0]
+
+    def embedded(self, images: list, field: str = "multi_modal_data['image']") -> list:
         """multi_modal_data's images with vLLM's image embeddings (a dict) made PreparedImages, one per image:
         {"image_embeds": [images,] tokens x hidden} for LLaVA's towers (or that array alone, a torch tensor or a
         float array: no image is one), {"image_embeds": [tokens, hidden], "image_grid_thw": [images, 3]} for
@@ -198,15 +214,15 @@ class ImageInputs:
             if not isinstance(entry, dict):
                 out.append(entry)
                 continue
-            field = "multi_modal_data['image']" + (f"[{i}]" if len(images) > 1 else "")
+            name = field + (f"[{i}]" if len(images) > 1 else "")
             if self.embeds_width is None:
-                raise ValueError(f"{field}: image embeddings need an engine built with enable_mm_embeds=True "
+                raise ValueError(f"{name}: image embeddings need an engine built with enable_mm_embeds=True "
                                  "(--enable-mm-embeds)")
             keys = ("image_embeds", "image_grid_thw") if self.tower.uses_mrope else ("image_embeds",)
             if set(entry) != set(keys):
-                raise ValueError(f"{field} must be a dict with keys {list(keys)} (this model's image embeddings), "
+                raise ValueError(f"{name} must be a dict with keys {list(keys)} (this model's image embeddings), "
                                  f"got {sorted(map(str, entry))}")
-            out += self._embeds(entry, field)
+            out += self._embeds(entry, name)
         return out
 
     def _embeds(self, entry: dict, field: str) -> list[PreparedImage]:

@@ -64,7 +64,7 @@ def block_digests(embeds: np.ndarray, block_size: int) -> tuple[bytes, ...]:
 
 # torch.save's storage classes -> NumPy dtypes
 _STORAGES = {"FloatStorage": np.float32, "DoubleStorage": np.float64, "HalfStorage": np.float16,
-             "BFloat16Storage": ml_dtypes.bfloat16}
+             "BFloat16Storage": ml_dtypes.bfloat16, "LongStorage": np.int64, "IntStorage": np.int32}
 
 
 def _rebuild_tensor(storage, offset, size, stride, *_):
@@ -104,30 +104,39 @@ class _TorchUnpickler(pickle.Unpickler):
         return np.frombuffer(self.archive.read(f"{self.prefix}data/{key}"), dtype)
 
 
-def _read_torch(raw: bytes) -> np.ndarray:
+def _read_torch(raw: bytes, field: str) -> np.ndarray:
     with zipfile.ZipFile(io.BytesIO(raw)) as archive:
         pkl = next(n for n in archive.namelist() if n.endswith("data.pkl"))
         value = _TorchUnpickler(archive.read(pkl), archive, pkl[:-len("data.pkl")]).load()
     if not isinstance(value, np.ndarray):
-        raise ValueError(f"prompt_embeds must hold one tensor, got {type(value).__name__}")
+        raise ValueError(f"{field} must hold one tensor, got {type(value).__name__}")
     return value
 
 
-def decode_base64(text) -> np.ndarray:
-    """One base64 `prompt_embeds` entry (the HTTP form): torch.save(tensor) of float32, float16,
-    bfloat16 or float64, or a NumPy .npy file. ValueError naming prompt_embeds for anything else."""
+def decode_base64(text, field: str = "prompt_embeds", kinds: str = "f") -> np.ndarray:
+    """One base64 tensor of the HTTP form (a `prompt_embeds` entry; an image_embeds part): torch.save(tensor)
+    or a NumPy .npy file, of a dtype of `kinds` (NumPy's kind letters: "f" float32, float16, bfloat16 or
+    float64; "i" int32 or int64). ValueError naming `field` for anything else."""
     if not isinstance(text, str):
-        raise ValueError(f"prompt_embeds must be base64 strings, got {type(text).__name__}")
+        raise ValueError(f"{field} must be base64 strings, got {type(text).__name__}")
     try:
         raw = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
-        raise ValueError("prompt_embeds must be base64 (of torch.save(tensor) or a .npy file)") from None
+        raise ValueError(f"{field} must be base64 (of torch.save(tensor) or a .npy file)") from None
     try:
         if raw.startswith(b"\x93NUMPY"):
-            return np.load(io.BytesIO(raw), allow_pickle=False)
-        if raw.startswith(b"PK"):
-            return _read_torch(raw)
-    except (pickle.UnpicklingError, zipfile.BadZipFile, KeyError, StopIteration, ValueError, EOFError,
-            TypeError, IndexError) as exc:
-        raise ValueError(f"prompt_embeds could not be read as a tensor ({exc})") from None
-    raise ValueError("prompt_embeds must be base64 of torch.save(tensor) or of a NumPy .npy file")
+            array = np.load(io.BytesIO(raw), allow_pickle=False)
+        elif raw.startswith(b"PK"):
+            array = _read_torch(raw, field)
+        else:
+            raise ValueError(f"{field} must be base64 of torch.save(tensor) or of a NumPy .npy file")
+    except (pickle.UnpicklingError, zipfile.BadZipFile, KeyError, StopIteration, EOFError, TypeError,
+            IndexError) as exc:
+        raise ValueError(f"{field} could not be read as a tensor ({exc})") from None
+    except ValueError as exc:
+        raise ValueError(str(exc) if str(exc).startswith(field) else f"{field} could not be read as a tensor "
+                                                                     f"({exc})") from None
+    kind = "f" if array.dtype == ml_dtypes.bfloat16 else array.dtype.kind
+    if kind not in kinds:
+        raise ValueError(f"{field} must hold {'floats' if kinds == 'f' else 'integers'}, got {array.dtype}")
+    return array

@@ -227,6 +227,17 @@ def test_qwen_image_embeddings_with_their_grids_stand_for_their_images():
                      use_tqdm=False)
     with pytest.raises(ValueError, match=r"keys \['image_embeds', 'image_grid_thw'\]"):
         llm.generate({"prompt": text, "multi_modal_data": {"image": {"image_embeds": rows}}}, use_tqdm=False)
+    # chat's image_embeds parts, one per image, as the server takes them: base64 of torch.save, the grid's ints too
+    from tests.server.test_images_server import torch_b64
+    ends = np.cumsum([int(g.prod()) // 4 for g in pixels["image_grid_thw"]])
+    parts = [{"type": "image_embeds", "image_embeds": {"image_embeds": torch_b64(rows[end - n:end]),
+                                                       "image_grid_thw": torch_b64(grid[None])}}
+             for end, n, grid in zip(ends, np.diff(ends, prepend=0), pixels["image_grid_thw"])]
+    by_rows, by_image = (llm.chat([{"role": "user", "content": [*p, {"type": "text", "text": "which?"}]}],
+                                  SamplingParams(**GREEDY), use_tqdm=False)[0]
+                         for p in (parts, [{"type": "image", "image": i} for i in imgs]))
+    assert by_rows.prompt_token_ids == by_image.prompt_token_ids
+    assert by_rows.outputs[0].token_ids == by_image.outputs[0].token_ids
 
 
 @pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])

@@ -1,11 +1,12 @@
-"""Images in chat completions (OpenAI's image_url parts, data URLs and http): a LLaVA server answers with the
-tokens LLM.chat gives; a bad image, or an image sent to a text-only model, is a 400 naming messages, and the
-server serves on."""
+"""Images in chat completions (OpenAI's image_url parts, data URLs and http; vLLM's image_embeds parts): a LLaVA
+server answers with the tokens LLM.chat gives; a bad image, or an image sent to a text-only model, is a 400 naming
+messages, and the server serves on."""
 
 import http.server
 import threading
 
 import httpx
+import numpy as np
 import pytest
 
 from jaxpaged import AsyncLLM, SamplingParams
@@ -18,7 +19,7 @@ from tests.server.test_async_llm import tiny_engine_args
 @pytest.fixture(scope="module")
 def urls():
     path, _ = llava()
-    engines = [AsyncLLM.from_engine_args(tiny_engine_args(model=path), use_tqdm=False),
+    engines = [AsyncLLM.from_engine_args(tiny_engine_args(model=path, enable_mm_embeds=True), use_tqdm=False),
                AsyncLLM.from_engine_args(tiny_engine_args(), use_tqdm=False)]
     try:
         with serving(*(build_app(e, [MODEL]) for e in engines)) as urls:
@@ -102,6 +103,50 @@ def test_bad_images_are_400s_naming_messages(urls, server, content, words):
     error = response.json()["error"]
     assert error["param"] == "messages" and all(w in error["message"] for w in words), error["message"]
     assert chat(urls[server], "hello").status_code == 200   # the engine serves on
+
+
+def torch_b64(tensor) -> str:
+    import base64
+    import io
+
+    import torch
+    buffer = io.BytesIO()
+    torch.save(tensor.clone(), buffer)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_image_embeds_parts_stand_for_their_images(urls):
+    """vLLM's image_embeds part (--enable-mm-embeds), base64 of torch.save of transformers' get_image_features rows,
+    answers as the image itself does, over HTTP and in LLM.chat (the array itself there); a part holding two images'
+    rows, or sent to a text-only server or an engine without the flag, is refused naming messages."""
+    import torch
+    from transformers import AutoImageProcessor
+    path, model = llava()
+    a, b = image(11), image(12)
+    pixels = AutoImageProcessor.from_pretrained(path, backend="pil")(images=[a, b], return_tensors="pt")
+    with torch.no_grad():
+        rows = torch.stack(list(model.model.get_image_features(pixels["pixel_values"]).pooler_output))
+    text = {"type": "text", "text": "what is it?"}
+    by_image = chat(urls[0], [{"type": "image_url", "image_url": {"url": data_url(a)}}, text])
+    by_rows = chat(urls[0], [{"type": "image_embeds", "image_embeds": torch_b64(rows[0])}, text])
+    assert by_image.status_code == by_rows.status_code == 200, by_rows.text
+    assert by_rows.json()["usage"]["prompt_tokens"] == by_image.json()["usage"]["prompt_tokens"]
+    got, want = (r.json()["choices"][0] for r in (by_rows, by_image))
+    assert got["message"]["content"] == want["message"]["content"]
+    np.testing.assert_allclose([t["logprob"] for t in got["logprobs"]["content"]],
+                               [t["logprob"] for t in want["logprobs"]["content"]], atol=2e-4)
+    for url, part, words in ((urls[0], torch_b64(rows), ["must hold one image's embeddings", "got 2"]),
+                             (urls[0], "bm90IGEgdGVuc29y", ["content[0]['image_embeds'] must be base64"]),
+                             (urls[1], torch_b64(rows[0]), ["content[0]", "image"])):
+        response = chat(url, [{"type": "image_embeds", "image_embeds": part}, text])
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "messages" and all(w in error["message"] for w in words), error["message"]
+    messages = [{"role": "user", "content": [{"type": "image_embeds", "image_embeds": rows[0].numpy()}, text]}]
+    out = engine(path, enable_mm_embeds=True).chat(messages, SamplingParams(**GREEDY), use_tqdm=False)[0]
+    assert out.outputs[0].text == got["message"]["content"]
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\] is image embeddings: .*enable_mm_embeds=True"):
+        engine(path).chat(messages, SamplingParams(**GREEDY), use_tqdm=False)
 
 
 def test_a_qwen_vl_server_counts_and_answers_as_llm_chat():
