@@ -1,7 +1,8 @@
 """Custom logits processors (vLLM's `logits_processors`, the batch-level interface of its Model Runner V2),
 written in JAX and compiled into the engine's sampler.
 
-A processor is a class: the engine makes one instance per model replica at start-up and calls
+A processor is a class: the engine makes an instance per model replica at start-up (on a GPU one more, briefly,
+for the probe that sizes the KV cache) and calls
 
     validate_params(params)      (classmethod) when a request is added: a ValueError refuses it (a 400 over HTTP)
     add_request(slot, params)    on the host, when a request takes a slot of the persistent batch (it starts, comes
