@@ -24,6 +24,7 @@ Slots are reused: a slot's state must be fully set again by `add_request` (a slo
 sampled). Not with speculative decoding, pooling runners or several hosts (refused at start-up, as vLLM).
 """
 
+import abc
 import dataclasses
 import functools
 import importlib
@@ -59,8 +60,8 @@ class LogitsContext:
     output_tokens: jax.Array
 
 
-class LogitsProcessor:
-    """Subclass and override `apply` (and what else the module docstring lists)."""
+class LogitsProcessor(abc.ABC):
+    """Subclass and define `apply` (and override what else the module docstring lists)."""
 
     def __init__(self, config: LogitsProcessorConfig):
         self.config = config
@@ -77,9 +78,9 @@ class LogitsProcessor:
         """The pytree of arrays (numpy or jax) `apply` reads; None: none."""
         return None
 
+    @abc.abstractmethod
     def apply(self, logits: jax.Array, ctx: LogitsContext, state) -> jax.Array:
         """Traced: f32[S, V] -> f32[S, V] (rows of requests not claimed are ignored)."""
-        raise NotImplementedError
 
 
 def _resolve(spec, index: int) -> type:
@@ -98,6 +99,9 @@ def _resolve(spec, index: int) -> type:
     if not (isinstance(spec, type) and issubclass(spec, LogitsProcessor)):
         raise ValueError(f"logits_processors[{index}] must be a subclass of jaxpaged.LogitsProcessor "
                          f"(or 'module:Class' naming one), got {spec!r}")
+    if spec.__abstractmethods__:
+        raise ValueError(f"logits_processors[{index}]: {spec.__name__} must define "
+                         f"{', '.join(sorted(spec.__abstractmethods__))}")
     return spec
 
 
@@ -122,6 +126,10 @@ def load_logits_processors(specs) -> tuple[type, ...]:
         raise ValueError(f"logits_processors must be a list of LogitsProcessor subclasses or 'module:Class' "
                          f"strings, got {specs!r}")
     return _plugins() + tuple(_resolve(spec, i) for i, spec in enumerate(specs))
+
+
+def _shapes(tree):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), tree)
 
 
 class LogitsProcessors:
@@ -153,15 +161,14 @@ class LogitsProcessors:
     def spec(self):
         """The state's shapes and dtypes, as the sampler is compiled for them (those at start-up)."""
         if self._spec is None:
-            self._spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)),
-                                      self.host_state())
+            self._spec = _shapes(self.host_state())
         return self._spec
 
     def device_state(self, plan):
         """The state on `plan`'s devices (copied there if a request took a slot since the last call)."""
         if self._on_device is None:
             state = self.host_state()
-            now = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), state)
+            now = _shapes(state)
             if jax.tree.structure(now) != jax.tree.structure(self.spec()) or jax.tree.leaves(now) != jax.tree.leaves(
                     self.spec()):
                 raise RuntimeError(f"a logits processor's state() changed its arrays' shapes or dtypes since start-up "

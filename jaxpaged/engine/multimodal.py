@@ -188,14 +188,13 @@ class ImageInputs:
     def embedded_part(self, value, field: str) -> PreparedImage:
         """A chat message's image_embeds part, one image: vLLM's base64 of torch.save(tensor) (or of a .npy file),
         for Qwen2-VL a dict of them ({"image_embeds", "image_grid_thw"}), or the arrays themselves (LLM.chat)."""
-        def decoded(v, name, kinds="f"):
-            return decode_base64(v, name, kinds) if isinstance(v, str) else v
+        def decoded(v, name):   # (any numbers: embedded()'s own checks decide, as for arrays given in Python)
+            return decode_base64(v, name, "fiu") if isinstance(v, str) else v
         if self.embeds_width is None:
             raise ValueError(f"{field} is image embeddings: they need an engine built with enable_mm_embeds=True "
                              "(--enable-mm-embeds)")
-        entry = {"image_embeds": decoded(value, f"{field}['image_embeds']")} if not isinstance(value, dict) else {
-            k: decoded(v, f"{field}['image_embeds'][{k!r}]", "iu" if k == "image_grid_thw" else "f")
-            for k, v in value.items()}
+        entry = {k: decoded(v, f"{field}['image_embeds'][{k!r}]") for k, v in value.items()} \
+            if isinstance(value, dict) else {"image_embeds": decoded(value, f"{field}['image_embeds']")}
         out = self.embedded([entry], field)
         if len(out) != 1:
             raise ValueError(f"{field} must hold one image's embeddings (a part per image), got {len(out)} images")

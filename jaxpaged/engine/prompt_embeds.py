@@ -116,7 +116,7 @@ def _read_torch(raw: bytes, field: str) -> np.ndarray:
 def decode_base64(text, field: str = "prompt_embeds", kinds: str = "f") -> np.ndarray:
     """One base64 tensor of the HTTP form (a `prompt_embeds` entry; an image_embeds part): torch.save(tensor)
     or a NumPy .npy file, of a dtype of `kinds` (NumPy's kind letters: "f" float32, float16, bfloat16 or
-    float64; "i" int32 or int64). ValueError naming `field` for anything else."""
+    float64; "i", "u" integers). ValueError naming `field` for anything else."""
     if not isinstance(text, str):
         raise ValueError(f"{field} must be base64 strings, got {type(text).__name__}")
     try:
@@ -138,5 +138,5 @@ def decode_base64(text, field: str = "prompt_embeds", kinds: str = "f") -> np.nd
                                                                      f"({exc})") from None
     kind = "f" if array.dtype == ml_dtypes.bfloat16 else array.dtype.kind
     if kind not in kinds:
-        raise ValueError(f"{field} must hold {'floats' if kinds == 'f' else 'integers'}, got {array.dtype}")
+        raise ValueError(f"{field} must hold {'floats' if kinds == 'f' else 'numbers'}, got {array.dtype}")
     return array

@@ -245,9 +245,8 @@ class QwenVisionTower(ImageTower):
 
     def __init__(self, hf_config: Any, get: Callable[[str], np.ndarray], has: Callable[[str], bool], dtype, device):
         config = qwen_vision_config(hf_config)
-        super().__init__(config, load_qwen_vision_weights(config, get, has, dtype, device), device)
-        self.image_token_id = int(hf_config.image_token_id)
-        self.dtype = np.dtype(dtype)
+        super().__init__(config, load_qwen_vision_weights(config, get, has, dtype, device), device, dtype,
+                         hf_config.image_token_id)
         self.limit_pixels(_DEFAULT_MAX_PIXELS)
 
     def limit_pixels(self, max_pixels: int) -> None:

@@ -238,10 +238,12 @@ class ImageTower:
     sized_by_processor = False   # compiled for the image processor's largest images (fit_processor, then warm_up)
     uses_mrope = False           # images turn the language model's rope by their rows and columns (`mrope`)
 
-    def __init__(self, config: Any, weights: dict, device):
+    def __init__(self, config: Any, weights: dict, device, dtype, image_token_id: int):
         self.config = config
         self.weights = weights
         self.device = device
+        self.dtype = np.dtype(dtype)   # the rows' (the language model's activations)
+        self.image_token_id = int(image_token_id)
         self._weight_bytes = sum(a.nbytes for a in jax.tree.leaves(weights))
         self._programs = {}      # key -> compiled program
         self.reserve_bytes = 0
@@ -271,9 +273,8 @@ class VisionTower(ImageTower):
     def __init__(self, hf_config: Any, get: Callable[[str], np.ndarray], has: Callable[[str], bool], dtype,
                  device):
         config = vision_config(hf_config)
-        super().__init__(config, load_vision_weights(config, get, has, dtype, device), device)
-        self.image_token_id = int(getattr(hf_config, "image_token_id", None) or hf_config.image_token_index)
-        self.dtype = np.dtype(dtype)
+        super().__init__(config, load_vision_weights(config, get, has, dtype, device), device, dtype,
+                         getattr(hf_config, "image_token_id", None) or hf_config.image_token_index)
         self.grid_pinpoints = None   # LLaVA-NeXT, OneVision: the resolutions an image's grid of tiles may take
         self.max_tiles = None        # OneVision: a grid's features beyond about this many tiles' are downsized
         self.onevision = hf_config.architectures[0] == LLAVA_ONEVISION   # (which tiles a prompt of several images

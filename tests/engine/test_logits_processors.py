@@ -197,7 +197,12 @@ def test_bad_arguments_are_value_errors_and_a_claimed_plain_greedy_request_is_pr
         SamplingParams(extra_args=[("target_token", 1)])
 
 
+class NoApply(LogitsProcessor):
+    """A processor that forgot its apply."""
+
+
 @pytest.mark.parametrize("spec, message", [
+    (NoApply, r"logits_processors\[0\]: NoApply must define apply"),
     ("tests.engine.test_logits_processors.ForceToken", r"logits_processors\[0\] must be .*'module:Class'"),
     ("tests.engine.no_such_module:ForceToken", r"logits_processors\[0\]: cannot load"),
     ("tests.engine.test_logits_processors:_llm", r"logits_processors\[0\] must be a subclass of jaxpaged"),
